@@ -1,0 +1,70 @@
+# Tandem: `make up` serves the embedded default model, `make test` runs the suite.
+# Both create the virtualenv (.venv) on first use; nothing else needs installing by hand.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+BUF_VERSION := 1.75.0
+BUF    := .tools/node_modules/.bin/buf
+export BUF_CACHE_DIR := $(CURDIR)/.tools/buf-cache
+
+# make up knobs: MODEL=<HF folder>, GATEWAY_PORT, PREFILL/DECODE worker counts, BOTH>0 for
+# single-device (no disaggregation) workers.
+MODEL        ?=
+GATEWAY_PORT ?= 50051
+PREFILL      ?= 1
+DECODE       ?= 1
+BOTH         ?= 0
+PYTEST_ARGS  ?=
+
+.PHONY: help venv up down status test unit protos protos-check lint lint-protos model clean
+
+help:
+	@echo "make up      start gateway, scheduler, prefill + decode workers (MODEL=<folder> to serve another)"
+	@echo "make down    stop them"
+	@echo "make status  health of every service"
+	@echo "make test    contracts, lint and the whole test suite"
+	@echo "make protos  regenerate common/pb from protos/"
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+$(BUF):
+	npm install --silent --no-audit --no-fund --prefix .tools @bufbuild/buf@$(BUF_VERSION)
+
+protos: $(STAMP)
+	$(PY) protos/generate.py
+
+protos-check: $(STAMP)
+	$(PY) protos/generate.py --check
+
+lint-protos: $(BUF)
+	cd protos && ../$(BUF) lint
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+model: $(STAMP)
+	$(PY) -m common.checkpoint_builder --out .tandem/models/tandem-tiny-llama
+
+test: $(STAMP) $(BUF) protos-check lint-protos lint
+	TANDEM_BUF=$(CURDIR)/$(BUF) $(PY) -m pytest $(PYTEST_ARGS)
+
+up: $(STAMP)
+	$(PY) -m services.stack up $(if $(MODEL),--model "$(MODEL)") --gateway-port $(GATEWAY_PORT) \
+		--prefill $(PREFILL) --decode $(DECODE) --both $(BOTH)
+
+down:
+	@if [ -x $(PY) ]; then $(PY) -m services.stack down; else echo "nothing to stop"; fi
+
+status: $(STAMP)
+	$(PY) -m services.stack status
+
+clean: down
+	rm -rf $(VENV) .tools .tandem

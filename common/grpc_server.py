@@ -1,0 +1,68 @@
+"""The grpc.aio server every Tandem service runs: its servicers plus health and reflection.
+
+Health is the standard `grpc.health.v1.Health` (so probes and `grpcurl` work); a service
+reports SERVING only once it can actually serve. Reflection lists every service.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+SERVER_OPTIONS = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # A port clash must fail loudly instead of silently sharing the port.
+    ("grpc.so_reuseport", 0),
+)
+
+CHANNEL_OPTIONS = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+)
+
+
+class ServiceHost:
+    """A grpc.aio server with health and reflection for the named services."""
+
+    def __init__(self, service_names: Sequence[str]) -> None:
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.service_names = tuple(service_names)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        )
+
+    def bind(self, host: str, port: int) -> int:
+        """Listen on host:port (0 picks a free port); returns the bound port."""
+        bound = self.server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"could not listen on {host}:{port} (in use?)")
+        return bound
+
+    async def start(self) -> None:
+        await self.set_serving(False)
+        await self.server.start()
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+
+def insecure_channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)

@@ -1,0 +1,310 @@
+"""The model architecture description every service agrees on, parsed from a checkpoint folder.
+
+`ModelConfig` is a frozen, validated view of a Hugging Face `config.json` (plus the optional
+`generation_config.json`) restricted to what Tandem's model code supports: decoder-only
+llama-family models (llama, mistral, qwen2, qwen3) with default, linear or llama3 RoPE.
+Anything outside that is rejected here with a `ValueError`, before any weights are read.
+Both the transformers-v5 layout (`rope_parameters`) and the legacy v4 layout (`rope_theta` +
+`rope_scaling`) are accepted. Pure Python: no torch import, so the gateway and scheduler can
+use it too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_REQUIRED_ROPE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+_DEFAULT_ROPE_THETA = 10_000.0
+_QWEN3_DEFAULT_HEAD_DIM = 128  # Qwen3Config's own default when config.json has no head_dim
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture hyper-parameters of one supported checkpoint."""
+
+    name: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: tuple[tuple[str, object], ...] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    torch_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for field_name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{field_name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if not (isinstance(self.rms_norm_eps, int | float) and self.rms_norm_eps > 0):
+            raise ValueError(f"rms_norm_eps must be positive, got {self.rms_norm_eps!r}")
+        if not (isinstance(self.rope_theta, int | float) and self.rope_theta > 0):
+            raise ValueError(f"rope_theta must be positive, got {self.rope_theta!r}")
+        if self.rope_scaling is not None:
+            _validate_rope_scaling(dict(self.rope_scaling))
+        for token_id in self.eos_token_ids:
+            if not isinstance(token_id, int) or token_id < 0:
+                raise ValueError(
+                    f"eos_token_ids must be non-negative ints, got {self.eos_token_ids}"
+                )
+        if self.bos_token_id is not None and self.bos_token_id < 0:
+            raise ValueError(f"bos_token_id must be non-negative, got {self.bos_token_id}")
+
+    @property
+    def rope_type(self) -> str:
+        """'default', 'linear' or 'llama3'."""
+        if self.rope_scaling is None:
+            return "default"
+        return str(dict(self.rope_scaling)["rope_type"])
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_folder(cls, folder: str | os.PathLike) -> ModelConfig:
+        """Read `config.json` (required) and `generation_config.json` (optional) from `folder`."""
+        path = Path(folder)
+        config_path = path / "config.json"
+        if not config_path.is_file():
+            raise ValueError(f"no config.json in model folder {str(path)!r}")
+        raw = _read_json(config_path)
+        generation_path = path / "generation_config.json"
+        generation = _read_json(generation_path) if generation_path.is_file() else None
+        return cls.from_dict(raw, name=path.resolve().name, generation_config=generation)
+
+    @classmethod
+    def from_dict(
+        cls,
+        raw: Mapping[str, Any],
+        name: str = "model",
+        generation_config: Mapping[str, Any] | None = None,
+    ) -> ModelConfig:
+        """Build from the parsed contents of `config.json` (and `generation_config.json`)."""
+        architecture = raw.get("model_type")
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported model_type {architecture!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        _reject_unsupported_features(raw, architecture)
+
+        hidden_size = _required_int(raw, "hidden_size")
+        num_heads = _required_int(raw, "num_attention_heads")
+        num_kv_heads = raw.get("num_key_value_heads") or num_heads
+        max_positions = _required_int(raw, "max_position_embeddings")
+        head_dim = raw.get("head_dim")
+        if head_dim is None:
+            if architecture == "qwen3":
+                head_dim = _QWEN3_DEFAULT_HEAD_DIM
+            elif hidden_size % num_heads != 0:
+                raise ValueError(
+                    f"hidden_size ({hidden_size}) is not a multiple of num_attention_heads "
+                    f"({num_heads}) and config.json gives no head_dim"
+                )
+            else:
+                head_dim = hidden_size // num_heads
+        rope_theta, rope_scaling = _parse_rope(raw, max_positions)
+
+        generation = generation_config or {}
+        eos = generation.get("eos_token_id")
+        if eos is None:
+            eos = raw.get("eos_token_id")
+        bos = generation.get("bos_token_id")
+        if bos is None:
+            bos = raw.get("bos_token_id")
+
+        return cls(
+            name=name,
+            architecture=architecture,
+            vocab_size=_required_int(raw, "vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=_required_int(raw, "intermediate_size"),
+            num_hidden_layers=_required_int(raw, "num_hidden_layers"),
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=_attention_bias(raw, architecture),
+            qk_norm=architecture == "qwen3",
+            eos_token_ids=_token_ids(eos),
+            bos_token_id=bos if bos is None else int(bos),
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+        )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return data
+
+
+def _required_int(raw: Mapping[str, Any], key: str) -> int:
+    if key not in raw or raw[key] is None:
+        raise ValueError(f"config.json is missing required field {key!r}")
+    value = raw[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"config.json field {key!r} must be an integer, got {value!r}")
+    return value
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, bool):
+        raise ValueError(f"eos_token_id must be an int or a list of ints, got {value!r}")
+    if isinstance(value, int):
+        return (value,)
+    if isinstance(value, list | tuple) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        return tuple(dict.fromkeys(value))
+    raise ValueError(f"eos_token_id must be an int or a list of ints, got {value!r}")
+
+
+def _attention_bias(raw: Mapping[str, Any], architecture: str) -> bool:
+    """qwen2 always biases q/k/v; mistral never biases; llama/qwen3 follow `attention_bias`."""
+    if architecture == "qwen2":
+        return True
+    if architecture == "mistral":
+        return False
+    return bool(raw.get("attention_bias", False))
+
+
+def _reject_unsupported_features(raw: Mapping[str, Any], architecture: str) -> None:
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is supported")
+    if raw.get("mlp_bias"):
+        raise ValueError("mlp_bias=true is not supported")
+    max_positions = raw.get("max_position_embeddings")
+    if architecture == "mistral":
+        window = raw.get("sliding_window")
+        if window is not None and isinstance(max_positions, int) and window < max_positions:
+            raise ValueError(
+                f"sliding-window attention is not supported (mistral sliding_window={window} "
+                f"< max_position_embeddings={max_positions})"
+            )
+    if architecture in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
+        layer_types = raw.get("layer_types")
+        num_layers = raw.get("num_hidden_layers", 0)
+        if layer_types is not None:
+            sliding = "sliding_attention" in layer_types
+        else:
+            sliding = raw.get("max_window_layers", num_layers) < num_layers
+        if sliding and raw.get("sliding_window") is not None:
+            raise ValueError(
+                f"sliding-window attention is not supported "
+                f"({architecture} with use_sliding_window=true)"
+            )
+
+
+def _parse_rope(
+    raw: Mapping[str, Any], max_positions: int
+) -> tuple[float, tuple[tuple[str, object], ...] | None]:
+    """Return (rope_theta, sorted scaling items or None) from either config layout."""
+    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if not isinstance(params, Mapping):
+        raise ValueError(f"rope parameters must be a JSON object, got {params!r}")
+    if params and all(isinstance(v, Mapping) for v in params.values()):
+        raise ValueError("per-layer-type rope parameters are not supported")
+    params = dict(params)
+    theta = params.pop("rope_theta", None)
+    if theta is None:
+        theta = raw.get("rope_theta", _DEFAULT_ROPE_THETA)
+    if isinstance(theta, bool) or not isinstance(theta, int | float):
+        raise ValueError(f"rope_theta must be a number, got {theta!r}")
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    partial = params.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type == "llama3":
+        params.setdefault(
+            "original_max_position_embeddings",
+            raw.get("original_max_position_embeddings", max_positions),
+        )
+    keys = ("rope_type", *_REQUIRED_ROPE_KEYS[rope_type])
+    scaling = {"rope_type": rope_type, **{k: params[k] for k in keys[1:] if k in params}}
+    _validate_rope_scaling(scaling)
+    return float(theta), tuple(sorted(scaling.items()))
+
+
+def _validate_rope_scaling(scaling: Mapping[str, object]) -> None:
+    rope_type = scaling.get("rope_type")
+    if rope_type not in SUPPORTED_ROPE_TYPES or rope_type == "default":
+        raise ValueError(
+            f"unsupported rope type {rope_type!r} in rope_scaling; "
+            f"supported: {', '.join(t for t in SUPPORTED_ROPE_TYPES if t != 'default')}"
+        )
+    for key in _REQUIRED_ROPE_KEYS[str(rope_type)]:
+        value = scaling.get(key)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
+            raise ValueError(f"{rope_type} rope scaling needs a numeric {key!r}, got {value!r}")
+        if value <= 0:
+            raise ValueError(f"{rope_type} rope scaling {key!r} must be positive, got {value!r}")
+    if rope_type == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise ValueError("llama3 rope scaling needs high_freq_factor > low_freq_factor")

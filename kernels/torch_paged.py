@@ -1,0 +1,139 @@
+"""Plain-torch reference for paged attention: writing new K/V into cache slots, and attending
+over a varlen batch whose keys and values live in non-contiguous cache blocks.
+
+Correct and simple rather than fast: every optimised kernel in this package is tested
+against these two functions. Nothing here keeps state; the caller passes all metadata.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write `key[t]`/`value[t]` (`[T, kv_heads, head_dim]`) to cache slot `slot_mapping[t]`.
+
+    A slot is `block * block_size + offset`; the caches are `[num_blocks, block_size, kv_heads,
+    head_dim]` and may be strided views, which are written in place. Slot -1 skips the row.
+    """
+    if key.shape != value.shape or key.dim() != 3:
+        raise ValueError(
+            f"key/value must both be [T, kv_heads, head_dim], got {key.shape}/{value.shape}"
+        )
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
+        raise ValueError(
+            f"k/v caches must both be 4-d and equal, got {k_cache.shape}/{v_cache.shape}"
+        )
+    if tuple(k_cache.shape[2:]) != tuple(key.shape[1:]):
+        raise ValueError(
+            f"key heads/dim {tuple(key.shape[1:])} != cache {tuple(k_cache.shape[2:])}"
+        )
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(
+            f"slot_mapping must be [T={key.shape[0]}], got {tuple(slot_mapping.shape)}"
+        )
+    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+    slots = slot_mapping.to(device=k_cache.device, dtype=torch.long)
+    keep = slots >= 0
+    slots = slots[keep]
+    if slots.numel() == 0:
+        return
+    if int(slots.max()) >= num_blocks * block_size:
+        raise ValueError(f"slot {int(slots.max())} beyond cache of {num_blocks * block_size} slots")
+    blocks = torch.div(slots, block_size, rounding_mode="floor")
+    offsets = slots % block_size
+    k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
+    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: Sequence[int],
+    seq_lens: Sequence[int],
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of a varlen batch of new tokens over their paged context.
+
+    Sequence `i` owns queries `query[query_start_loc[i]:query_start_loc[i + 1]]`, the last
+    `q_len` tokens of a context of `seq_lens[i]` tokens whose K/V are already in blocks
+    `block_tables[i, :ceil(seq_len / block_size)]`. Query `j` sits at position
+    `seq_len - q_len + j` and sees keys at positions up to its own. Query head `h` reads KV
+    head `h // (q_heads // kv_heads)`. Scores and softmax run in float32; the result is
+    `[T, q_heads, head_dim]` in the query's dtype.
+    """
+    starts = [int(x) for x in query_start_loc]
+    lens = [int(x) for x in seq_lens]
+    _check_attention_args(query, k_cache, v_cache, block_tables, starts, lens)
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.empty_like(query)
+    for i, seq_len in enumerate(lens):
+        begin, end = starts[i], starts[i + 1]
+        q_len = end - begin
+        if q_len == 0:
+            continue
+        num_blocks = -(-seq_len // block_size)
+        blocks = block_tables[i, :num_blocks].to(device=k_cache.device, dtype=torch.long)
+        keys = k_cache.index_select(0, blocks).reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        values = v_cache.index_select(0, blocks).reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        keys = keys.float().repeat_interleave(group, dim=1)  # [seq_len, q_heads, head_dim]
+        values = values.float().repeat_interleave(group, dim=1)
+        q = query[begin:end].float()
+        scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)
+        future = k_pos[None, :] > q_pos[:, None]
+        scores = scores.masked_fill(future[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[begin:end] = torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)
+    return out
+
+
+def _check_attention_args(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    starts: list[int],
+    lens: list[int],
+) -> None:
+    if query.dim() != 3:
+        raise ValueError(f"query must be [T, q_heads, head_dim], got {tuple(query.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k/v caches must both be 4-d and equal, got {k_cache.shape}/{v_cache.shape}"
+        )
+    if k_cache.shape[3] != query.shape[2]:
+        raise ValueError(f"query head_dim {query.shape[2]} != cache head_dim {k_cache.shape[3]}")
+    if query.shape[1] % k_cache.shape[2] != 0:
+        raise ValueError(
+            f"query heads ({query.shape[1]}) must be a multiple of kv heads ({k_cache.shape[2]})"
+        )
+    if len(starts) != len(lens) + 1 or starts[0] != 0 or starts[-1] != query.shape[0]:
+        raise ValueError(
+            f"query_start_loc must have len(seq_lens)+1 entries from 0 to T={query.shape[0]}, "
+            f"got {starts}"
+        )
+    if block_tables.dim() != 2 or block_tables.shape[0] < len(lens):
+        raise ValueError(f"block_tables must be [S, max_blocks], got {tuple(block_tables.shape)}")
+    block_size = k_cache.shape[1]
+    for i, seq_len in enumerate(lens):
+        q_len = starts[i + 1] - starts[i]
+        if q_len < 0 or q_len > seq_len:
+            raise ValueError(f"sequence {i}: {q_len} queries for a context of {seq_len} tokens")
+        if -(-seq_len // block_size) > block_tables.shape[1]:
+            raise ValueError(
+                f"sequence {i}: {seq_len} tokens need more than {block_tables.shape[1]} blocks"
+            )

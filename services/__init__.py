@@ -1,0 +1,1 @@
+"""Tandem services: gateway, scheduler, workers and the stack that runs them."""

@@ -1,0 +1,1 @@
+"""A small CLI client of the public API."""

@@ -1,0 +1,1 @@
+"""Gateway: the public GenerateService (validation, tokenization, detokenization)."""

@@ -1,0 +1,1 @@
+"""Scheduler: request lifecycle, block managers per worker pool, the step plans."""

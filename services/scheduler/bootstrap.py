@@ -1,0 +1,73 @@
+"""Connect the scheduler to its workers: wait until each has loaded, check that they serve
+the same model with compatible KV geometry, and build one pool per worker."""
+
+from __future__ import annotations
+
+import asyncio
+
+from common.log import get_logger
+from common.pb.tandem.internal.v1 import types_pb2
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.engine import Engine, Pool
+from services.scheduler.pool_scheduler import PoolScheduler
+from services.scheduler.worker_client import WorkerClient, WorkerInfo
+
+log = get_logger(__name__)
+
+# Fields every worker must agree on: the model's shape, and the KV block geometry (a block
+# sent by a prefill worker must land byte-for-byte in a decode worker's block).
+_SAME_MODEL = ("architecture", "vocab_size", "num_layers", "num_kv_heads", "head_dim", "dtype")
+
+
+def check_compatible(infos: list[WorkerInfo]) -> None:
+    """Raise ValueError naming the first mismatch between workers."""
+    first = infos[0]
+    ids = [i.worker_id for i in infos]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"worker ids must be unique, got {ids}")
+    for info in infos[1:]:
+        for name in _SAME_MODEL:
+            a, b = getattr(first.model, name), getattr(info.model, name)
+            if a != b:
+                raise ValueError(
+                    f"workers disagree on model {name}: {first.worker_id}={a}, {info.worker_id}={b}"
+                )
+        if (info.block_size, info.block_bytes) != (first.block_size, first.block_bytes):
+            raise ValueError(
+                f"workers disagree on KV block geometry: {first.worker_id} "
+                f"{first.block_size} tokens/{first.block_bytes} B, {info.worker_id} "
+                f"{info.block_size} tokens/{info.block_bytes} B"
+            )
+
+
+def model_description(infos: list[WorkerInfo]) -> types_pb2.ModelDescription:
+    model = types_pb2.ModelDescription()
+    model.CopyFrom(infos[0].model)
+    model.max_model_len = min(i.model.max_model_len for i in infos)
+    return model
+
+
+async def connect(config: SchedulerConfig) -> tuple[Engine, types_pb2.ModelDescription]:
+    clients = [WorkerClient(address) for address in config.workers]
+    infos = list(
+        await asyncio.gather(*(c.wait_ready(config.worker_ready_timeout_s) for c in clients))
+    )
+    check_compatible(infos)
+    model = model_description(infos)
+    pools = []
+    for client, info in zip(clients, infos, strict=True):
+        await client.open_step_stream()
+        blocks = BlockManager(info.num_blocks, info.block_size)
+        scheduler = PoolScheduler(blocks, config.max_num_batched_tokens, config.max_num_seqs)
+        pools.append(Pool(info=info, client=client, scheduler=scheduler))
+        log.info(
+            "worker_connected",
+            worker_id=info.worker_id,
+            role=info.role,
+            address=info.address,
+            num_blocks=info.num_blocks,
+            block_size=info.block_size,
+        )
+    engine = Engine(pools, max_model_len=model.max_model_len, vocab_size=model.vocab_size)
+    return engine, model

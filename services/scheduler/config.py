@@ -1,0 +1,58 @@
+"""Settings of the scheduler process (`python -m services.scheduler --help`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.config import check_port, parse_address, setting
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The Tandem scheduler: queues, block managers, and the plan for every worker."""
+
+    workers: tuple[str, ...] = setting(
+        (),
+        "comma-separated worker addresses host:port (roles come from the workers)",
+        env="TANDEM_SCHEDULER_WORKERS",
+    )
+    host: str = setting(
+        "127.0.0.1", "listen address (loopback by default)", env="TANDEM_SCHEDULER_HOST"
+    )
+    port: int = setting(50052, "listen port (0 = any free port)", env="TANDEM_SCHEDULER_PORT")
+    max_num_batched_tokens: int = setting(
+        2048,
+        "token budget of one step on one worker (longer prompts are chunked)",
+        env="TANDEM_MAX_NUM_BATCHED_TOKENS",
+    )
+    max_num_seqs: int = setting(
+        128, "requests running at once on one worker", env="TANDEM_MAX_NUM_SEQS"
+    )
+    worker_ready_timeout_s: float = setting(
+        600.0,
+        "seconds to wait for every worker to load and answer",
+        env="TANDEM_WORKER_READY_TIMEOUT_S",
+    )
+    log_level: str = setting("info", "debug, info, warning or error", env="TANDEM_LOG_LEVEL")
+
+    def __post_init__(self) -> None:
+        if not self.workers:
+            raise ValueError(
+                "workers is required: --workers host:port[,host:port...] "
+                "or TANDEM_SCHEDULER_WORKERS"
+            )
+        for address in self.workers:
+            parse_address(address, "each worker address")
+        if len(set(self.workers)) != len(self.workers):
+            raise ValueError(f"workers lists an address twice: {', '.join(self.workers)}")
+        check_port(self.port, "port")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if not self.worker_ready_timeout_s > 0:
+            raise ValueError(
+                f"worker_ready_timeout_s must be positive, got {self.worker_ready_timeout_s}"
+            )

@@ -1,0 +1,84 @@
+"""A request as the scheduler sees it: tokens, progress, limits and why it finished.
+
+One rule drives every phase: `num_computed_tokens` catches up with `num_tokens`. A request
+whose computed tokens equal its known tokens is waiting for its next sampled token.
+Pure Python: no grpc, no torch.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # a stop token (EOS) was produced
+    LENGTH = "length"  # max_tokens or the context length was reached
+    ABORT = "abort"  # cancelled by the client, the gateway or a failure
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Resolved sampling settings (0 temperature = greedy; top_p 1 and top_k 0 = off)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: frozenset[int] = frozenset()
+    max_model_len: int | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    # Leading tokens whose KV sits in the blocks of the pool the request is in now.
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append_token(self, token_id: int) -> FinishReason | None:
+        """Record a sampled token; returns (and records) the finish reason if it ends here."""
+        if self.is_finished:
+            raise ValueError(f"request {self.request_id} already finished")
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        self.output_token_ids.append(token_id)
+        if token_id in self.stop_token_ids:
+            self.finish_reason = FinishReason.STOP
+        elif len(self.output_token_ids) >= self.max_tokens:
+            self.finish_reason = FinishReason.LENGTH
+        elif self.max_model_len is not None and self.num_tokens >= self.max_model_len:
+            self.finish_reason = FinishReason.LENGTH
+        return self.finish_reason

@@ -1,0 +1,173 @@
+"""The scheduler's connection to one worker: describe, the Step stream, KV transfer calls.
+
+Domain plans go in (`PoolStepPlan`), protobuf goes over the wire, and sampled tokens come
+back as a dict; nothing else in the scheduler touches worker protobufs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from common.grpc_server import insecure_channel
+from common.pb.tandem.internal.v1 import types_pb2, worker_pb2, worker_pb2_grpc
+from services.scheduler.pool_scheduler import PoolStepPlan
+
+ROLE_FROM_PB = {
+    types_pb2.WORKER_ROLE_PREFILL: "prefill",
+    types_pb2.WORKER_ROLE_DECODE: "decode",
+    types_pb2.WORKER_ROLE_BOTH: "both",
+}
+
+
+class WorkerUnavailableError(RuntimeError):
+    """The worker's Step stream or a KV call failed: the worker is gone or broken."""
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    worker_id: str
+    address: str
+    role: str
+    model: types_pb2.ModelDescription
+    num_blocks: int
+    block_size: int
+    block_bytes: int
+    ucx_address: bytes
+
+
+@dataclass(frozen=True)
+class StepResult:
+    sampled: dict[str, int]
+    execute_seconds: float
+
+
+def _sampling_pb(request) -> types_pb2.SamplingParams:
+    s = request.sampling
+    return types_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+
+
+def plan_to_pb(step_id: int, plan: PoolStepPlan) -> worker_pb2.StepRequest:
+    message = worker_pb2.StepRequest(step_id=step_id, finished_request_ids=plan.dropped_request_ids)
+    for item in plan.scheduled:
+        req = item.request
+        if item.is_new:
+            message.new_requests.append(
+                worker_pb2.NewRequest(
+                    request_id=req.request_id,
+                    token_ids=req.all_token_ids,
+                    block_ids=item.new_block_ids,
+                    num_computed_tokens=item.num_computed_before,
+                    num_scheduled_tokens=item.num_new_tokens,
+                    sampling=_sampling_pb(req),
+                )
+            )
+        else:
+            message.cached_requests.append(
+                worker_pb2.CachedRequest(
+                    request_id=req.request_id,
+                    new_block_ids=item.new_block_ids,
+                    num_scheduled_tokens=item.num_new_tokens,
+                )
+            )
+    return message
+
+
+class WorkerClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = insecure_channel(address)
+        self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
+        self._step_call = None
+        self._step_id = 0
+
+    async def describe(self, timeout_s: float = 10.0) -> worker_pb2.DescribeWorkerResponse:
+        return await self._stub.DescribeWorker(
+            worker_pb2.DescribeWorkerRequest(), timeout=timeout_s
+        )
+
+    async def wait_ready(self, timeout_s: float) -> WorkerInfo:
+        """Poll DescribeWorker until the worker has loaded its model (or time runs out)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                d = await self.describe()
+                return WorkerInfo(
+                    worker_id=d.worker_id,
+                    address=self.address,
+                    role=ROLE_FROM_PB[d.role],
+                    model=d.model,
+                    num_blocks=d.kv_cache.num_blocks,
+                    block_size=d.kv_cache.block_size,
+                    block_bytes=d.kv_cache.block_bytes,
+                    ucx_address=d.ucx_address,
+                )
+            except grpc.aio.AioRpcError as exc:
+                if time.monotonic() > deadline:
+                    raise WorkerUnavailableError(
+                        f"worker {self.address} not ready after {timeout_s:.0f}s: "
+                        f"{exc.code().name} {exc.details()}"
+                    ) from exc
+                await asyncio.sleep(0.25)
+
+    async def open_step_stream(self) -> None:
+        self._step_call = self._stub.Step()
+
+    async def step(self, plan: PoolStepPlan) -> StepResult:
+        self._step_id += 1
+        try:
+            await self._step_call.write(plan_to_pb(self._step_id, plan))
+            response = await self._step_call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise WorkerUnavailableError(
+                f"worker {self.address} step failed: {exc.code().name} {exc.details()}"
+            ) from exc
+        if response is grpc.aio.EOF:
+            raise WorkerUnavailableError(f"worker {self.address} closed its step stream")
+        if response.step_id != self._step_id:
+            raise WorkerUnavailableError(
+                f"worker {self.address} answered step {response.step_id}, expected {self._step_id}"
+            )
+        return StepResult(
+            sampled={t.request_id: t.token_id for t in response.sampled_tokens},
+            execute_seconds=response.execute_seconds,
+        )
+
+    async def send_kv(
+        self, tag: int, peer: WorkerInfo, block_ids: list[int], timeout_s: float
+    ) -> worker_pb2.SendKvResponse:
+        try:
+            return await self._stub.SendKv(
+                worker_pb2.SendKvRequest(
+                    transfer_tag=tag,
+                    peer_worker_id=peer.worker_id,
+                    peer_ucx_address=peer.ucx_address,
+                    block_ids=block_ids,
+                ),
+                timeout=timeout_s,
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise WorkerUnavailableError(
+                f"SendKv on {self.address} failed: {exc.code().name} {exc.details()}"
+            ) from exc
+
+    async def receive_kv(
+        self, tag: int, block_ids: list[int], timeout_s: float
+    ) -> worker_pb2.ReceiveKvResponse:
+        try:
+            return await self._stub.ReceiveKv(
+                worker_pb2.ReceiveKvRequest(transfer_tag=tag, block_ids=block_ids),
+                timeout=timeout_s,
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise WorkerUnavailableError(
+                f"ReceiveKv on {self.address} failed: {exc.code().name} {exc.details()}"
+            ) from exc
+
+    async def close(self) -> None:
+        if self._step_call is not None:
+            self._step_call.cancel()
+        await self._channel.close()

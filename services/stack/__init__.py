@@ -1,0 +1,1 @@
+"""Local deployment of the whole stack: `python -m services.stack up|down|status`."""

@@ -1,0 +1,127 @@
+"""`python -m services.stack up|down|status`: run every Tandem service as a local process.
+
+`up` builds the embedded default model on first use (unless --model is given), starts the
+workers, scheduler and gateway on loopback, waits until every health check says SERVING,
+and prints how to call it. `down` stops what `up` started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from services.stack.launcher import ROOT, Stack, StackSpec, health_status
+
+DEFAULT_RUN_DIR = ROOT / ".tandem" / "run"
+DEFAULT_MODEL_DIR = ROOT / ".tandem" / "models" / "tandem-tiny-llama"
+
+
+def _short(path: Path) -> Path:
+    """The path relative to the repository when it is inside it."""
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
+
+def _ports(base: int, count: int) -> tuple[int, ...]:
+    return tuple(base + i for i in range(count))
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    existing = Stack.load(args.run_dir)
+    if existing and any(existing.alive(p) for p in existing.processes):
+        print(f"a stack is already running (see {args.run_dir}); `make down` first")
+        return 1
+    model = args.model
+    if not model:
+        from common.checkpoint_builder import build_default_model
+
+        print(f"embedded default model: {DEFAULT_MODEL_DIR.relative_to(ROOT)}")
+        model = str(build_default_model(DEFAULT_MODEL_DIR))
+    spec = StackSpec(
+        model=str(Path(model).resolve()),
+        host=args.host,
+        gateway_port=args.gateway_port,
+        scheduler_port=args.scheduler_port,
+        prefill_ports=_ports(args.prefill_port, args.prefill),
+        decode_ports=_ports(args.decode_port, args.decode),
+        both_ports=_ports(args.both_port, args.both),
+        log_level=args.log_level,
+    )
+    print(
+        "starting "
+        + ", ".join([f"{args.prefill} prefill", f"{args.decode} decode", f"{args.both} both"])
+        + " worker(s), scheduler, gateway ..."
+    )
+    try:
+        stack = Stack.start(spec, args.run_dir, ready_timeout_s=args.timeout)
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"startup failed: {exc}\nlogs: {Path(args.run_dir) / 'logs'}", file=sys.stderr)
+        return 1
+    print(f"\nTandem is serving {Path(spec.model).name} ({time.perf_counter() - started:.1f}s)")
+    for process in stack.processes:
+        print(f"  {process.name:<14} {process.address:<22} pid {process.pid}")
+    print(f"""
+Call it:
+  {_short(Path(sys.executable))} -m services.client "The meaning of life is" --max-tokens 32
+  grpcurl -plaintext -d '{{"text": "Hello", "max_tokens": 16}}' \\
+      {spec.gateway_address} tandem.v1.GenerateService/Generate
+Logs: {_short(Path(args.run_dir))}/logs    Stop: make down""")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    stack = Stack.load(args.run_dir)
+    if stack is None:
+        print("nothing to stop")
+        return 0
+    stack.stop()
+    print("stopped " + ", ".join(p.name for p in stack.processes))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    stack = Stack.load(args.run_dir)
+    if stack is None:
+        print("not running")
+        return 1
+    statuses = [(p, health_status(p.address)) for p in stack.processes]
+    for process, status in statuses:
+        print(f"  {process.name:<14} {process.address:<22} {status}")
+    return 0 if all(s == "SERVING" for _, s in statuses) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.stack", description=__doc__)
+    parser.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR)
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="start every service and wait until SERVING")
+    up.add_argument("--model", default="", help="model folder (default: embedded tiny model)")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--gateway-port", type=int, default=50051)
+    up.add_argument("--scheduler-port", type=int, default=50052)
+    up.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    up.add_argument("--decode", type=int, default=1, help="decode workers")
+    up.add_argument(
+        "--both", type=int, default=0, help="both-role workers (instead of prefill/decode)"
+    )
+    up.add_argument("--prefill-port", type=int, default=50061, help="first prefill port")
+    up.add_argument("--decode-port", type=int, default=50071, help="first decode port")
+    up.add_argument("--both-port", type=int, default=50081, help="first both-role port")
+    up.add_argument("--log-level", default="info")
+    up.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for SERVING")
+    sub.add_parser("down", help="stop what `up` started")
+    sub.add_parser("status", help="health of every service")
+    args = parser.parse_args(argv)
+    if args.command == "up" and args.both:
+        args.prefill = args.decode = 0
+    try:
+        return {"up": cmd_up, "down": cmd_down, "status": cmd_status}[args.command](args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

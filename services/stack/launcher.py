@@ -1,0 +1,300 @@
+"""Start and stop a whole Tandem deployment as local processes: workers, scheduler, gateway.
+
+`make up` / `make down` use it through `python -m services.stack`, and the end-to-end tests
+use `Stack` directly on free loopback ports. Each service is a real process
+(`python -m services.<name>`), started in its own session with its log in `log_dir`;
+`stack.json` in `run_dir` records what was started so `down` can stop it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+STATE_FILE = "stack.json"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class StackSpec:
+    model: str
+    host: str = "127.0.0.1"
+    gateway_port: int = 50051
+    scheduler_port: int = 50052
+    prefill_ports: tuple[int, ...] = (50061,)
+    decode_ports: tuple[int, ...] = (50071,)
+    both_ports: tuple[int, ...] = ()
+    # Extra CLI flags per role ("prefill", "decode", "both", "scheduler", "gateway").
+    extra_args: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.both_ports and (self.prefill_ports or self.decode_ports):
+            raise ValueError("use either both-role workers or prefill + decode workers")
+        if not self.both_ports and not (self.prefill_ports and self.decode_ports):
+            raise ValueError("a disaggregated stack needs >= 1 prefill and >= 1 decode worker")
+        ports = [self.gateway_port, self.scheduler_port, *self.worker_ports]
+        if len(set(ports)) != len(ports):
+            raise ValueError(f"ports must be distinct, got {ports}")
+
+    @property
+    def worker_ports(self) -> list[int]:
+        return [*self.prefill_ports, *self.decode_ports, *self.both_ports]
+
+    @property
+    def gateway_address(self) -> str:
+        return f"{self.host}:{self.gateway_port}"
+
+    @property
+    def scheduler_address(self) -> str:
+        return f"{self.host}:{self.scheduler_port}"
+
+    @classmethod
+    def on_free_ports(
+        cls, model: str, prefill: int = 1, decode: int = 1, both: int = 0, **kwargs
+    ) -> StackSpec:
+        ports = iter(_distinct_free_ports(2 + prefill + decode + both))
+        return cls(
+            model=model,
+            gateway_port=next(ports),
+            scheduler_port=next(ports),
+            prefill_ports=tuple(next(ports) for _ in range(prefill)),
+            decode_ports=tuple(next(ports) for _ in range(decode)),
+            both_ports=tuple(next(ports) for _ in range(both)),
+            **kwargs,
+        )
+
+
+def _distinct_free_ports(count: int) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+@dataclass
+class Process:
+    name: str
+    address: str
+    pid: int
+    log: str
+
+
+def _commands(spec: StackSpec) -> list[tuple[str, str, list[str]]]:
+    """(name, address, argv) for every service, workers first."""
+    py = [sys.executable, "-m"]
+    common = ["--model", spec.model, "--log-level", spec.log_level]
+    out = []
+    roles = (
+        [("prefill", p) for p in spec.prefill_ports]
+        + [("decode", p) for p in spec.decode_ports]
+        + [("both", p) for p in spec.both_ports]
+    )
+    for role, port in roles:
+        argv = [
+            *py,
+            "services.worker",
+            *common,
+            "--role",
+            role,
+            "--host",
+            spec.host,
+            "--port",
+            str(port),
+            "--worker-id",
+            f"{role}-{port}",
+            *spec.extra_args.get(role, ()),
+        ]
+        out.append((f"{role}-{port}", f"{spec.host}:{port}", argv))
+    workers = ",".join(f"{spec.host}:{p}" for p in spec.worker_ports)
+    out.append(
+        (
+            "scheduler",
+            spec.scheduler_address,
+            [
+                *py,
+                "services.scheduler",
+                "--workers",
+                workers,
+                "--host",
+                spec.host,
+                "--port",
+                str(spec.scheduler_port),
+                "--log-level",
+                spec.log_level,
+                *spec.extra_args.get("scheduler", ()),
+            ],
+        )
+    )
+    out.append(
+        (
+            "gateway",
+            spec.gateway_address,
+            [
+                *py,
+                "services.gateway",
+                *common,
+                "--host",
+                spec.host,
+                "--port",
+                str(spec.gateway_port),
+                "--scheduler",
+                spec.scheduler_address,
+                *spec.extra_args.get("gateway", ()),
+            ],
+        )
+    )
+    return out
+
+
+def health_status(address: str, timeout_s: float = 1.0) -> str:
+    """'SERVING', 'NOT_SERVING', ... or 'UNREACHABLE'."""
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+            )
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    except grpc.RpcError:
+        return "UNREACHABLE"
+
+
+class Stack:
+    def __init__(self, spec: StackSpec, run_dir: Path, processes: list[Process]) -> None:
+        self.spec = spec
+        self.run_dir = run_dir
+        self.processes = processes
+
+    @classmethod
+    def start(
+        cls,
+        spec: StackSpec,
+        run_dir: str | os.PathLike,
+        env: Mapping[str, str] | None = None,
+        ready_timeout_s: float = 300.0,
+    ) -> Stack:
+        """Start every service and wait until all report SERVING; on failure stop them all."""
+        run_dir = Path(run_dir)
+        log_dir = run_dir / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+        child_env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(ROOT), child_env.get("PYTHONPATH", "")) if p
+        )
+        stack = cls(spec, run_dir, [])
+        for name, address, argv in _commands(spec):
+            log_path = log_dir / f"{name}.log"
+            with open(log_path, "ab") as log_file:
+                proc = subprocess.Popen(
+                    argv,
+                    cwd=ROOT,
+                    env=child_env,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            stack.processes.append(Process(name, address, proc.pid, str(log_path)))
+        stack.save()
+        try:
+            stack.wait_serving(ready_timeout_s)
+        except Exception:
+            stack.stop()
+            raise
+        return stack
+
+    def save(self) -> None:
+        state = {
+            "spec": {**asdict(self.spec), "extra_args": dict(self.spec.extra_args)},
+            "processes": [asdict(p) for p in self.processes],
+        }
+        (self.run_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
+
+    @classmethod
+    def load(cls, run_dir: str | os.PathLike) -> Stack | None:
+        path = Path(run_dir) / STATE_FILE
+        if not path.exists():
+            return None
+        state = json.loads(path.read_text())
+        spec = state["spec"]
+        for key in ("prefill_ports", "decode_ports", "both_ports"):
+            spec[key] = tuple(spec[key])
+        return cls(StackSpec(**spec), Path(run_dir), [Process(**p) for p in state["processes"]])
+
+    def alive(self, process: Process) -> bool:
+        try:
+            os.kill(process.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        # A zombie child of this process still answers kill(0): reap it.
+        try:
+            pid, _ = os.waitpid(process.pid, os.WNOHANG)
+            return pid == 0
+        except ChildProcessError:
+            return True
+
+    def wait_serving(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.processes)
+        while pending:
+            for process in list(pending):
+                if not self.alive(process):
+                    raise RuntimeError(
+                        f"{process.name} exited during startup; last log lines:\n"
+                        + self.log_tail(process)
+                    )
+                if health_status(process.address) == "SERVING":
+                    pending.remove(process)
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(p.name for p in pending)
+                raise TimeoutError(f"not SERVING after {timeout_s:.0f}s: {names}")
+            if pending:
+                time.sleep(0.2)
+
+    def log_tail(self, process: Process, lines: int = 20) -> str:
+        try:
+            return "\n".join(Path(process.log).read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM every service (gateway first), then SIGKILL what is left."""
+        for process in reversed(self.processes):
+            self._signal(process, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(self.alive(p) for p in self.processes):
+            time.sleep(0.1)
+        for process in self.processes:
+            if self.alive(process):
+                self._signal(process, signal.SIGKILL)
+        state = self.run_dir / STATE_FILE
+        if state.exists():
+            state.unlink()
+
+    @staticmethod
+    def _signal(process: Process, sig: signal.Signals) -> None:
+        try:
+            os.killpg(process.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass

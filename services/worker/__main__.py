@@ -1,0 +1,40 @@
+"""`python -m services.worker`: a prefill, decode or both-role worker process."""
+
+from __future__ import annotations
+
+from common.grpc_server import ServiceHost
+from common.lifecycle import run_service, wait_for_shutdown_signal
+from common.log import get_logger, setup_logging
+from common.pb.tandem.internal.v1 import worker_pb2, worker_pb2_grpc
+from services.worker.config import WorkerConfig
+from services.worker.server import WorkerServicer
+from services.worker.worker import Worker
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
+
+
+async def serve(config: WorkerConfig) -> None:
+    setup_logging("worker", config.log_level)
+    log = get_logger("services.worker")
+    host = ServiceHost([SERVICE_NAME])
+    servicer = WorkerServicer()
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, host.server)
+    port = host.bind(config.host, config.port)
+    worker_id = config.worker_id or f"{config.role}-{port}"
+    await host.start()
+    log.info("listening", address=f"{config.host}:{port}", worker_id=worker_id)
+    servicer.worker = await Worker.load(config, worker_id)
+    await host.set_serving(True)
+    log.info("serving", worker_id=worker_id)
+    signal_name = await wait_for_shutdown_signal()
+    log.info("shutting_down", signal=signal_name)
+    await host.stop(grace=2.0)
+    await servicer.worker.close()
+
+
+def main() -> None:
+    run_service(WorkerConfig, serve, prog="python -m services.worker")
+
+
+if __name__ == "__main__":
+    main()

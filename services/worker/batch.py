@@ -1,0 +1,135 @@
+"""The worker's persistent batch: per-request tokens, block table and progress.
+
+The scheduler sends a request's full data once (`NewRequest`) and deltas after
+(`CachedRequest`); this module applies them and checks every plan against what the worker
+holds, so a plan that would read or write blocks it does not cover fails loudly instead of
+corrupting the KV pool. Pure Python: no grpc, no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class PlanError(ValueError):
+    """A step plan that does not fit the worker's state (a scheduler bug or a stale plan)."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+@dataclass
+class WorkerRequest:
+    request_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling: Sampling
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    request_id: str
+    token_ids: Sequence[int]
+    block_ids: Sequence[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    sampling: Sampling
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    request_id: str
+    new_block_ids: Sequence[int]
+    num_scheduled_tokens: int
+
+
+@dataclass(frozen=True)
+class ScheduledWork:
+    """One request's share of a forward pass."""
+
+    request: WorkerRequest
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True if this pass computes the request's last known token, so it samples one."""
+        return self.request.num_computed_tokens + self.num_new_tokens == len(self.request.token_ids)
+
+
+class PersistentBatch:
+    def __init__(self, block_size: int, num_blocks: int, vocab_size: int) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.vocab_size = vocab_size
+        self.requests: dict[str, WorkerRequest] = {}
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def clear(self) -> None:
+        self.requests.clear()
+
+    def apply(
+        self,
+        finished_ids: Sequence[str],
+        new: Sequence[NewRequestData],
+        cached: Sequence[CachedRequestData],
+    ) -> list[ScheduledWork]:
+        """Apply one plan's changes; returns the work of this step in plan order."""
+        for request_id in finished_ids:
+            self.requests.pop(request_id, None)
+        work: list[ScheduledWork] = []
+        for data in new:
+            if data.request_id in self.requests:
+                raise PlanError(f"request {data.request_id} is already in the batch")
+            if any(not 0 <= t < self.vocab_size for t in data.token_ids):
+                raise PlanError(f"request {data.request_id} has token ids outside the vocab")
+            request = WorkerRequest(
+                request_id=data.request_id,
+                token_ids=list(data.token_ids),
+                block_ids=self._checked_blocks(data.request_id, data.block_ids),
+                num_computed_tokens=data.num_computed_tokens,
+                sampling=data.sampling,
+            )
+            self.requests[data.request_id] = request
+            work.append(self._work(request, data.num_scheduled_tokens))
+        for delta in cached:
+            request = self.requests.get(delta.request_id)
+            if request is None:
+                raise PlanError(f"request {delta.request_id} is not in the batch")
+            request.block_ids.extend(self._checked_blocks(delta.request_id, delta.new_block_ids))
+            work.append(self._work(request, delta.num_scheduled_tokens))
+        return work
+
+    def complete(self, work: Sequence[ScheduledWork], sampled: dict[str, int]) -> None:
+        """Advance progress after the forward pass and append the sampled tokens."""
+        for item in work:
+            item.request.num_computed_tokens += item.num_new_tokens
+        for request_id, token in sampled.items():
+            self.requests[request_id].token_ids.append(token)
+
+    def _checked_blocks(self, request_id: str, blocks: Sequence[int]) -> list[int]:
+        bad = [b for b in blocks if not 0 <= b < self.num_blocks]
+        if bad:
+            raise PlanError(f"request {request_id}: block ids {bad[:4]} outside the pool")
+        return list(blocks)
+
+    def _work(self, request: WorkerRequest, num_new: int) -> ScheduledWork:
+        end = request.num_computed_tokens + num_new
+        if num_new <= 0 or end > len(request.token_ids):
+            raise PlanError(
+                f"request {request.request_id}: cannot compute {num_new} tokens from "
+                f"{request.num_computed_tokens} of {len(request.token_ids)}"
+            )
+        if end > len(request.block_ids) * self.block_size:
+            raise PlanError(
+                f"request {request.request_id}: {len(request.block_ids)} blocks cannot hold "
+                f"{end} tokens"
+            )
+        return ScheduledWork(request, num_new)

@@ -1,0 +1,125 @@
+"""The worker's paged KV cache: one pre-allocated tensor of fixed-size blocks.
+
+Layout: a single tensor `data` of shape
+`[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]` (the `2` is K then V).
+Block-major order makes one block (every layer, both K and V) a single contiguous region, so
+moving a set of blocks between workers is one gather into one message and one scatter on the
+other side. The per-layer K and V caches that attention kernels use are strided views
+(`data[:, layer, 0]`, `data[:, layer, 1]`) of shape `[num_blocks, block_size, kv_heads,
+head_dim]`; writing through them writes `data`.
+
+The cache does not allocate blocks to sequences; the scheduler owns block ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class KvCache:
+    """Block pool for all layers' keys and values."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        for name, value in (
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+            ("num_layers", num_layers),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"KvCache {name} must be a positive integer, got {value!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"KvCache dtype must be a floating-point torch.dtype, got {dtype!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.data = torch.zeros(
+            (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim),
+            dtype=dtype,
+            device=self.device,
+        )
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache) of one layer, each `[num_blocks, block_size, kv_heads, head_dim]`."""
+        if not 0 <= index < self.num_layers:
+            raise ValueError(f"layer index {index} out of range [0, {self.num_layers})")
+        return self.data[:, index, 0], self.data[:, index, 1]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers, K and V."""
+        return self.bytes_per_block(
+            self.block_size, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype
+        )
+
+    @staticmethod
+    def bytes_per_block(
+        block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        element_size = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size
+
+    @classmethod
+    def num_blocks_for_bytes(
+        cls,
+        memory_bytes: int,
+        block_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> int:
+        """How many whole blocks fit in `memory_bytes`."""
+        if memory_bytes < 0:
+            raise ValueError(f"memory_bytes must be non-negative, got {memory_bytes}")
+        return memory_bytes // cls.bytes_per_block(
+            block_size, num_layers, num_kv_heads, head_dim, dtype
+        )
+
+    def gather_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Copy the given blocks into a contiguous uint8 tensor `[len(block_ids), block_bytes]`."""
+        index = self._index(block_ids, unique=False)
+        blocks = self.data.index_select(0, index).contiguous()
+        elements_per_block = self.data[0].numel()
+        return blocks.view(len(index), elements_per_block).view(torch.uint8)
+
+    def scatter_blocks(self, block_ids: Sequence[int], payload: torch.Tensor) -> None:
+        """Write a `gather_blocks` payload into the given blocks (the inverse of gather)."""
+        index = self._index(block_ids, unique=True)
+        expected = (len(index), self.block_bytes)
+        if payload.dtype != torch.uint8:
+            raise ValueError(f"KV payload must be uint8, got {payload.dtype}")
+        if tuple(payload.shape) != expected:
+            raise ValueError(f"KV payload shape {tuple(payload.shape)} != expected {expected}")
+        if len(index) == 0:
+            return
+        values = payload.to(self.device).contiguous().view(self.dtype)
+        self.data.index_copy_(0, index, values.view(len(index), *self.data.shape[1:]))
+
+    def _index(self, block_ids: Sequence[int], unique: bool) -> torch.Tensor:
+        ids = [int(b) for b in block_ids]
+        bad = [b for b in ids if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(
+                f"block ids {bad[:8]} out of range [0, {self.num_blocks})"
+                + (f" (+{len(bad) - 8} more)" if len(bad) > 8 else "")
+            )
+        if unique and len(set(ids)) != len(ids):
+            raise ValueError("block ids must be distinct when scattering")
+        return torch.tensor(ids, dtype=torch.long, device=self.device)

@@ -1,0 +1,89 @@
+"""KV block transfer between workers over UCX (`ucxx`), one tagged message per transfer.
+
+Each worker owns one UCX worker; its address travels to peers in `DescribeWorker` (gRPC),
+and senders create endpoints from it (shared memory on one host, the best transport UCX
+finds across hosts). Only descriptors travel over gRPC; the bytes travel here.
+
+A transfer is: the sender gathers its blocks (one contiguous region each, see kv_cache) into
+one buffer and sends it with the transfer's tag; the receiver posts a tagged receive on its
+UCX worker (no endpoint needed), then scatters the buffer into its destination blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import numpy as np
+
+from common.log import get_logger
+
+log = get_logger(__name__)
+
+# ucxx sets UCX_MEMTYPE_CACHE itself; UCX then warns it is unused on CPU-only builds.
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+
+class KvTransferError(RuntimeError):
+    """A transfer failed or timed out; the caller decides whether to retry or fail."""
+
+
+class UcxTransport:
+    """This process's UCX worker: its address, cached endpoints to peers, tagged send/recv."""
+
+    def __init__(self, timeout_s: float = 60.0) -> None:
+        import ucxx  # imported here: loading UCX is slow and only workers need it
+
+        self._ucxx = ucxx
+        self.timeout_s = timeout_s
+        self._endpoints: dict[tuple[str, bytes], object] = {}
+        self._connect_lock = asyncio.Lock()
+
+    @property
+    def address(self) -> bytes:
+        return bytes(self._ucxx.get_worker_address())
+
+    async def send(self, peer_id: str, peer_address: bytes, tag: int, payload: np.ndarray) -> None:
+        """Send a contiguous buffer to the peer's worker with `tag`; waits for completion."""
+        key = (peer_id, peer_address)
+        try:
+            endpoint = await self._endpoint(key)
+            await asyncio.wait_for(
+                endpoint.send(payload, tag=tag, force_tag=True), timeout=self.timeout_s
+            )
+        except Exception as exc:  # any UCX failure leaves the endpoint unusable
+            self._endpoints.pop(key, None)
+            raise KvTransferError(f"send to {peer_id} (tag {tag:#x}) failed: {exc!r}") from exc
+
+    async def receive(self, tag: int, nbytes: int) -> np.ndarray:
+        """Receive exactly nbytes tagged `tag` from any peer."""
+        buffer = np.empty(nbytes, dtype=np.uint8)
+        try:
+            await asyncio.wait_for(self._ucxx.recv(buffer, tag=tag), timeout=self.timeout_s)
+        except Exception as exc:
+            raise KvTransferError(f"receive of tag {tag:#x} failed: {exc!r}") from exc
+        return buffer
+
+    async def _endpoint(self, key: tuple[str, bytes]):
+        async with self._connect_lock:
+            endpoint = self._endpoints.get(key)
+            if endpoint is None:
+                started = time.perf_counter()
+                address = self._ucxx.get_ucx_address_from_buffer(key[1])
+                endpoint = await self._ucxx.create_endpoint_from_worker_address(address)
+                self._endpoints[key] = endpoint
+                log.info(
+                    "ucx_endpoint_created",
+                    peer=key[0],
+                    seconds=round(time.perf_counter() - started, 4),
+                )
+            return endpoint
+
+    async def close(self) -> None:
+        for endpoint in self._endpoints.values():
+            try:
+                await endpoint.close()
+            except Exception:  # closing a dead peer's endpoint may fail; nothing to do
+                pass
+        self._endpoints.clear()

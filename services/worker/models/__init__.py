@@ -1,0 +1,1 @@
+"""Model implementations that run over the paged KV cache, and the checkpoint loader."""

@@ -1,0 +1,122 @@
+"""WorkerService servicer: translates protobuf to the Worker's domain calls and back."""
+
+from __future__ import annotations
+
+import grpc
+
+from common.log import get_logger
+from common.pb.tandem.internal.v1 import types_pb2, worker_pb2, worker_pb2_grpc
+from services.worker.batch import CachedRequestData, NewRequestData, PlanError, Sampling
+from services.worker.kv_transfer import KvTransferError
+from services.worker.worker import KV_LAYOUT, Worker
+
+log = get_logger(__name__)
+
+ROLE_TO_PB = {
+    "prefill": types_pb2.WORKER_ROLE_PREFILL,
+    "decode": types_pb2.WORKER_ROLE_DECODE,
+    "both": types_pb2.WORKER_ROLE_BOTH,
+}
+
+
+def _sampling(pb: types_pb2.SamplingParams) -> Sampling:
+    return Sampling(temperature=pb.temperature, top_p=pb.top_p or 1.0, top_k=pb.top_k)
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
+    def __init__(self) -> None:
+        self.worker: Worker | None = None
+        self._step_stream_id = 0
+
+    async def _ready(self, context: grpc.aio.ServicerContext) -> Worker:
+        if self.worker is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is still loading")
+        return self.worker
+
+    async def DescribeWorker(self, request, context):
+        worker = await self._ready(context)
+        cfg = worker.model_config
+        return worker_pb2.DescribeWorkerResponse(
+            worker_id=worker.worker_id,
+            role=ROLE_TO_PB[worker.role],
+            model=types_pb2.ModelDescription(
+                name=cfg.name,
+                architecture=cfg.architecture,
+                vocab_size=cfg.vocab_size,
+                max_model_len=worker.max_model_len,
+                eos_token_ids=list(cfg.eos_token_ids),
+                dtype=str(worker.kv_cache.dtype).removeprefix("torch."),
+                num_layers=cfg.num_hidden_layers,
+                num_kv_heads=cfg.num_key_value_heads,
+                head_dim=cfg.head_dim,
+            ),
+            kv_cache=types_pb2.KvCacheDescription(
+                num_blocks=worker.kv_cache.num_blocks,
+                block_size=worker.kv_cache.block_size,
+                block_bytes=worker.kv_cache.block_bytes,
+                layout=KV_LAYOUT,
+            ),
+            ucx_address=worker.transport.address,
+            num_active_requests=len(worker.batch),
+            device=str(worker.device),
+        )
+
+    async def Step(self, request_iterator, context):
+        worker = await self._ready(context)
+        self._step_stream_id += 1
+        stream_id = self._step_stream_id
+        worker.reset()  # a new stream means a new (or restarted) scheduler
+        log.info("step_stream_opened", stream=stream_id)
+        async for plan in request_iterator:
+            if stream_id != self._step_stream_id:
+                await context.abort(grpc.StatusCode.ABORTED, "a newer Step stream took over")
+            new = [
+                NewRequestData(
+                    request_id=r.request_id,
+                    token_ids=r.token_ids,
+                    block_ids=r.block_ids,
+                    num_computed_tokens=r.num_computed_tokens,
+                    num_scheduled_tokens=r.num_scheduled_tokens,
+                    sampling=_sampling(r.sampling),
+                )
+                for r in plan.new_requests
+            ]
+            cached = [
+                CachedRequestData(r.request_id, r.new_block_ids, r.num_scheduled_tokens)
+                for r in plan.cached_requests
+            ]
+            try:
+                output = await worker.step(plan.finished_request_ids, new, cached)
+            except PlanError as exc:
+                log.error("bad_step_plan", step_id=plan.step_id, error=str(exc))
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            yield worker_pb2.StepResponse(
+                step_id=plan.step_id,
+                sampled_tokens=[
+                    worker_pb2.SampledToken(request_id=rid, token_id=tok)
+                    for rid, tok in output.sampled.items()
+                ],
+                execute_seconds=output.execute_seconds,
+            )
+        log.info("step_stream_closed", stream=stream_id)
+
+    async def SendKv(self, request, context):
+        worker = await self._ready(context)
+        try:
+            result = await worker.send_kv(
+                request.transfer_tag,
+                request.peer_worker_id,
+                request.peer_ucx_address,
+                list(request.block_ids),
+            )
+        except KvTransferError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return worker_pb2.SendKvResponse(num_bytes=result.num_bytes, seconds=result.seconds)
+
+    async def ReceiveKv(self, request, context):
+        worker = await self._ready(context)
+        try:
+            result = await worker.receive_kv(request.transfer_tag, list(request.block_ids))
+        except KvTransferError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return worker_pb2.ReceiveKvResponse(num_bytes=result.num_bytes, seconds=result.seconds)

@@ -1,0 +1,29 @@
+"""Session-wide pytest fixtures shared by the test suite."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.checkpoint_builder import build_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny random llama checkpoint, sharded (with an index) so sharded loading is exercised."""
+    return build_checkpoint(
+        tmp_path_factory.mktemp("ckpt") / "tiny-llama", "llama", max_shard_size="100KB"
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny random qwen2 checkpoint (q/k/v biases), single safetensors file."""
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-qwen2", "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny random qwen3 checkpoint (per-head q/k RMSNorm), single safetensors file."""
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-qwen3", "qwen3")

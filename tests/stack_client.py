@@ -1,0 +1,87 @@
+"""Test-side helpers around a running stack: Generate calls, pool and worker probes."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from common.pb.tandem.internal.v1 import (
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
+from services.stack.launcher import Stack
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    text: str
+    finish_reason: int
+    usage: generate_pb2.Usage
+    messages: int
+
+
+def generate(
+    address: str, request: generate_pb2.GenerateRequest, timeout: float = 120.0
+) -> Completion:
+    with grpc.insecure_channel(address) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        ids, text, last, count = [], [], None, 0
+        for response in stub.Generate(request, timeout=timeout):
+            ids.extend(response.token_ids)
+            text.append(response.text)
+            last, count = response, count + 1
+    return Completion(ids, "".join(text), last.finish_reason, last.usage, count)
+
+
+def greedy_request(prompt: str | list[int], max_tokens: int | None) -> generate_pb2.GenerateRequest:
+    request = generate_pb2.GenerateRequest()
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)
+    if max_tokens is not None:
+        request.max_tokens = max_tokens
+    request.sampling.temperature = 0.0
+    return request
+
+
+def pool_stats(stack: Stack) -> scheduler_pb2.GetPoolStatsResponse:
+    with grpc.insecure_channel(stack.spec.scheduler_address) as channel:
+        return scheduler_pb2_grpc.SchedulerServiceStub(channel).GetPoolStats(
+            scheduler_pb2.GetPoolStatsRequest(), timeout=10
+        )
+
+
+def worker_active_requests(stack: Stack) -> dict[str, int]:
+    out = {}
+    for port in stack.spec.worker_ports:
+        with grpc.insecure_channel(f"{stack.spec.host}:{port}") as channel:
+            d = worker_pb2_grpc.WorkerServiceStub(channel).DescribeWorker(
+                worker_pb2.DescribeWorkerRequest(), timeout=10
+            )
+            out[d.worker_id] = d.num_active_requests
+    return out
+
+
+def wait_until_idle(stack: Stack, timeout_s: float = 20.0) -> scheduler_pb2.GetPoolStatsResponse:
+    """Wait until every pool is back to all-free and no worker holds a request."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = pool_stats(stack)
+        idle = stats.num_requests == 0 and all(
+            p.num_free_blocks == p.num_blocks and p.num_requests == 0 for p in stats.pools
+        )
+        if idle and not any(worker_active_requests(stack).values()):
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"stack not idle after {timeout_s}s: {stats} "
+                f"workers={worker_active_requests(stack)}"
+            )
+        time.sleep(0.1)

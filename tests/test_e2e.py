@@ -1,0 +1,269 @@
+"""End to end through the four real services (gateway, scheduler, prefill worker, decode
+worker as separate processes on free loopback ports), checked against HF `generate`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+
+from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
+from services.stack.launcher import Stack, StackSpec
+from tests.hf_reference import hf_greedy, hf_tokenizer
+from tests.stack_client import generate, greedy_request, pool_stats, wait_until_idle
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (prompt, max_tokens): short and long prompts, outputs that cross 16-token blocks.
+WORKLOAD = [
+    ("Once upon a time", 24),
+    ("The scheduler", 1),
+    (
+        "KV blocks move between workers over UCX while the decode worker keeps generating "
+        "tokens for everyone else in its batch.",
+        40,
+    ),
+    ("naïve café 中文字符 🚀", 17),
+    ("In the beginning", 33),
+    ("a", 5),
+    (
+        "Paged attention stores keys and values in fixed-size blocks, and a block table maps "
+        "each sequence's logical positions to physical blocks anywhere in the pool, so memory "
+        "is allocated on demand and shared prefixes can be reused.",
+        20,
+    ),
+    ("Continuous batching", 64),
+    ("Greedy decoding must equal transformers token for token.", 12),
+    ("Ελληνικά και русский", 48),
+]
+
+
+def start_stack(model: Path, run_dir: Path, **kwargs) -> Stack:
+    return Stack.start(StackSpec.on_free_ports(str(model), **kwargs), run_dir, ready_timeout_s=180)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama_dir, tmp_path_factory):
+    stack = start_stack(tiny_llama_dir, tmp_path_factory.mktemp("stack"))
+    yield stack
+    stack.stop()
+
+
+def expected(model_dir: Path, prompt: str | list[int], max_tokens: int) -> tuple[list[int], str]:
+    tokenizer = hf_tokenizer(str(model_dir))
+    prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    ids = hf_greedy(model_dir, prompt_ids, max_tokens)
+    return ids, tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def run_concurrently(address: str, workload) -> list:
+    barrier = threading.Barrier(len(workload))
+
+    def one(item):
+        prompt, max_tokens = item
+        barrier.wait()  # all streams start together and share steps
+        return generate(address, greedy_request(prompt, max_tokens))
+
+    with ThreadPoolExecutor(len(workload)) as pool:
+        return list(pool.map(one, workload))
+
+
+def test_concurrent_streams_equal_hf_greedy_and_pools_return_to_baseline(stack, tiny_llama_dir):
+    baseline = pool_stats(stack)
+    assert {p.num_free_blocks for p in baseline.pools} == {p.num_blocks for p in baseline.pools}
+    results = run_concurrently(stack.spec.gateway_address, WORKLOAD)
+    eos = hf_tokenizer(str(tiny_llama_dir)).eos_token_id
+    for (prompt, max_tokens), got in zip(WORKLOAD, results, strict=True):
+        want_ids, want_text = expected(tiny_llama_dir, prompt, max_tokens)
+        assert got.token_ids == want_ids, prompt
+        assert got.text == want_text, prompt
+        stopped = bool(want_ids) and want_ids[-1] == eos
+        assert got.finish_reason == (
+            generate_pb2.FINISH_REASON_STOP if stopped else generate_pb2.FINISH_REASON_LENGTH
+        )
+        assert got.usage.completion_tokens == len(want_ids)
+        assert got.usage.prompt_tokens == len(hf_tokenizer(str(tiny_llama_dir)).encode(prompt))
+        assert got.messages >= 1
+    after = wait_until_idle(stack)
+    assert [(p.worker_id, p.num_free_blocks) for p in after.pools] == [
+        (p.worker_id, p.num_free_blocks) for p in baseline.pools
+    ]
+    assert {p.role for p in after.pools} == {1, 2}  # a prefill and a decode pool
+
+
+def test_token_id_prompts_and_long_outputs_crossing_blocks(stack, tiny_llama_dir):
+    prompt = list(range(3, 40))  # 37 tokens: spans three 16-token blocks
+    got = generate(stack.spec.gateway_address, greedy_request(prompt, 70))
+    want_ids, want_text = expected(tiny_llama_dir, prompt, 70)
+    assert got.token_ids == want_ids and got.text == want_text
+    wait_until_idle(stack)
+
+
+BAD_REQUESTS = [
+    # (request fields, expected words in the message)
+    ({}, "prompt is required"),
+    ({"text": ""}, "prompt.text must not be empty"),
+    ({"token_ids": {"ids": []}}, "prompt.token_ids.ids must not be empty"),
+    ({"text": "hi", "max_tokens": 0}, "max_tokens must be >= 1, got 0"),
+    ({"text": "hi", "max_tokens": -5}, "max_tokens must be >= 1, got -5"),
+    ({"text": "hi", "max_tokens": 512}, "exceed the context length of 512 tokens"),
+    (
+        {"token_ids": {"ids": list(range(500))}, "max_tokens": 13},
+        "prompt (500 tokens) + max_tokens (13) must not exceed the context length of 512",
+    ),
+    ({"token_ids": {"ids": [1, -1]}}, "prompt.token_ids.ids[1]=-1 is outside the vocabulary"),
+    ({"token_ids": {"ids": [1, 2, 10**6]}}, "prompt.token_ids.ids[2]=1000000 is outside"),
+    ({"text": "hi", "sampling": {"temperature": -1}}, "sampling.temperature must be"),
+    ({"text": "hi", "sampling": {"temperature": float("nan")}}, "sampling.temperature must be"),
+    ({"text": "hi", "sampling": {"top_p": 0}}, "sampling.top_p must be in (0, 1]"),
+    ({"text": "hi", "sampling": {"top_k": -2}}, "sampling.top_k must be >= -1"),
+]
+
+
+def test_bad_input_is_invalid_argument_naming_the_field_and_service_keeps_serving(
+    stack, tiny_llama_dir
+):
+    vocab = hf_tokenizer(str(tiny_llama_dir))
+    with grpc.insecure_channel(stack.spec.gateway_address) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        info = stub.GetModelInfo(generate_pb2.GetModelInfoRequest())
+        assert info.max_model_len == 512 and info.vocab_size >= len(vocab)
+        for fields, message in BAD_REQUESTS:
+            request = generate_pb2.GenerateRequest()
+            for key, value in fields.items():
+                if isinstance(value, dict):
+                    for k, v in value.items():
+                        target = getattr(request, key)
+                        if isinstance(v, list):
+                            getattr(target, k).extend(v)
+                        else:
+                            setattr(target, k, v)
+                    if not value:
+                        getattr(request, key).SetInParent()
+                else:
+                    setattr(request, key, value)
+            with pytest.raises(grpc.RpcError) as caught:
+                list(stub.Generate(request, timeout=30))
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, fields
+            assert message in caught.value.details(), (fields, caught.value.details())
+    # Still serving, with exact outputs.
+    got = generate(stack.spec.gateway_address, greedy_request("Once upon a time", 8))
+    assert got.token_ids == expected(tiny_llama_dir, "Once upon a time", 8)[0]
+    wait_until_idle(stack)
+
+
+def test_client_cancel_mid_stream_frees_every_block(stack):
+    with grpc.insecure_channel(stack.spec.gateway_address) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        call = stub.Generate(greedy_request("Continuous batching", 400), timeout=60)
+        first = next(call)
+        assert first.token_ids
+        call.cancel()
+    wait_until_idle(stack)
+
+
+def test_every_service_serves_health_and_reflection(stack):
+    for process in stack.processes:
+        with grpc.insecure_channel(process.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=5
+            )
+            assert health.status == health_pb2.HealthCheckResponse.SERVING, process.name
+            services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+        assert "grpc.health.v1.Health" in services
+        own = {
+            "gateway": "tandem.v1.GenerateService",
+            "scheduler": "tandem.internal.v1.SchedulerService",
+        }.get(process.name, "tandem.internal.v1.WorkerService")
+        assert own in services, (process.name, services)
+
+
+def test_cli_client_streams_the_completion(stack, tiny_llama_dir):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.client",
+            "In the beginning",
+            "--max-tokens",
+            "12",
+            "--address",
+            stack.spec.gateway_address,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == expected(tiny_llama_dir, "In the beginning", 12)[1] + "\n"
+    assert "12 tokens" in result.stderr
+
+
+def test_both_role_worker_stops_at_eos_exactly_like_hf(tiny_llama_dir, tmp_path):
+    # Make the token that greedy decoding produces 6th the checkpoint's EOS.
+    tokenizer = hf_tokenizer(str(tiny_llama_dir))
+    prompt = "Once upon a time"
+    free_run = hf_greedy(tiny_llama_dir, tokenizer.encode(prompt), 12)
+    stop_at = next(i for i in range(5, 12) if free_run[i] not in free_run[:i])
+    model = tmp_path / "eos-model"
+    shutil.copytree(tiny_llama_dir, model)
+    gen_config = json.loads((model / "generation_config.json").read_text())
+    gen_config["eos_token_id"] = free_run[stop_at]
+    (model / "generation_config.json").write_text(json.dumps(gen_config))
+
+    stack = start_stack(model, tmp_path / "run", prefill=0, decode=0, both=1)
+    try:
+        got = generate(stack.spec.gateway_address, greedy_request(prompt, 12))
+        want = hf_greedy(model, tokenizer.encode(prompt), 12)
+        assert want == free_run[: stop_at + 1]
+        assert got.token_ids == want
+        assert got.finish_reason == generate_pb2.FINISH_REASON_STOP
+        assert got.text == tokenizer.decode(want, skip_special_tokens=True)
+        stats = wait_until_idle(stack)
+        assert [p.role for p in stats.pools] == [3]  # WORKER_ROLE_BOTH
+    finally:
+        stack.stop()
+
+
+def test_small_pools_force_chunking_and_preemption_yet_outputs_equal_hf(tiny_llama_dir, tmp_path):
+    # Context 96 tokens = 6 blocks; the decode pool holds 10 blocks, so 8 concurrent
+    # requests that each grow to 3-6 blocks cannot all fit: some are preempted and
+    # recomputed on the prefill worker. A 24-token budget chunks every longer prompt.
+    stack = start_stack(
+        tiny_llama_dir,
+        tmp_path / "run",
+        extra_args={
+            "prefill": ["--max-model-len", "96", "--num-blocks", "12"],
+            "decode": ["--max-model-len", "96", "--num-blocks", "10"],
+            "scheduler": ["--max-num-batched-tokens", "24"],
+        },
+    )
+    tokenizer = hf_tokenizer(str(tiny_llama_dir))
+    workload = [(p, min(48, 96 - len(tokenizer.encode(p)))) for p, _ in WORKLOAD[:8]]
+    try:
+        results = run_concurrently(stack.spec.gateway_address, workload)
+        for (prompt, max_tokens), got in zip(workload, results, strict=True):
+            assert got.token_ids == expected(tiny_llama_dir, prompt, max_tokens)[0], prompt
+        wait_until_idle(stack)
+        log = (Path(stack.run_dir) / "logs" / "scheduler.log").read_text()
+        preemptions = [
+            json.loads(line).get("preemptions", 0)
+            for line in log.splitlines()
+            if '"request_finished"' in line
+        ]
+        assert sum(preemptions) > 0, "the small decode pool should have forced preemption"
+    finally:
+        stack.stop()
