@@ -6,7 +6,8 @@ reports SERVING only once it can actually serve. Reflection lists every service.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -62,6 +63,18 @@ class ServiceHost:
     async def stop(self, grace: float | None = 5.0) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+
+    @asynccontextmanager
+    async def running(self, host: str, port: int, log, grace: float = 5.0) -> AsyncIterator[int]:
+        """Listen (health NOT_SERVING until the caller says otherwise) and always stop on
+        exit, also when startup fails; yields the bound port."""
+        bound = self.bind(host, port)
+        await self.start()
+        log.info("listening", address=f"{host}:{bound}")
+        try:
+            yield bound
+        finally:
+            await self.stop(grace)
 
 
 def insecure_channel(address: str) -> grpc.aio.Channel:

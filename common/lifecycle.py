@@ -4,6 +4,7 @@ SIGTERM/SIGINT end `serve` gracefully."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 from collections.abc import Callable, Coroutine
@@ -14,13 +15,33 @@ from common.config import load_config
 C = TypeVar("C")
 
 
+class StartupError(RuntimeError):
+    """The service cannot start (a peer never became ready, ...): exit 2 with the message."""
+
+
 async def wait_for_shutdown_signal() -> str:
-    """Return the name of the first SIGTERM/SIGINT received."""
+    """Return the name of the first SIGTERM/SIGINT received, or "parent-exited" when
+    TANDEM_EXIT_WITH_PARENT=1 and the process that started this one is gone (test stacks
+    must not outlive a killed test run)."""
     loop = asyncio.get_running_loop()
     received: asyncio.Future[str] = loop.create_future()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda s=sig: received.done() or received.set_result(s.name))
-    return await received
+    watcher = None
+    if os.environ.get("TANDEM_EXIT_WITH_PARENT") == "1":
+        watcher = loop.create_task(_watch_parent(received, os.getppid()))
+    try:
+        return await received
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+
+
+async def _watch_parent(done: asyncio.Future[str], parent: int) -> None:
+    while os.getppid() == parent:
+        await asyncio.sleep(0.5)
+    if not done.done():
+        done.set_result("parent-exited")
 
 
 def run_service(
@@ -36,6 +57,6 @@ def run_service(
         asyncio.run(serve(config))
     except KeyboardInterrupt:
         pass
-    except ValueError as exc:  # a setting that only shows at startup (e.g. the KV pool size)
+    except (ValueError, StartupError) as exc:  # e.g. a KV pool too small, a peer never up
         print(f"{prog}: startup error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

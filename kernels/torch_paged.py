@@ -75,30 +75,62 @@ def paged_attention(
     starts = [int(x) for x in query_start_loc]
     lens = [int(x) for x in seq_lens]
     _check_attention_args(query, k_cache, v_cache, block_tables, starts, lens)
-    num_q_heads, head_dim = query.shape[1], query.shape[2]
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
     out = torch.empty_like(query)
-    for i, seq_len in enumerate(lens):
-        begin, end = starts[i], starts[i + 1]
-        q_len = end - begin
-        if q_len == 0:
-            continue
-        num_blocks = -(-seq_len // block_size)
-        blocks = block_tables[i, :num_blocks].to(device=k_cache.device, dtype=torch.long)
-        keys = k_cache.index_select(0, blocks).reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        values = v_cache.index_select(0, blocks).reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        keys = keys.float().repeat_interleave(group, dim=1)  # [seq_len, q_heads, head_dim]
-        values = values.float().repeat_interleave(group, dim=1)
-        q = query[begin:end].float()
-        scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        k_pos = torch.arange(seq_len, device=query.device)
-        future = k_pos[None, :] > q_pos[:, None]
-        scores = scores.masked_fill(future[None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[begin:end] = torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)
+    q_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
+    # Decodes (one query each) share one batched gather and matmul; prompts (chunks of many
+    # queries) are computed one by one, where the matmuls are large anyway.
+    decodes = [i for i, n in enumerate(q_lens) if n == 1]
+    if decodes:
+        _decode_batch(query, k_cache, v_cache, block_tables, starts, lens, decodes, scale, out)
+    for i, q_len in enumerate(q_lens):
+        if q_len > 1:
+            _prefill_one(
+                query, k_cache, v_cache, block_tables[i], starts[i], q_len, lens[i], scale, out
+            )
     return out
+
+
+def _grouped(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[..., q_heads, d] -> float32 [..., kv_heads, group, d] (GQA without copying K/V)."""
+    *lead, q_heads, head_dim = query.shape
+    return query.float().reshape(*lead, num_kv_heads, q_heads // num_kv_heads, head_dim)
+
+
+def _decode_batch(query, k_cache, v_cache, block_tables, starts, lens, seqs, scale, out):
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    device = k_cache.device
+    rows = torch.tensor([starts[i] for i in seqs], device=query.device)
+    seq_lens = torch.tensor([lens[i] for i in seqs], device=device)
+    max_blocks = -(-max(lens[i] for i in seqs) // block_size)
+    tables = block_tables[torch.tensor(seqs, device=block_tables.device), :max_blocks]
+    tables = tables.to(device=device, dtype=torch.long)
+    # [n, max_blocks, block_size, kv_heads, d] -> [n, ctx, kv_heads, d]
+    keys = k_cache[tables].reshape(len(seqs), -1, num_kv_heads, head_dim).float()
+    values = v_cache[tables].reshape(len(seqs), -1, num_kv_heads, head_dim).float()
+    padding = torch.arange(keys.shape[1], device=device)[None, :] >= seq_lens[:, None]
+    values = values.masked_fill(padding[:, :, None, None], 0.0)  # padded slots may hold NaN
+    q = _grouped(query[rows], num_kv_heads)  # [n, kv_heads, group, d]
+    scores = torch.einsum("nhgd,nkhd->nhgk", q, keys) * scale
+    scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    result = torch.einsum("nhgk,nkhd->nhgd", probs, values)
+    out[rows] = result.reshape(len(seqs), -1, head_dim).to(query.dtype)
+
+
+def _prefill_one(query, k_cache, v_cache, table, start, q_len, seq_len, scale, out):
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    num_blocks = -(-seq_len // block_size)
+    blocks = table[:num_blocks].to(device=k_cache.device, dtype=torch.long)
+    keys = k_cache.index_select(0, blocks).reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+    values = v_cache.index_select(0, blocks).reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+    q = _grouped(query[start : start + q_len], num_kv_heads)  # [q, kv_heads, group, d]
+    scores = torch.einsum("qhgd,khd->hgqk", q, keys) * scale
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+    k_pos = torch.arange(seq_len, device=query.device)
+    scores = scores.masked_fill((k_pos[None, :] > q_pos[:, None])[None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    result = torch.einsum("hgqk,khd->qhgd", probs, values)
+    out[start : start + q_len] = result.reshape(q_len, -1, head_dim).to(query.dtype)
 
 
 def _check_attention_args(

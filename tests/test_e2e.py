@@ -51,7 +51,8 @@ WORKLOAD = [
 
 
 def start_stack(model: Path, run_dir: Path, **kwargs) -> Stack:
-    return Stack.start(StackSpec.on_free_ports(str(model), **kwargs), run_dir, ready_timeout_s=180)
+    spec = StackSpec.on_free_ports(str(model), **kwargs)
+    return Stack.start(spec, run_dir, ready_timeout_s=180, exit_with_parent=True)
 
 
 @pytest.fixture(scope="module")
@@ -267,3 +268,37 @@ def test_small_pools_force_chunking_and_preemption_yet_outputs_equal_hf(tiny_lla
         assert sum(preemptions) > 0, "the small decode pool should have forced preemption"
     finally:
         stack.stop()
+
+
+def grpcurl(*args: str) -> str:
+    binary = Path(sys.executable).parent / "grpcurl"
+    result = subprocess.run(
+        [str(binary), "-plaintext", *args], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_grpcurl_lists_services_and_streams_generate_by_reflection(stack, tiny_llama_dir):
+    address = stack.spec.gateway_address
+    assert "tandem.v1.GenerateService" in grpcurl(address, "list").split()
+    health = json.loads(grpcurl(address, "grpc.health.v1.Health/Check"))
+    assert health == {"status": "SERVING"}
+    # The README's command, verbatim apart from the address.
+    out = grpcurl(
+        "-d", '{"text": "Hello", "max_tokens": 16}', address, "tandem.v1.GenerateService/Generate"
+    )
+    messages = [json.loads(m) for m in out.replace("}\n{", "}\x00{").split("\x00")]
+    ids = [int(t) for m in messages for t in m.get("token_ids", [])]
+    # Unset temperature means 1.0 (random sampling): check shape, not tokens.
+    assert len(ids) == messages[-1]["usage"]["completion_tokens"] <= 16
+    assert messages[-1]["finish_reason"] in ("FINISH_REASON_LENGTH", "FINISH_REASON_STOP")
+    greedy = grpcurl(
+        "-d",
+        '{"text": "Hello", "max_tokens": 16, "sampling": {"temperature": 0}}',
+        address,
+        "tandem.v1.GenerateService/Generate",
+    )
+    messages = [json.loads(m) for m in greedy.replace("}\n{", "}\x00{").split("\x00")]
+    text = "".join(m.get("text", "") for m in messages)
+    assert text == expected(tiny_llama_dir, "Hello", 16)[1]

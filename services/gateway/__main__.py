@@ -8,13 +8,13 @@ import time
 import grpc
 
 from common.grpc_server import ServiceHost, insecure_channel
-from common.lifecycle import run_service, wait_for_shutdown_signal
+from common.hf_checkpoint import load_tokenizer
+from common.lifecycle import StartupError, run_service, wait_for_shutdown_signal
 from common.log import get_logger, setup_logging
 from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
 from services.gateway.config import GatewayConfig
 from services.gateway.server import GenerateServicer
-from services.gateway.tokenizer import load_tokenizer
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
 log = get_logger("services.gateway")
@@ -29,7 +29,7 @@ async def fetch_model(stub: scheduler_pb2_grpc.SchedulerServiceStub, timeout_s: 
             return reply.model
         except grpc.aio.AioRpcError as exc:
             if time.monotonic() > deadline:
-                raise ValueError(
+                raise StartupError(
                     f"scheduler not ready after {timeout_s:.0f}s: {exc.code().name} {exc.details()}"
                 ) from exc
             await asyncio.sleep(0.25)
@@ -43,16 +43,14 @@ async def serve(config: GatewayConfig) -> None:
     host = ServiceHost([SERVICE_NAME])
     servicer = GenerateServicer(tokenizer, stub, config.default_max_tokens)
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, host.server)
-    port = host.bind(config.host, config.port)
-    await host.start()
-    log.info("listening", address=f"{config.host}:{port}", scheduler=config.scheduler)
-    servicer.set_model(await fetch_model(stub, config.scheduler_ready_timeout_s))
-    await host.set_serving(True)
-    log.info("serving", address=f"{config.host}:{port}", model=servicer.model.name)
-    signal_name = await wait_for_shutdown_signal()
-    log.info("shutting_down", signal=signal_name)
-    await host.stop(grace=5.0)
-    await channel.close()
+    try:
+        async with host.running(config.host, config.port, log, grace=5.0):
+            servicer.set_model(await fetch_model(stub, config.scheduler_ready_timeout_s))
+            await host.set_serving(True)
+            log.info("serving", model=servicer.model.name, scheduler=config.scheduler)
+            log.info("shutting_down", signal=await wait_for_shutdown_signal())
+    finally:
+        await channel.close()
 
 
 def main() -> None:

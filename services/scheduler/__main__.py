@@ -19,18 +19,21 @@ async def serve(config: SchedulerConfig) -> None:
     host = ServiceHost([SERVICE_NAME])
     servicer = SchedulerServicer()
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, host.server)
-    port = host.bind(config.host, config.port)
-    await host.start()
-    log.info("listening", address=f"{config.host}:{port}", workers=list(config.workers))
-    engine, model = await bootstrap.connect(config)
-    servicer.engine, servicer.model = engine, model
-    engine.start()
-    await host.set_serving(True)
-    log.info("serving", model=model.name, max_model_len=model.max_model_len)
-    signal_name = await wait_for_shutdown_signal()
-    log.info("shutting_down", signal=signal_name)
-    await host.stop(grace=2.0)
-    await engine.close()
+    async with host.running(config.host, config.port, log, grace=2.0):
+        engine, model = await bootstrap.connect(config)
+        servicer.engine, servicer.model = engine, model
+        engine.start()
+        try:
+            await host.set_serving(True)
+            log.info(
+                "serving",
+                model=model.name,
+                max_model_len=model.max_model_len,
+                workers=list(config.workers),
+            )
+            log.info("shutting_down", signal=await wait_for_shutdown_signal())
+        finally:
+            await engine.close()
 
 
 def main() -> None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 
+from common.lifecycle import StartupError
 from common.log import get_logger
 from common.pb.tandem.internal.v1 import types_pb2
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import Engine, Pool
 from services.scheduler.pool_scheduler import PoolScheduler
-from services.scheduler.worker_client import WorkerClient, WorkerInfo
+from services.scheduler.worker_client import WorkerClient, WorkerInfo, WorkerUnavailableError
 
 log = get_logger(__name__)
 
@@ -50,9 +51,12 @@ def model_description(infos: list[WorkerInfo]) -> types_pb2.ModelDescription:
 
 async def connect(config: SchedulerConfig) -> tuple[Engine, types_pb2.ModelDescription]:
     clients = [WorkerClient(address) for address in config.workers]
-    infos = list(
-        await asyncio.gather(*(c.wait_ready(config.worker_ready_timeout_s) for c in clients))
-    )
+    try:
+        infos = list(
+            await asyncio.gather(*(c.wait_ready(config.worker_ready_timeout_s) for c in clients))
+        )
+    except WorkerUnavailableError as exc:
+        raise StartupError(str(exc)) from exc
     check_compatible(infos)
     model = model_description(infos)
     pools = []

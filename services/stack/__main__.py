@@ -12,7 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from services.stack.launcher import ROOT, Stack, StackSpec, health_status
+from common.healthcheck import health_status
+from services.stack.launcher import ROOT, Stack, StackSpec
 
 DEFAULT_RUN_DIR = ROOT / ".tandem" / "run"
 DEFAULT_MODEL_DIR = ROOT / ".tandem" / "models" / "tandem-tiny-llama"

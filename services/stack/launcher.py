@@ -19,8 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from common.healthcheck import health_status
 
 ROOT = Path(__file__).resolve().parents[2]
 STATE_FILE = "stack.json"
@@ -166,18 +165,6 @@ def _commands(spec: StackSpec) -> list[tuple[str, str, list[str]]]:
     return out
 
 
-def health_status(address: str, timeout_s: float = 1.0) -> str:
-    """'SERVING', 'NOT_SERVING', ... or 'UNREACHABLE'."""
-    try:
-        with grpc.insecure_channel(address) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
-            )
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    except grpc.RpcError:
-        return "UNREACHABLE"
-
-
 class Stack:
     def __init__(self, spec: StackSpec, run_dir: Path, processes: list[Process]) -> None:
         self.spec = spec
@@ -191,12 +178,19 @@ class Stack:
         run_dir: str | os.PathLike,
         env: Mapping[str, str] | None = None,
         ready_timeout_s: float = 300.0,
+        exit_with_parent: bool = False,
     ) -> Stack:
-        """Start every service and wait until all report SERVING; on failure stop them all."""
+        """Start every service and wait until all report SERVING; on failure stop them all.
+
+        With exit_with_parent the services stop by themselves once this process is gone
+        (tests, benchmarks); `make up` leaves it off so the stack outlives the command.
+        """
         run_dir = Path(run_dir)
         log_dir = run_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+        if exit_with_parent:
+            child_env["TANDEM_EXIT_WITH_PARENT"] = "1"
         child_env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(ROOT), child_env.get("PYTHONPATH", "")) if p
         )

@@ -19,17 +19,15 @@ async def serve(config: WorkerConfig) -> None:
     host = ServiceHost([SERVICE_NAME])
     servicer = WorkerServicer()
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, host.server)
-    port = host.bind(config.host, config.port)
-    worker_id = config.worker_id or f"{config.role}-{port}"
-    await host.start()
-    log.info("listening", address=f"{config.host}:{port}", worker_id=worker_id)
-    servicer.worker = await Worker.load(config, worker_id)
-    await host.set_serving(True)
-    log.info("serving", worker_id=worker_id)
-    signal_name = await wait_for_shutdown_signal()
-    log.info("shutting_down", signal=signal_name)
-    await host.stop(grace=2.0)
-    await servicer.worker.close()
+    async with host.running(config.host, config.port, log, grace=2.0) as port:
+        worker_id = config.worker_id or f"{config.role}-{port}"
+        servicer.worker = await Worker.load(config, worker_id)
+        try:
+            await host.set_serving(True)
+            log.info("serving", worker_id=worker_id)
+            log.info("shutting_down", signal=await wait_for_shutdown_signal())
+        finally:
+            await servicer.worker.close()
 
 
 def main() -> None:

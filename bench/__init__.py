@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that print numbers and write JSON under bench/results/."""

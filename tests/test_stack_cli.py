@@ -1,0 +1,80 @@
+"""`python -m services.stack up|status|down` — what `make up` / `make down` run — on a
+checkpoint folder (`make up MODEL=...`) and on free ports."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from services.stack.launcher import _distinct_free_ports
+from tests.hf_reference import hf_greedy, hf_tokenizer
+from tests.stack_client import generate, greedy_request
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def stack_cli(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "services.stack", "--run-dir", str(run_dir), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_up_prints_how_to_call_then_status_and_down_stop_everything(tiny_llama_dir, tmp_path):
+    gateway, scheduler, prefill, decode = _distinct_free_ports(4)
+    up = stack_cli(
+        tmp_path,
+        "up",
+        "--model",
+        str(tiny_llama_dir),
+        "--gateway-port",
+        str(gateway),
+        "--scheduler-port",
+        str(scheduler),
+        "--prefill-port",
+        str(prefill),
+        "--decode-port",
+        str(decode),
+    )
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "Tandem is serving tiny-llama" in up.stdout
+        assert f"127.0.0.1:{gateway}" in up.stdout and "services.client" in up.stdout
+        status = stack_cli(tmp_path, "status")
+        assert status.returncode == 0 and status.stdout.count("SERVING") == 4
+        again = stack_cli(tmp_path, "up", "--model", str(tiny_llama_dir))
+        assert again.returncode == 1 and "already running" in again.stdout
+        prompt = hf_tokenizer(str(tiny_llama_dir)).encode("Hello there")
+        got = generate(f"127.0.0.1:{gateway}", greedy_request(prompt, 10))
+        assert got.token_ids == hf_greedy(tiny_llama_dir, prompt, 10)
+    finally:
+        down = stack_cli(tmp_path, "down")
+    assert down.returncode == 0 and "stopped" in down.stdout
+    assert stack_cli(tmp_path, "status").returncode == 1
+    assert "nothing to stop" in stack_cli(tmp_path, "down").stdout
+
+
+def test_bad_model_folder_fails_fast_with_the_log_tail(tmp_path):
+    gateway, scheduler, prefill, decode = _distinct_free_ports(4)
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    up = stack_cli(
+        tmp_path / "run",
+        "up",
+        "--model",
+        str(empty),
+        "--gateway-port",
+        str(gateway),
+        "--scheduler-port",
+        str(scheduler),
+        "--prefill-port",
+        str(prefill),
+        "--decode-port",
+        str(decode),
+        "--timeout",
+        "60",
+    )
+    assert up.returncode == 1
+    assert "exited during startup" in up.stderr and "config.json" in up.stderr
