@@ -29,8 +29,8 @@ help:
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet --quiet torch==2.13.0
+	$(PY) -m pip install --quiet --quiet -e ".[dev]"
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -14,9 +14,16 @@ from services.worker.config import WorkerConfig
 from services.worker.worker import Worker
 
 
-async def main(model: str, dtype: str) -> None:
+async def main(model: str, dtype: str, error_handling: bool) -> None:
     setup_logging("kv-peer", "warning")  # logs to stderr; stdout carries the protocol
-    config = WorkerConfig(model=model, role="decode", dtype=dtype, num_blocks=64, port=0)
+    config = WorkerConfig(
+        model=model,
+        role="decode",
+        dtype=dtype,
+        num_blocks=64,
+        port=0,
+        kv_transfer_error_handling=error_handling,
+    )
     worker = await Worker.load(config, "kv-peer")
     print(
         json.dumps(
@@ -36,4 +43,4 @@ async def main(model: str, dtype: str) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3] == "1"))

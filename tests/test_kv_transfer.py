@@ -22,10 +22,20 @@ from services.worker.worker import Worker
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_blocks_arrive_bit_identical(tiny_llama_dir, tmp_path, dtype):
+@pytest.mark.parametrize(
+    "dtype, error_handling",
+    [("float32", False), ("bfloat16", True)],
+    ids=["fp32-shared-memory", "bf16-error-handling"],
+)
+def test_blocks_arrive_bit_identical(tiny_llama_dir, tmp_path, dtype, error_handling):
     peer = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "kv_peer.py"), str(tiny_llama_dir), dtype],
+        [
+            sys.executable,
+            str(ROOT / "tests" / "kv_peer.py"),
+            str(tiny_llama_dir),
+            dtype,
+            str(int(error_handling)),
+        ],
         cwd=ROOT,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -34,15 +44,22 @@ def test_blocks_arrive_bit_identical(tiny_llama_dir, tmp_path, dtype):
     )
     try:
         hello = json.loads(peer.stdout.readline())
-        asyncio.run(_send_and_compare(tiny_llama_dir, dtype, peer, hello, tmp_path))
+        asyncio.run(_send_and_compare(tiny_llama_dir, dtype, error_handling, peer, hello, tmp_path))
     finally:
         peer.stdin.close()
         peer.wait(timeout=30)
     assert peer.returncode == 0
 
 
-async def _send_and_compare(model, dtype, peer, hello, tmp_path):
-    config = WorkerConfig(model=str(model), role="prefill", dtype=dtype, num_blocks=64, port=0)
+async def _send_and_compare(model, dtype, error_handling, peer, hello, tmp_path):
+    config = WorkerConfig(
+        model=str(model),
+        role="prefill",
+        dtype=dtype,
+        num_blocks=64,
+        port=0,
+        kv_transfer_error_handling=error_handling,
+    )
     sender = await Worker.load(config, "kv-sender")
     assert sender.kv_cache.block_bytes == hello["block_bytes"]
     raw = sender.kv_cache.data.view(torch.uint8)

@@ -56,6 +56,12 @@ class WorkerConfig:
     kv_transfer_timeout_s: float = setting(
         60.0, "seconds before a KV send/receive fails", env="TANDEM_KV_TRANSFER_TIMEOUT_S"
     )
+    kv_transfer_error_handling: bool = setting(
+        False,
+        "UCX peer-failure detection: on = dead peers fail fast but only TCP is used; "
+        "off = shared memory between same-host workers, dead peers time out",
+        env="TANDEM_KV_TRANSFER_ERROR_HANDLING",
+    )
     log_level: str = setting("info", "debug, info, warning or error", env="TANDEM_LOG_LEVEL")
 
     def __post_init__(self) -> None:

@@ -32,11 +32,15 @@ class KvTransferError(RuntimeError):
 class UcxTransport:
     """This process's UCX worker: its address, cached endpoints to peers, tagged send/recv."""
 
-    def __init__(self, timeout_s: float = 60.0) -> None:
+    def __init__(self, timeout_s: float = 60.0, error_handling: bool = False) -> None:
+        """`error_handling` makes a dead peer fail sends at once, but UCX then uses only
+        transports that can detect peer failure (TCP); off, same-host peers use shared
+        memory (several times faster here) and a dead peer shows as a send timeout."""
         import ucxx  # imported here: loading UCX is slow and only workers need it
 
         self._ucxx = ucxx
         self.timeout_s = timeout_s
+        self.error_handling = error_handling
         self._endpoints: dict[tuple[str, bytes], object] = {}
         self._connect_lock = asyncio.Lock()
 
@@ -71,7 +75,9 @@ class UcxTransport:
             if endpoint is None:
                 started = time.perf_counter()
                 address = self._ucxx.get_ucx_address_from_buffer(key[1])
-                endpoint = await self._ucxx.create_endpoint_from_worker_address(address)
+                endpoint = await self._ucxx.create_endpoint_from_worker_address(
+                    address, endpoint_error_handling=self.error_handling
+                )
                 self._endpoints[key] = endpoint
                 log.info(
                     "ucx_endpoint_created",

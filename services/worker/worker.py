@@ -129,7 +129,10 @@ class Worker:
         self.batch = PersistentBatch(
             kv_cache.block_size, kv_cache.num_blocks, model_config.vocab_size
         )
-        self.transport = UcxTransport(timeout_s=config.kv_transfer_timeout_s)
+        self.transport = UcxTransport(
+            timeout_s=config.kv_transfer_timeout_s,
+            error_handling=config.kv_transfer_error_handling,
+        )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensor")
 
     @classmethod
