@@ -179,21 +179,30 @@ class Engine:
     # -- the step loop ------------------------------------------------------------------------
     async def _run_pool(self, pool: Pool) -> None:
         while True:
-            pool.wakeup.clear()
-            plan = pool.scheduler.schedule()
-            for victim in plan.preempted:
-                self._requeue(self._handles[victim.request_id])
-            if plan.is_empty:
-                await asyncio.sleep(0)  # never starve other tasks, even if woken already
-                await pool.wakeup.wait()
-                continue
             try:
-                result = await pool.client.step(plan)
+                await self._step_pool(pool)
             except WorkerUnavailableError as exc:
                 self._fail_pool(pool, exc)
                 return
-            pool.num_steps += 1
-            self._apply(pool, plan, result)
+            except Exception as exc:  # a bug must fail requests, not stop the service
+                log.exception("step_failed", worker_id=pool.info.worker_id)
+                for handle in [h for h in self._handles.values() if h.pool is pool]:
+                    self._finish(handle, FinishReason.ABORT, ("INTERNAL", f"step failed: {exc}"))
+                await asyncio.sleep(0.1)
+
+    async def _step_pool(self, pool: Pool) -> None:
+        """Plan one step for the pool, run it on the worker, apply its tokens."""
+        pool.wakeup.clear()
+        plan = pool.scheduler.schedule()
+        for victim in plan.preempted:
+            self._requeue(self._handles[victim.request_id])
+        if plan.is_empty:
+            await asyncio.sleep(0)  # never starve other tasks, even if woken already
+            await pool.wakeup.wait()
+            return
+        result = await pool.client.step(plan)
+        pool.num_steps += 1
+        self._apply(pool, plan, result)
 
     def _apply(self, pool: Pool, plan: PoolStepPlan, result: StepResult) -> None:
         for request_id, token in result.sampled.items():
