@@ -1,0 +1,1 @@
+"""Tandem test suite (run with `make test`)."""
