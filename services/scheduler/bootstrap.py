@@ -73,5 +73,10 @@ async def connect(config: SchedulerConfig) -> tuple[Engine, types_pb2.ModelDescr
             num_blocks=info.num_blocks,
             block_size=info.block_size,
         )
-    engine = Engine(pools, max_model_len=model.max_model_len, vocab_size=model.vocab_size)
+    engine = Engine(
+        pools,
+        max_model_len=model.max_model_len,
+        vocab_size=model.vocab_size,
+        kv_transfer_timeout_s=config.kv_transfer_timeout_s,
+    )
     return engine, model

@@ -33,6 +33,11 @@ class SchedulerConfig:
         "seconds to wait for every worker to load and answer",
         env="TANDEM_WORKER_READY_TIMEOUT_S",
     )
+    kv_transfer_timeout_s: float = setting(
+        60.0,
+        "seconds before a prefill -> decode KV transfer is given up",
+        env="TANDEM_KV_TRANSFER_TIMEOUT_S",
+    )
     log_level: str = setting("info", "debug, info, warning or error", env="TANDEM_LOG_LEVEL")
 
     def __post_init__(self) -> None:
@@ -52,6 +57,10 @@ class SchedulerConfig:
             )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if not self.kv_transfer_timeout_s > 0:
+            raise ValueError(
+                f"kv_transfer_timeout_s must be positive, got {self.kv_transfer_timeout_s}"
+            )
         if not self.worker_ready_timeout_s > 0:
             raise ValueError(
                 f"worker_ready_timeout_s must be positive, got {self.worker_ready_timeout_s}"
