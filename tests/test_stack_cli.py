@@ -22,22 +22,16 @@ def stack_cli(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_up_prints_how_to_call_then_status_and_down_stop_everything(tiny_llama_dir, tmp_path):
+def up_on_free_ports(run_dir: Path, model: Path, *extra: str):
+    """`up` with every port free; returns (result, gateway port)."""
     gateway, scheduler, prefill, decode = _distinct_free_ports(4)
-    up = stack_cli(
-        tmp_path,
-        "up",
-        "--model",
-        str(tiny_llama_dir),
-        "--gateway-port",
-        str(gateway),
-        "--scheduler-port",
-        str(scheduler),
-        "--prefill-port",
-        str(prefill),
-        "--decode-port",
-        str(decode),
-    )
+    ports = ["--gateway-port", str(gateway), "--scheduler-port", str(scheduler),
+             "--prefill-port", str(prefill), "--decode-port", str(decode)]  # fmt: skip
+    return stack_cli(run_dir, "up", "--model", str(model), *ports, *extra), gateway
+
+
+def test_up_prints_how_to_call_then_status_and_down_stop_everything(tiny_llama_dir, tmp_path):
+    up, gateway = up_on_free_ports(tmp_path, tiny_llama_dir)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         assert "Tandem is serving tiny-llama" in up.stdout
@@ -57,24 +51,8 @@ def test_up_prints_how_to_call_then_status_and_down_stop_everything(tiny_llama_d
 
 
 def test_bad_model_folder_fails_fast_with_the_log_tail(tmp_path):
-    gateway, scheduler, prefill, decode = _distinct_free_ports(4)
     empty = tmp_path / "not-a-model"
     empty.mkdir()
-    up = stack_cli(
-        tmp_path / "run",
-        "up",
-        "--model",
-        str(empty),
-        "--gateway-port",
-        str(gateway),
-        "--scheduler-port",
-        str(scheduler),
-        "--prefill-port",
-        str(prefill),
-        "--decode-port",
-        str(decode),
-        "--timeout",
-        "60",
-    )
+    up, _ = up_on_free_ports(tmp_path / "run", empty, "--timeout", "60")
     assert up.returncode == 1
     assert "exited during startup" in up.stderr and "config.json" in up.stderr

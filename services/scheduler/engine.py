@@ -63,7 +63,6 @@ class Pool:
     scheduler: PoolScheduler
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     healthy: bool = True
-    num_steps: int = 0
 
     @property
     def runs_prompts(self) -> bool:
@@ -201,7 +200,6 @@ class Engine:
             await pool.wakeup.wait()
             return
         result = await pool.client.step(plan)
-        pool.num_steps += 1
         self._apply(pool, plan, result)
 
     def _apply(self, pool: Pool, plan: PoolStepPlan, result: StepResult) -> None:
