@@ -52,10 +52,13 @@ def greedy_request(prompt: str | list[int], max_tokens: int | None) -> generate_
 
 
 def pool_stats(stack: Stack) -> scheduler_pb2.GetPoolStatsResponse:
+    """Every pool's counters; fails on any invariant violation the scheduler reports."""
     with grpc.insecure_channel(stack.spec.scheduler_address) as channel:
-        return scheduler_pb2_grpc.SchedulerServiceStub(channel).GetPoolStats(
-            scheduler_pb2.GetPoolStatsRequest(), timeout=10
+        stats = scheduler_pb2_grpc.SchedulerServiceStub(channel).GetPoolStats(
+            scheduler_pb2.GetPoolStatsRequest(check_integrity=True), timeout=10
         )
+    assert not stats.integrity_errors, list(stats.integrity_errors)
+    return stats
 
 
 def worker_active_requests(stack: Stack) -> dict[str, int]:

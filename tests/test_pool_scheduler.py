@@ -1,30 +1,50 @@
-"""Continuous batching in one pool: budget, chunking, admission, preemption, drops."""
+"""Continuous batching in one pool: budget, chunking, decode priority, admission, prefix
+hits, preemption (recompute and swap), async placeholders, drops."""
 
 import pytest
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.pool_scheduler import PoolScheduler
+from services.scheduler.prefix_hash import root_hash
 from services.scheduler.request import FinishReason, Request
 
+ROOT = root_hash(b"salt")
 
-def make_request(rid: str, prompt_len: int, max_tokens: int = 8) -> Request:
+
+def make_request(rid: str, prompt_len: int, max_tokens: int = 8, first: int = 1) -> Request:
     return Request(
-        request_id=rid, prompt_token_ids=list(range(1, prompt_len + 1)), max_tokens=max_tokens
+        request_id=rid,
+        prompt_token_ids=list(range(first, first + prompt_len)),
+        max_tokens=max_tokens,
+        hash_root=ROOT,
     )
 
 
-def sched(num_blocks=64, block_size=4, budget=32, max_seqs=8) -> PoolScheduler:
-    return PoolScheduler(BlockManager(num_blocks, block_size), budget, max_seqs)
+def sched(num_blocks=64, block_size=4, budget=32, max_seqs=8, **kwargs) -> PoolScheduler:
+    return PoolScheduler(BlockManager(num_blocks, block_size), budget, max_seqs, **kwargs)
 
 
-def step(s: PoolScheduler, sample: int = 7):
-    """Plan a step and feed back a token for every request that caught up."""
-    plan = s.schedule()
+def deliver(plan, token: int = 7) -> None:
+    """What the engine does with a step's result: one token per request that sampled."""
     for item in plan.scheduled:
-        r = item.request
-        if r.num_computed_tokens == r.num_tokens:
-            r.append_token(sample)
+        request = item.request
+        if request.num_pending_tokens and not request.is_finished:
+            request.num_pending_tokens -= 1
+            request.append_token(token)
+
+
+def step(s: PoolScheduler, token: int = 7):
+    plan = s.schedule()
+    deliver(plan, token)
+    for item in plan.scheduled:
+        if item.request.is_finished:
+            s.release(item.request)
+    s.check_integrity()
     return plan
+
+
+def scheduled(plan):
+    return [(i.request.request_id, i.num_new_tokens) for i in plan.scheduled]
 
 
 def test_prompt_is_chunked_under_the_token_budget_and_blocks_grow_with_it():
@@ -39,36 +59,51 @@ def test_prompt_is_chunked_under_the_token_budget_and_blocks_grow_with_it():
     (item,) = plan.scheduled
     assert (item.is_new, item.num_new_tokens, item.num_computed_before) == (False, 6, 6)
     assert len(item.new_block_ids) == 1  # tokens 6..11 need block 2 only
+    assert r.output_token_ids == []  # no sample before the last chunk
     plan = step(s)
-    assert plan.scheduled[0].num_new_tokens == 2
-    assert r.output_token_ids == [7]  # sampled only after the last chunk
-    plan = step(s)
-    assert plan.scheduled[0].num_new_tokens == 1  # now decoding
+    assert scheduled(plan) == [("a", 2)]
+    assert r.output_token_ids == [7]
+    assert scheduled(step(s)) == [("a", 1)]  # now decoding
 
 
 def test_running_requests_go_first_and_waiting_ones_join_in_order():
     s = sched(budget=10)
-    a, b, c = make_request("a", 8), make_request("b", 8), make_request("c", 8)
-    for r in (a, b, c):
-        s.add(r)
-    plan = step(s)
-    assert [(i.request.request_id, i.num_new_tokens) for i in plan.scheduled] == [
-        ("a", 8),
-        ("b", 2),
-    ]
-    plan = step(s)
+    for rid, first in (("a", 100), ("b", 200), ("c", 300)):
+        s.add(make_request(rid, 8, first=first))
+    assert scheduled(step(s)) == [("a", 8), ("b", 2)]
     # a decodes (1), b finishes its prompt (6), c starts with what is left (3).
-    assert [(i.request.request_id, i.num_new_tokens) for i in plan.scheduled] == [
-        ("a", 1),
-        ("b", 6),
-        ("c", 3),
-    ]
+    assert scheduled(step(s)) == [("a", 1), ("b", 6), ("c", 3)]
+
+
+def test_a_long_prompt_chunk_never_starves_later_decodes():
+    s = sched(budget=8)
+    decoders = [make_request(f"d{i}", 2, max_tokens=50, first=100 * (i + 1)) for i in range(3)]
+    for d in decoders:
+        s.add(d)
+    step(s)  # the three short prompts
+    long = make_request("long", 40, first=500)
+    s.add(long)
+    for _ in range(5):
+        got = dict(scheduled(step(s)))
+        # Every decode gets its token; the prompt chunks with what is left.
+        assert all(got[d.request_id] == 1 for d in decoders)
+        assert got["long"] == 8 - 3
+    # Older prompt chunks ahead of decodes also leave one token per decode behind them.
+    s2 = sched(budget=8)
+    long2 = make_request("long", 40, first=500)
+    s2.add(long2)
+    step(s2)
+    d = make_request("d", 2, first=900)
+    s2.running.append(d)  # as if admitted earlier and now decoding
+    d.num_computed_tokens, d.output_token_ids = 2, [5]
+    s2.blocks.allocate("d", 2)
+    assert dict(scheduled(s2.schedule())) == {"long": 7, "d": 1}
 
 
 def test_max_num_seqs_caps_the_running_batch():
     s = sched(max_seqs=2)
     for i in range(3):
-        s.add(make_request(str(i), 2))
+        s.add(make_request(str(i), 2, first=10 * i + 1))
     plan = step(s)
     assert len(plan.scheduled) == 2
     assert len(s.waiting) == 1
@@ -80,16 +115,38 @@ def test_finished_request_is_released_and_dropped_on_the_next_plan():
     s.add(r)
     step(s)
     assert r.finish_reason is FinishReason.LENGTH
-    freed = s.release(r)
-    assert freed == 1 and s.blocks.num_free_blocks == s.blocks.num_blocks
+    assert s.blocks.num_requests == 0
     plan = s.schedule()
     assert plan.dropped_request_ids == ["a"] and not plan.scheduled
     assert s.schedule().dropped_request_ids == []
 
 
-def test_newest_running_request_is_preempted_when_blocks_run_out():
+def test_prefix_hit_skips_cached_blocks_but_always_recomputes_the_last_token():
+    s = sched(num_blocks=16, block_size=4)
+    first = make_request("first", 8, max_tokens=1)  # exactly two full blocks
+    s.add(first)
+    step(s)
+    assert first.num_cached_tokens == 0
+    # Same 8-token prompt: block 1 holds the last token, which must be computed, so only
+    # block 0 can come from the cache.
+    again = make_request("again", 8, max_tokens=1)
+    s.add(again)
+    plan = step(s)
+    (item,) = plan.scheduled
+    assert (item.num_computed_before, item.num_new_tokens) == (4, 4)
+    assert again.num_cached_tokens == 4
+    # A longer prompt sharing both blocks reuses both.
+    longer = make_request("longer", 11, max_tokens=1)
+    s.add(longer)
+    (item,) = step(s).scheduled
+    assert (item.num_computed_before, item.num_new_tokens) == (8, 3)
+    assert longer.num_cached_tokens == 8
+    assert s.num_prefix_hit_tokens == 12
+
+
+def test_newest_running_request_is_preempted_for_recompute_when_blocks_run_out():
     s = sched(num_blocks=4, block_size=4, budget=64)
-    a, b = make_request("a", 8, max_tokens=20), make_request("b", 7, max_tokens=20)
+    a, b = make_request("a", 8, max_tokens=20), make_request("b", 7, max_tokens=20, first=50)
     s.add(a)
     s.add(b)
     step(s)  # a: 2 blocks (8 tokens), b: 2 blocks (7 tokens); pool full
@@ -97,11 +154,11 @@ def test_newest_running_request_is_preempted_when_blocks_run_out():
     plan = step(s)
     # a needs a third block for its 9th token: b (newest) is preempted, a runs.
     assert [p.request_id for p in plan.preempted] == ["b"]
-    assert [i.request.request_id for i in plan.scheduled] == ["a"]
+    assert scheduled(plan) == [("a", 1)]
     assert b.num_computed_tokens == 0 and b.num_preemptions == 1
     assert plan.dropped_request_ids == ["b"]
     assert not s.holds(b)  # the caller re-queues it
-    s.blocks.check_integrity()
+    s.check_integrity()
 
 
 def test_lone_request_that_cannot_grow_preempts_itself():
@@ -114,10 +171,63 @@ def test_lone_request_that_cannot_grow_preempts_itself():
     assert s.blocks.num_free_blocks == 2
 
 
-def test_waiting_requests_holding_blocks_yield_when_nothing_runs():
+def test_swap_preemption_moves_kv_out_and_back_keeping_progress():
+    s = sched(
+        num_blocks=4,
+        block_size=4,
+        budget=64,
+        preemption_mode="swap",
+        swap_blocks=BlockManager(8, 4, enable_caching=False),
+    )
+    # a grows to 8 + 8 tokens = all 4 blocks; b (7 + 3 tokens) must make room.
+    a, b = make_request("a", 8, max_tokens=8), make_request("b", 7, max_tokens=3, first=50)
+    s.add(a)
+    s.add(b)
+    step(s)
+    b_blocks = s.blocks.table("b")
+    plan = step(s)
+    assert plan.swapped_out == [b] and not plan.preempted
+    assert [src for src, _ in plan.swap_out] == b_blocks
+    assert b.num_computed_tokens == 7 and s.swapped[0] is b  # progress kept
+    assert s.swap_blocks.num_free_blocks == 6
+    plan = step(s)
+    while not plan.swap_in:  # a runs alone until it finishes and frees its blocks
+        assert scheduled(plan) == [("a", 1)]
+        plan = step(s)
+    assert a.is_finished and len(a.output_token_ids) == 8
+    # b is back, continuing from its 8th token (no recompute of its prompt).
+    assert [src for src, _ in plan.swap_in] == [0, 1]  # the swap blocks it was given
+    assert [dst for _, dst in plan.swap_in] == s.blocks.table("b")[:2]
+    (item,) = plan.scheduled
+    assert item.request is b and item.is_new
+    assert (item.num_computed_before, item.num_new_tokens) == (7, 1)
+    assert s.swap_blocks.num_free_blocks == 8
+    while not b.is_finished:
+        step(s)
+    assert b.output_token_ids == [7, 7, 7]
+    s.check_integrity()
+
+
+def test_swap_falls_back_to_recompute_when_swap_space_is_full():
+    s = sched(
+        num_blocks=4,
+        block_size=4,
+        budget=64,
+        preemption_mode="swap",
+        swap_blocks=BlockManager(1, 4, enable_caching=False),
+    )
+    a, b = make_request("a", 8, max_tokens=20), make_request("b", 7, max_tokens=20, first=50)
+    s.add(a)
+    s.add(b)
+    step(s)
+    plan = step(s)
+    assert plan.preempted == [b] and not plan.swapped_out  # b needs 2 swap blocks, 1 exist
+
+
+def test_waiting_requests_holding_blocks_yield_only_when_nothing_runs():
     # Decode-pool situation: requests arrive with received KV already in blocks.
     s = sched(num_blocks=4, block_size=4, budget=64)
-    a, b = make_request("a", 7), make_request("b", 8)
+    a, b = make_request("a", 8), make_request("b", 8, first=50)
     for r in (a, b):
         r.append_token(5)  # first token came from the prefill worker
         r.num_computed_tokens = r.num_tokens - 1
@@ -125,31 +235,73 @@ def test_waiting_requests_holding_blocks_yield_when_nothing_runs():
         s.add(r)
     assert s.blocks.num_free_blocks == 0
     plan = s.schedule()
-    # a fits (7 + 1 tokens in its 2 blocks); b needs a third block and nothing is free,
-    # but a runs and will free blocks later: b waits rather than being preempted.
-    assert [i.request.request_id for i in plan.scheduled] == ["a"]
-    assert not plan.preempted
-
-
-def test_waiting_holder_is_preempted_when_the_head_cannot_start_and_nothing_runs():
-    s = sched(num_blocks=4, block_size=4, budget=64)
-    a, b = make_request("a", 8), make_request("b", 8)
-    for r in (a, b):
-        r.append_token(5)
-        r.num_computed_tokens = r.num_tokens - 1
-        s.blocks.allocate(r.request_id, r.num_computed_tokens)
-        s.add(r)
-    assert s.blocks.num_free_blocks == 0  # a needs a third block for its 10th token
-    plan = s.schedule()
+    # a needs a third block for its 9th token and nothing runs: b gives its blocks up.
     assert plan.preempted == [b]
-    assert [i.request.request_id for i in plan.scheduled] == ["a"]
+    assert scheduled(plan) == [("a", 1)]
 
 
-def test_budget_and_caps_are_validated():
+def test_head_that_cannot_start_does_not_preempt_requests_without_blocks():
+    # Prefill-pool situation: blocks are held outside the queues (requests handed off to
+    # decode); waiting requests hold none, so preempting them would free nothing.
+    s = sched(num_blocks=2, block_size=4, budget=64)
+    s.blocks.allocate("handed-off", 8)
+    for i in range(3):
+        s.add(make_request(str(i), 4, first=10 * i + 1))
+    plan = s.schedule()
+    assert plan.is_empty and not plan.preempted
+    assert len(s.waiting) == 3
+
+
+def test_async_placeholders_schedule_the_token_still_in_flight():
+    s = sched(budget=32)
+    r = make_request("a", 5, max_tokens=10)
+    s.add(r)
+    first = s.schedule()  # prompt; samples token 1 (pending)
+    assert r.num_pending_tokens == 1
+    second = s.schedule()  # before the result: the worker computes its own token
+    assert scheduled(second) == [("a", 1)] and r.num_pending_tokens == 2
+    deliver(first)
+    deliver(second)
+    assert r.output_token_ids == [7, 7] and r.num_pending_tokens == 0
+
+
+def test_prefill_only_pool_never_schedules_past_the_prompt():
+    s = sched(budget=32, runs_decodes=False)
+    r = make_request("a", 5)
+    s.add(r)
+    s.schedule()
+    assert r.num_pending_tokens == 1
+    assert s.schedule().scheduled == []  # the decode pool takes it from here
+
+
+def test_no_placeholder_step_once_the_pending_tokens_reach_max_tokens():
+    s = sched(budget=32)
+    r = make_request("a", 5, max_tokens=1)
+    s.add(r)
+    s.schedule()
+    assert s.schedule().scheduled == []  # its only token is already being sampled
+
+
+def test_preempted_request_with_a_token_on_the_way_waits_for_it():
+    s = sched(budget=32)
+    r = make_request("a", 5, max_tokens=10)
+    r.num_pending_tokens = 1  # preempted while its token was in flight
+    s.add(r)
+    assert s.schedule().scheduled == []
+    r.num_pending_tokens = 0
+    r.append_token(9)
+    assert scheduled(s.schedule()) == [("a", 6)]  # recomputes prompt + token 9
+
+
+def test_budget_caps_and_modes_are_validated():
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         PoolScheduler(BlockManager(4, 4), 0, 1)
     with pytest.raises(ValueError, match="max_num_seqs"):
         PoolScheduler(BlockManager(4, 4), 1, 0)
+    with pytest.raises(ValueError, match="preemption_mode"):
+        PoolScheduler(BlockManager(4, 4), 1, 1, preemption_mode="drop")
+    with pytest.raises(ValueError, match="swap space"):
+        PoolScheduler(BlockManager(4, 4), 1, 1, preemption_mode="swap")
 
 
 def test_request_finishes_on_stop_token_and_max_tokens():
@@ -163,13 +315,11 @@ def test_request_finishes_on_stop_token_and_max_tokens():
     assert r3.append_token(1) is FinishReason.LENGTH
 
 
-def test_head_that_cannot_start_does_not_preempt_requests_without_blocks():
-    # Prefill-pool situation: blocks are held outside the queues (requests handed off to
-    # decode); waiting requests hold none, so preempting them would free nothing.
-    s = sched(num_blocks=2, block_size=4, budget=64)
-    s.blocks.allocate("handed-off", 8)
-    for i in range(3):
-        s.add(make_request(str(i), 4))
-    plan = s.schedule()
-    assert plan.is_empty and not plan.preempted
-    assert len(s.waiting) == 3
+def test_context_limit_counts_only_tokens_that_arrived():
+    r = Request("a", [1, 2, 3], max_tokens=10, max_model_len=5)
+    r.num_pending_tokens = 2  # two samples in flight
+    r.num_pending_tokens -= 1
+    assert r.append_token(4) is None  # 4 known tokens < 5, although 5 are in sight
+    assert r.will_finish
+    r.num_pending_tokens -= 1
+    assert r.append_token(5) is FinishReason.LENGTH

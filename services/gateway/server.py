@@ -20,6 +20,7 @@ from services.gateway.validation import (
     ModelLimits,
     check_prompt_field,
     resolve_max_tokens,
+    validate_cache_salt,
     validate_prompt_ids,
     validate_prompt_text,
     validate_sampling,
@@ -85,6 +86,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             ),
             max_tokens=max_tokens,
             stop_token_ids=list(self.model.eos_token_ids),
+            cache_salt=validate_cache_salt(request.cache_salt),
         )
 
     async def Generate(self, request, context):

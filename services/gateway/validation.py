@@ -14,6 +14,7 @@ from common.pb.tandem.v1 import generate_pb2
 
 MAX_TEMPERATURE = 100.0
 MAX_PROMPT_TEXT_BYTES = 4 * 1024 * 1024
+MAX_CACHE_SALT_BYTES = 256
 
 
 class InvalidArgumentError(ValueError):
@@ -89,6 +90,15 @@ def resolve_max_tokens(
             f"exceed the context length of {limits.max_model_len} tokens"
         )
     return request.max_tokens
+
+
+def validate_cache_salt(salt: str) -> str:
+    size = len(salt.encode("utf-8", errors="surrogatepass"))
+    if size > MAX_CACHE_SALT_BYTES:
+        raise InvalidArgumentError(
+            f"cache_salt must be at most {MAX_CACHE_SALT_BYTES} bytes, got {size}"
+        )
+    return salt
 
 
 def check_prompt_field(request: generate_pb2.GenerateRequest) -> str:

@@ -4,13 +4,15 @@ the same model with compatible KV geometry, and build one pool per worker."""
 from __future__ import annotations
 
 import asyncio
+import secrets
 
 from common.lifecycle import StartupError
 from common.log import get_logger
 from common.pb.tandem.internal.v1 import types_pb2
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.engine import Engine, Pool
+from services.scheduler.engine import Engine
+from services.scheduler.pool import Pool
 from services.scheduler.pool_scheduler import PoolScheduler
 from services.scheduler.worker_client import WorkerClient, WorkerInfo, WorkerUnavailableError
 
@@ -42,6 +44,28 @@ def check_compatible(infos: list[WorkerInfo]) -> None:
             )
 
 
+def pool_scheduler(config: SchedulerConfig, info: WorkerInfo) -> PoolScheduler:
+    """The scheduler of one worker's pool, from the worker's geometry and our settings."""
+    if config.preemption_mode == "swap" and not info.num_swap_blocks:
+        raise ValueError(
+            f"preemption_mode=swap but worker {info.worker_id} has no swap space "
+            "(start it with --swap-space > 0)"
+        )
+    swap = (
+        BlockManager(info.num_swap_blocks, info.block_size, enable_caching=False)
+        if config.preemption_mode == "swap"
+        else None
+    )
+    return PoolScheduler(
+        BlockManager(info.num_blocks, info.block_size, config.enable_prefix_caching),
+        config.max_num_batched_tokens,
+        config.max_num_seqs,
+        runs_decodes=info.role != "prefill",
+        preemption_mode=config.preemption_mode,
+        swap_blocks=swap,
+    )
+
+
 def model_description(infos: list[WorkerInfo]) -> types_pb2.ModelDescription:
     model = types_pb2.ModelDescription()
     model.CopyFrom(infos[0].model)
@@ -62,9 +86,7 @@ async def connect(config: SchedulerConfig) -> tuple[Engine, types_pb2.ModelDescr
     pools = []
     for client, info in zip(clients, infos, strict=True):
         await client.open_step_stream()
-        blocks = BlockManager(info.num_blocks, info.block_size)
-        scheduler = PoolScheduler(blocks, config.max_num_batched_tokens, config.max_num_seqs)
-        pools.append(Pool(info=info, client=client, scheduler=scheduler))
+        pools.append(Pool(info=info, client=client, scheduler=pool_scheduler(config, info)))
         log.info(
             "worker_connected",
             worker_id=info.worker_id,
@@ -77,6 +99,8 @@ async def connect(config: SchedulerConfig) -> tuple[Engine, types_pb2.ModelDescr
         pools,
         max_model_len=model.max_model_len,
         vocab_size=model.vocab_size,
+        deployment_salt=config.prefix_cache_salt.encode() or secrets.token_bytes(16),
         kv_transfer_timeout_s=config.kv_transfer_timeout_s,
+        async_scheduling=config.async_scheduling,
     )
     return engine, model

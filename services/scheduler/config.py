@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.config import check_port, parse_address, setting
+from services.scheduler.pool_scheduler import PREEMPTION_MODES
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,28 @@ class SchedulerConfig:
         60.0,
         "seconds before a prefill -> decode KV transfer is given up",
         env="TANDEM_KV_TRANSFER_TIMEOUT_S",
+    )
+    preemption_mode: str = setting(
+        "recompute",
+        "when a pool runs out of blocks: recompute (drop the KV, recompute it later) or "
+        "swap (copy it to the worker's CPU swap space and back)",
+        choices=PREEMPTION_MODES,
+        env="TANDEM_PREEMPTION_MODE",
+    )
+    async_scheduling: bool = setting(
+        True,
+        "keep one step in flight ahead so scheduling overlaps the model step",
+        env="TANDEM_ASYNC_SCHEDULING",
+    )
+    prefix_cache_salt: str = setting(
+        "",
+        "deployment salt mixed into every prefix-cache hash (default: random per start)",
+        env="TANDEM_PREFIX_CACHE_SALT",
+    )
+    enable_prefix_caching: bool = setting(
+        True,
+        "reuse the KV of prompt prefixes already in a pool (automatic prefix caching)",
+        env="TANDEM_ENABLE_PREFIX_CACHING",
     )
     log_level: str = setting("info", "debug, info, warning or error", env="TANDEM_LOG_LEVEL")
 

@@ -1,33 +1,32 @@
-"""The scheduler's engine: one step loop per worker pool, the prefill → decode handoff, KV
-transfers, and every request's stream of tokens.
+"""The scheduler's engine: one step loop per worker pool, request placement, and every
+request's stream of tokens.
 
-Disaggregated plan: a prompt runs in a prefill pool, whose worker samples the first token;
-the request then waits (holding its prefill blocks) until a decode pool can take it, the
-scheduler allocates decode blocks, and the prefill worker sends exactly those blocks to the
-decode worker over UCX (gRPC carries only the descriptors). Once received, the prefill
-blocks are freed and the request joins the decode pool's running batch. A worker with role
+Disaggregated plan: a prompt runs in a prefill pool (chosen by prefix-cache overlap and
+load), whose worker samples the first token; the request then moves to a decode pool
+through `KvHandoff` (only the KV blocks that pool lacks cross UCX). A worker with role
 `both` keeps a request from prompt to finish with no transfer.
+
+Async scheduling: each pool loop keeps up to two steps on the worker's Step stream, so
+the worker starts step N+1 as soon as step N ends while the scheduler is still applying
+N's tokens. The plan for N+1 counts the token N will sample as pending (the worker
+computes it from its own copy), and tokens that arrive for requests finished meanwhile
+are dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
-import secrets
 import time
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from common.log import bind_request, get_logger
-from services.scheduler.pool_scheduler import PoolScheduler, PoolStepPlan
+from services.scheduler.handle import Finished, RequestHandle, Stage
+from services.scheduler.handoff import KvHandoff
+from services.scheduler.placement import PrefillCandidate, choose_prefill
+from services.scheduler.pool import Pool
+from services.scheduler.prefix_hash import root_hash
 from services.scheduler.request import FinishReason, Request
-from services.scheduler.worker_client import (
-    StepResult,
-    WorkerClient,
-    WorkerInfo,
-    WorkerUnavailableError,
-)
+from services.scheduler.worker_client import StepResult, WorkerUnavailableError
 
 log = get_logger(__name__)
 
@@ -36,59 +35,16 @@ class InvalidRequestError(ValueError):
     """The request breaks a limit; the message names the field and the limit."""
 
 
-class Stage(enum.Enum):
-    PREFILL = "prefill"  # queued or running in a prefill-capable pool
-    HANDOFF = "handoff"  # prompt done; holds prefill blocks until a decode pool has room
-    TRANSFER = "transfer"  # KV moving over UCX; holds blocks in both pools
-    DECODE = "decode"  # in a decode pool
-    DONE = "done"
-
-
-@dataclass(frozen=True)
-class Finished:
-    """The last event of a request's stream."""
-
-    reason: FinishReason
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    # Set when the request failed: (status name, message), e.g. ("UNAVAILABLE", "...").
-    error: tuple[str, str] | None = None
-
-
-@dataclass(eq=False)
-class Pool:
-    info: WorkerInfo
-    client: WorkerClient
-    scheduler: PoolScheduler
-    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
-    healthy: bool = True
-
-    @property
-    def runs_prompts(self) -> bool:
-        return self.info.role in ("prefill", "both")
-
-
-@dataclass(eq=False)
-class RequestHandle:
-    request: Request
-    pool: Pool
-    stage: Stage = Stage.PREFILL
-    # Token lists, then one Finished.
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-
-    @property
-    def done(self) -> bool:
-        return self.stage is Stage.DONE
-
-
 class Engine:
     def __init__(
         self,
         pools: Sequence[Pool],
         max_model_len: int,
         vocab_size: int,
+        *,
+        deployment_salt: bytes,
         kv_transfer_timeout_s: float = 60.0,
+        async_scheduling: bool = True,
     ) -> None:
         roles = {p.info.role for p in pools}
         if not pools:
@@ -102,22 +58,30 @@ class Engine:
         self.pools = list(pools)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.kv_transfer_timeout_s = kv_transfer_timeout_s
+        self.deployment_salt = deployment_salt
+        self.max_steps_in_flight = 2 if async_scheduling else 1
         self._handles: dict[str, RequestHandle] = {}
-        self._handoffs: deque[RequestHandle] = deque()
         self._tasks: set[asyncio.Task] = set()
-        self._tag_base = secrets.randbits(31) << 32
-        self._tag_counter = 0
+        self.handoff = KvHandoff(
+            [p for p in self.pools if p.info.role == "decode"],
+            kv_transfer_timeout_s,
+            spawn=self._spawn,
+            fail=lambda handle, message: self._finish(
+                handle, FinishReason.ABORT, ("UNAVAILABLE", message)
+            ),
+        )
 
     # -- public --------------------------------------------------------------------------
     def start(self) -> None:
         for pool in self.pools:
-            self._spawn(self._run_pool(pool), name=f"pool-{pool.info.worker_id}")
+            self._spawn(self._run_pool(pool), f"pool-{pool.info.worker_id}")
 
     def submit(self, request: Request) -> RequestHandle:
         """Validate and queue a request; raises InvalidRequestError naming field and limit."""
         self._validate(request)
-        pool = self._pick_prefill_pool()
+        request.hash_root = root_hash(self.deployment_salt, request.cache_salt)
+        request.update_block_hashes(self.pools[0].blocks.block_size)
+        pool = self._pick_prefill_pool(request)
         if pool is None:
             raise WorkerUnavailableError("no healthy worker can run prompts")
         handle = RequestHandle(request=request, pool=pool)
@@ -136,6 +100,16 @@ class Engine:
     @property
     def num_requests(self) -> int:
         return len(self._handles)
+
+    def check_integrity(self) -> list[str]:
+        """Every pool's invariants; returns the violations found (empty = sound)."""
+        errors = []
+        for pool in self.pools:
+            try:
+                pool.scheduler.check_integrity()
+            except AssertionError as exc:
+                errors.append(f"{pool.info.worker_id}: {exc}")
+        return errors
 
     async def close(self) -> None:
         for task in list(self._tasks):
@@ -163,23 +137,28 @@ class Engine:
                 f"length max_model_len={self.max_model_len}"
             )
 
-    def _pick_prefill_pool(self) -> Pool | None:
+    def _pick_prefill_pool(self, request: Request) -> Pool | None:
         candidates = [p for p in self.pools if p.healthy and p.runs_prompts]
-        return min(
-            candidates,
-            key=lambda p: (p.scheduler.num_queued_tokens, -p.scheduler.blocks.num_free_blocks),
-            default=None,
-        )
-
-    def _pick_decode_pool(self) -> Pool | None:
-        candidates = [p for p in self.pools if p.healthy and p.info.role == "decode"]
-        return max(candidates, key=lambda p: p.scheduler.blocks.num_free_blocks, default=None)
+        scores = []
+        for pool in candidates:
+            hits = pool.blocks.cached_prefix(
+                request.block_hashes, request.all_token_ids, request.num_known_tokens - 1
+            )
+            scores.append(
+                PrefillCandidate(
+                    queued_tokens=pool.scheduler.num_queued_tokens,
+                    cached_tokens=len(hits) * pool.blocks.block_size,
+                    free_blocks=pool.blocks.num_free_blocks,
+                )
+            )
+        choice = choose_prefill(scores, request.num_known_tokens)
+        return None if choice is None else candidates[choice]
 
     # -- the step loop ------------------------------------------------------------------------
     async def _run_pool(self, pool: Pool) -> None:
         while True:
             try:
-                await self._step_pool(pool)
+                await self._advance(pool)
             except WorkerUnavailableError as exc:
                 self._fail_pool(pool, exc)
                 return
@@ -189,119 +168,64 @@ class Engine:
                     self._finish(handle, FinishReason.ABORT, ("INTERNAL", f"step failed: {exc}"))
                 await asyncio.sleep(0.1)
 
-    async def _step_pool(self, pool: Pool) -> None:
-        """Plan one step for the pool, run it on the worker, apply its tokens."""
-        pool.wakeup.clear()
-        plan = pool.scheduler.schedule()
-        for victim in plan.preempted:
-            self._requeue(self._handles[victim.request_id])
-        if plan.is_empty:
-            await asyncio.sleep(0)  # never starve other tasks, even if woken already
-            await pool.wakeup.wait()
+    async def _advance(self, pool: Pool) -> None:
+        """Send the next plan if a slot is free, else apply the oldest result, else sleep."""
+        if pool.steps_in_flight < self.max_steps_in_flight:
+            pool.wakeup.clear()
+            plan = pool.scheduler.schedule()
+            for victim in plan.preempted:
+                self._requeue(self._handles[victim.request_id])
+            if not plan.is_empty:
+                await pool.client.send_step(plan)
+                pool.steps_in_flight += 1
+                return
+        if pool.steps_in_flight:
+            result = await pool.client.receive_step()
+            pool.steps_in_flight -= 1
+            pool.counters.record_step(result, pool.idle_since_last_result)
+            pool.idle_since_last_result = False
+            self._apply(pool, result)
             return
-        result = await pool.client.step(plan)
-        self._apply(pool, plan, result)
+        pool.idle_since_last_result = True
+        await asyncio.sleep(0)  # never starve other tasks, even if woken already
+        await pool.wakeup.wait()
 
-    def _apply(self, pool: Pool, plan: PoolStepPlan, result: StepResult) -> None:
+    def _apply(self, pool: Pool, result: StepResult) -> None:
         for request_id, token in result.sampled.items():
             handle = self._handles.get(request_id)
-            if (
-                handle is None
-                or handle.pool is not pool
-                or handle.stage not in (Stage.PREFILL, Stage.DECODE)
-            ):
+            if handle is None:
                 continue  # finished or aborted while the step ran
-            reason = handle.request.append_token(token)
+            request = handle.request
+            if request.num_pending_tokens <= 0:
+                log.warning("unexpected_token", request_id=request_id, step=result.step_id)
+                continue
+            request.num_pending_tokens -= 1
+            reason = request.append_token(token)
             handle.events.put_nowait([token])
+            if handle.pool is not pool:
+                handle.pool.wakeup.set()  # preempted meanwhile: it waited for this token
             if reason is not None:
                 self._finish(handle, reason)
-            elif pool.info.role == "prefill":
-                pool.scheduler.detach(handle.request)
-                handle.stage = Stage.HANDOFF
-                self._handoffs.append(handle)
-        if self._handoffs:
-            self._start_handoffs()
+            elif (
+                pool.info.role == "prefill"
+                and handle.pool is pool
+                and handle.stage is Stage.PREFILL
+                and pool.scheduler.is_running(request)
+            ):
+                pool.scheduler.detach(request)
+                self.handoff.enqueue(handle)
+        if self.handoff.queue:
+            self.handoff.pump()
 
     def _requeue(self, handle: RequestHandle) -> None:
         """A preempted request recomputes from its prompt + tokens so far in a prefill pool."""
-        target = self._pick_prefill_pool()
+        target = self._pick_prefill_pool(handle.request)
         if target is None:
             self._finish(handle, FinishReason.ABORT, ("UNAVAILABLE", "no prefill worker left"))
             return
         handle.stage, handle.pool = Stage.PREFILL, target
         target.scheduler.add(handle.request, front=True)
         target.wakeup.set()
-
-    # -- handoff and KV transfer -----------------------------------------------------------------
-    def _start_handoffs(self) -> None:
-        while self._handoffs:
-            handle = self._handoffs[0]
-            request = handle.request
-            dst = self._pick_decode_pool()
-            if dst is None:
-                for stranded in list(self._handoffs):
-                    self._finish(
-                        stranded, FinishReason.ABORT, ("UNAVAILABLE", "no decode worker left")
-                    )
-                return
-            # Room for the received KV plus one block of headroom for the next token.
-            if not dst.scheduler.blocks.can_allocate(
-                request.request_id, request.num_computed_tokens, reserve=1
-            ):
-                return
-            self._handoffs.popleft()
-            dst_blocks = dst.scheduler.blocks.allocate(
-                request.request_id, request.num_computed_tokens
-            )
-            src_blocks = handle.pool.scheduler.blocks.table(request.request_id)[: len(dst_blocks)]
-            handle.stage = Stage.TRANSFER
-            self._spawn(
-                self._transfer(handle, handle.pool, dst, src_blocks, dst_blocks),
-                name=f"kv-{request.request_id}",
-            )
-
-    async def _transfer(
-        self,
-        handle: RequestHandle,
-        src: Pool,
-        dst: Pool,
-        src_blocks: list[int],
-        dst_blocks: list[int],
-    ) -> None:
-        request_id = handle.request.request_id
-        self._tag_counter += 1
-        tag = self._tag_base | self._tag_counter
-        started = time.perf_counter()
-        received, sent = await asyncio.gather(
-            dst.client.receive_kv(tag, dst_blocks, self.kv_transfer_timeout_s),
-            src.client.send_kv(tag, dst.info, src_blocks, self.kv_transfer_timeout_s),
-            return_exceptions=True,
-        )
-        src.scheduler.blocks.free(request_id)
-        src.wakeup.set()
-        error = next((r for r in (received, sent) if isinstance(r, BaseException)), None)
-        if handle.done or error is not None:
-            dst.scheduler.blocks.free(request_id)
-            if error is not None and not handle.done:
-                handle.stage = Stage.DONE  # blocks are already freed above
-                self._emit_finish(
-                    handle, FinishReason.ABORT, ("UNAVAILABLE", f"KV transfer failed: {error}")
-                )
-            self._start_handoffs()
-            return
-        with bind_request(request_id):
-            log.debug(
-                "kv_transferred",
-                src=src.info.worker_id,
-                dst=dst.info.worker_id,
-                blocks=len(dst_blocks),
-                bytes=received.num_bytes,
-                seconds=round(time.perf_counter() - started, 5),
-            )
-        handle.stage, handle.pool = Stage.DECODE, dst
-        dst.scheduler.add(handle.request)
-        dst.wakeup.set()
-        self._start_handoffs()
 
     # -- finishing ------------------------------------------------------------------------------
     def _finish(
@@ -316,13 +240,13 @@ class Engine:
             handle.pool.scheduler.release(request)
             handle.pool.wakeup.set()
         elif stage is Stage.HANDOFF:
-            self._handoffs.remove(handle)
-            handle.pool.scheduler.blocks.free(request.request_id)
+            self.handoff.remove(handle)
+            handle.pool.blocks.free(request.request_id)
             handle.pool.wakeup.set()
         # Stage.TRANSFER: the transfer task frees both sides when it returns.
         self._emit_finish(handle, reason, error)
-        if stage is Stage.DECODE and self._handoffs:
-            self._start_handoffs()  # decode blocks were freed
+        if stage is Stage.DECODE and self.handoff.queue:
+            self.handoff.pump()  # decode blocks were freed
 
     def _emit_finish(
         self, handle: RequestHandle, reason: FinishReason, error: tuple[str, str] | None
@@ -331,12 +255,13 @@ class Engine:
         if request.finish_reason is None:
             request.finish_reason = reason
         self._handles.pop(request.request_id, None)
+        cached = max(0, request.num_cached_tokens)
         handle.events.put_nowait(
             Finished(
                 reason=request.finish_reason,
                 prompt_tokens=len(request.prompt_token_ids),
                 completion_tokens=len(request.output_token_ids),
-                cached_tokens=request.num_cached_tokens,
+                cached_tokens=cached,
                 error=error,
             )
         )
@@ -349,7 +274,7 @@ class Engine:
                 finish_reason=request.finish_reason.value,
                 prompt_tokens=len(request.prompt_token_ids),
                 output_tokens=n_out,
-                cached_tokens=request.num_cached_tokens,
+                cached_tokens=cached,
                 preemptions=request.num_preemptions,
                 ttft_ms=round((first - request.arrival_time) * 1e3, 2) if first else None,
                 mean_itl_ms=round((now - first) * 1e3 / (n_out - 1), 2)

@@ -1,14 +1,22 @@
 """Continuous batching for one worker pool: what runs in the next step, under a token budget.
 
-Each step, running requests go first (oldest first: decodes and unfinished prompt chunks),
-then waiting requests join while the budget (`max_num_batched_tokens`), the sequence cap
-(`max_num_seqs`) and free blocks allow. A long prompt is split across steps (chunked
-prefill) by the same rule that runs decodes: schedule `min(uncomputed tokens, budget)`.
-When a running request needs a block and none is free, the newest running request is
-preempted (recompute: its blocks are freed and the caller re-queues it).
+One rule covers prefill, chunked prefill and decode: each scheduled request computes
+`min(schedulable tokens, budget)` new tokens, where schedulable = tokens known (or, in a
+pool that decodes, already being sampled by a step in flight) minus tokens computed.
 
-`num_computed_tokens` advances when a step is planned, so a request whose computed tokens
-equal its known tokens waits for the sampled token of that step. Pure Python.
+Each step:
+1. Running requests go first, oldest first. Every later decode keeps one token of budget,
+   so a long prompt chunk never starves the decodes behind it on a worker that does both.
+   When a running request cannot get a block, the newest running request is preempted:
+   *recompute* (blocks freed, computed tokens reset; the caller re-queues it) or *swap*
+   (its computed KV is copied to the worker's CPU swap space and it waits in `swapped`).
+2. If nobody was preempted: swapped requests come back first (swap-in), then waiting ones
+   join while the budget, `max_num_seqs` and free blocks allow. A waiting request starts
+   from the longest cached prefix of its prompt (never its last token, which must be
+   computed to sample from).
+
+`num_computed_tokens` advances when a step is planned; full blocks whose tokens are known
+are then offered to the prefix cache. Pure Python.
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ from dataclasses import dataclass, field
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import Request
+
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass
@@ -30,6 +40,8 @@ class ScheduledRequest:
     new_block_ids: list[int]
     # Tokens already computed before this step (where the new tokens start).
     num_computed_before: int
+    # The request's whole table when copy-on-write replaced some of its blocks.
+    replaced_table: list[int] | None = None
 
 
 @dataclass
@@ -37,8 +49,14 @@ class PoolStepPlan:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     # Requests the worker must drop from its persistent batch before running.
     dropped_request_ids: list[str] = field(default_factory=list)
-    # Requests preempted this step: blocks freed, num_computed_tokens reset to 0.
+    # Recompute victims: blocks freed, num_computed_tokens reset; the caller re-queues them.
     preempted: list[Request] = field(default_factory=list)
+    # Swap victims (they stay in this pool, in `swapped`).
+    swapped_out: list[Request] = field(default_factory=list)
+    # Block copies the worker runs before the forward pass, in this order:
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, swap) blocks
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (swap, device) blocks
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -46,14 +64,21 @@ class PoolStepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled and not self.dropped_request_ids
+        return not (self.scheduled or self.dropped_request_ids or self.swap_out)
 
 
 class PoolScheduler:
-    """Waiting and running queues of one worker, and its block manager."""
+    """Waiting, running and swapped queues of one worker, and its block managers."""
 
     def __init__(
-        self, blocks: BlockManager, max_num_batched_tokens: int, max_num_seqs: int
+        self,
+        blocks: BlockManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        *,
+        runs_decodes: bool = True,
+        preemption_mode: str = "recompute",
+        swap_blocks: BlockManager | None = None,
     ) -> None:
         if max_num_batched_tokens <= 0:
             raise ValueError(
@@ -61,13 +86,27 @@ class PoolScheduler:
             )
         if max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                f"got {preemption_mode!r}"
+            )
+        if preemption_mode == "swap" and swap_blocks is None:
+            raise ValueError("preemption_mode 'swap' needs swap space on the worker")
         self.blocks = blocks
+        self.swap_blocks = swap_blocks
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.runs_decodes = runs_decodes
+        self.preemption_mode = preemption_mode
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
         self._on_worker: set[str] = set()
         self._pending_drops: list[str] = []
+        self.num_prefix_hit_tokens = 0
+        self.num_preemptions = 0
+        self.num_swap_outs = 0
 
     # -- queue changes -------------------------------------------------------------------
     def add(self, request: Request, front: bool = False) -> None:
@@ -79,69 +118,123 @@ class PoolScheduler:
 
     def detach(self, request: Request) -> None:
         """Take the request out of this pool's queues and the worker's batch; keep its blocks."""
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
-        if request.request_id in self._on_worker:
-            self._on_worker.discard(request.request_id)
-            self._pending_drops.append(request.request_id)
+        for queue in (self.running, self.waiting, self.swapped):
+            if request in queue:
+                queue.remove(request)
+                break
+        self._drop_from_worker(request)
 
     def release(self, request: Request) -> int:
-        """Detach the request and free its blocks; returns how many blocks it held."""
+        """Detach the request and free its blocks (and swap space); returns blocks freed."""
         self.detach(request)
+        if self.swap_blocks is not None:
+            self.swap_blocks.free(request.request_id)
         return self.blocks.free(request.request_id)
 
     # -- introspection ---------------------------------------------------------------------
-    @property
-    def has_work(self) -> bool:
-        return (
-            bool(self._pending_drops)
-            or any(r.num_uncomputed_tokens > 0 for r in self.running)
-            or bool(self.waiting)
-        )
+    def schedulable_tokens(self, request: Request) -> int:
+        """Tokens the next step could compute for the request."""
+        known = request.num_known_tokens
+        if self.runs_decodes and not request.will_finish:
+            known += request.num_pending_tokens  # the worker computes what it sampled
+        return known - request.num_computed_tokens
 
     @property
     def num_queued_tokens(self) -> int:
-        """Tokens still to compute here: the placement load signal."""
-        return sum(r.num_uncomputed_tokens for r in (*self.running, *self.waiting))
+        """Tokens still to compute here: the load signal for placement."""
+        queues = (*self.running, *self.waiting, *self.swapped)
+        return sum(max(0, r.num_tokens - r.num_computed_tokens) for r in queues)
 
     def holds(self, request: Request) -> bool:
-        return request in self.running or request in self.waiting
+        return request in self.running or request in self.waiting or request in self.swapped
+
+    def is_running(self, request: Request) -> bool:
+        return request in self.running
+
+    def check_integrity(self) -> None:
+        self.blocks.check_integrity()
+        if self.swap_blocks is not None:
+            self.swap_blocks.check_integrity()
+        ids = [r.request_id for q in (self.running, self.waiting, self.swapped) for r in q]
+        if len(ids) != len(set(ids)):
+            raise AssertionError("a request sits in two queues at once")
 
     # -- the step ------------------------------------------------------------------------------
     def schedule(self) -> PoolStepPlan:
         plan = PoolStepPlan()
+        budget = self._schedule_running(plan)
+        if not (plan.preempted or plan.swapped_out):  # memory is short: admit nobody now
+            budget = self._swap_in(plan, budget)
+            self._admit_waiting(plan, budget)
+        plan.dropped_request_ids, self._pending_drops = self._pending_drops, []
+        return plan
+
+    def _schedule_running(self, plan: PoolStepPlan) -> int:
         budget = self.max_num_batched_tokens
+        later_decodes = sum(1 for r in self.running if self.schedulable_tokens(r) == 1)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_uncomputed_tokens, budget)
-            if num_new <= 0:  # waiting for the token sampled in the step before
-                index += 1
-                continue
-            target = request.num_computed_tokens + num_new
-            while not self.blocks.can_allocate(request.request_id, target):
-                victim = self.running.pop()
+            index += 1
+            todo = self.schedulable_tokens(request)
+            if todo <= 0:
+                continue  # waiting for a token, or a prompt done in a prefill-only pool
+            if todo == 1:
+                later_decodes -= 1
+                num_new = 1
+            else:  # a prompt chunk leaves one token per decode behind it
+                num_new = min(todo, budget - later_decodes)
+                if num_new <= 0:
+                    continue
+            start = request.num_computed_tokens
+            while not self.blocks.can_allocate(request.request_id, start + num_new, 0, start):
+                victim = self.running[-1]
+                if self.schedulable_tokens(victim) == 1 and victim is not request:
+                    later_decodes -= 1
+                self.running.pop()
                 self._preempt(victim, plan)
                 if victim is request:
-                    break
-            else:
-                budget -= num_new
-                plan.scheduled.append(self._commit(request, num_new))
-                index += 1
-                continue
-            break  # the request itself was preempted; every later one already was
-        if plan.preempted:  # memory is short: do not admit anyone this step
-            return self._finish(plan)
+                    return budget  # every later request is preempted too
+            budget -= num_new
+            self._commit(plan, request, num_new, start)
+        return budget
+
+    def _swap_in(self, plan: PoolStepPlan, budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.swapped[0]
+            if request.num_pending_tokens:
+                break  # its last token is still on the way
+            computed = request.num_computed_tokens
+            num_new = min(self.schedulable_tokens(request), budget)
+            if num_new <= 0 or not self.blocks.can_allocate(request.request_id, computed + num_new):
+                break
+            self.swapped.popleft()
+            swap_table = self.swap_blocks.table(request.request_id)
+            self.blocks.allocate(request.request_id, computed)
+            device_table = self.blocks.table(request.request_id)
+            plan.swap_in.extend(zip(swap_table, device_table, strict=True))
+            self.swap_blocks.free(request.request_id)
+            self.running.append(request)
+            budget -= num_new
+            self._commit(plan, request, num_new, computed)
+        return budget
+
+    def _admit_waiting(self, plan: PoolStepPlan, budget: int) -> None:
+        skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            num_new = min(request.num_uncomputed_tokens, budget)
+            request = self.waiting.popleft()
+            if request.num_pending_tokens:  # preempted while a token was on the way
+                skipped.append(request)
+                continue
+            hits = self._prefix_hits(request)
+            start = len(hits) * self.blocks.block_size if hits else request.num_computed_tokens
+            num_new = min(request.num_tokens - start, budget)
             if num_new <= 0:
                 raise ValueError(f"request {request.request_id} queued with nothing to compute")
             if not self.blocks.can_allocate(
-                request.request_id, request.num_computed_tokens + num_new
+                request.request_id, start + num_new, write_from=start, hits=hits
             ):
+                self.waiting.appendleft(request)
                 # Nothing runs, so nothing will free blocks: a waiting request that holds
                 # blocks (received KV) must give them up, newest first.
                 victim = self._newest_waiting_holder() if not self.running else None
@@ -150,11 +243,22 @@ class PoolScheduler:
                 self.waiting.remove(victim)
                 self._preempt(victim, plan)
                 continue
-            self.waiting.popleft()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = start if hits else 0
+                self.num_prefix_hit_tokens += request.num_cached_tokens
             self.running.append(request)
             budget -= num_new
-            plan.scheduled.append(self._commit(request, num_new))
-        return self._finish(plan)
+            self._commit(plan, request, num_new, start, hits)
+        self.waiting.extendleft(reversed(skipped))
+
+    def _prefix_hits(self, request: Request) -> list[int]:
+        """Cached blocks for a request that starts from scratch here (none otherwise)."""
+        if request.num_computed_tokens or self.blocks.has(request.request_id):
+            return []
+        request.update_block_hashes(self.blocks.block_size)
+        return self.blocks.cached_prefix(
+            request.block_hashes, request.all_token_ids, request.num_known_tokens - 1
+        )
 
     def _newest_waiting_holder(self) -> Request | None:
         for request in reversed(self.waiting):
@@ -162,30 +266,64 @@ class PoolScheduler:
                 return request
         return None
 
-    def _commit(self, request: Request, num_new: int) -> ScheduledRequest:
-        is_new = request.request_id not in self._on_worker
-        computed_before = request.num_computed_tokens
-        added = self.blocks.allocate(request.request_id, computed_before + num_new)
-        request.num_computed_tokens = computed_before + num_new
-        self._on_worker.add(request.request_id)
-        return ScheduledRequest(
-            request=request,
-            num_new_tokens=num_new,
-            is_new=is_new,
-            new_block_ids=self.blocks.table(request.request_id) if is_new else added,
-            num_computed_before=computed_before,
+    def _commit(
+        self,
+        plan: PoolStepPlan,
+        request: Request,
+        num_new: int,
+        start: int,
+        hits: list[int] | None = None,
+    ) -> None:
+        rid = request.request_id
+        is_new = rid not in self._on_worker
+        added, copies = self.blocks.allocate(rid, start + num_new, start, hits or ())
+        plan.block_copies.extend(copies)
+        request.num_computed_tokens = start + num_new
+        if request.num_computed_tokens == request.num_tokens:
+            request.num_pending_tokens += 1  # this step samples the next token
+        self._on_worker.add(rid)
+        request.update_block_hashes(self.blocks.block_size)
+        self.blocks.cache_full_blocks(
+            rid, request.block_hashes, request.all_token_ids, request.num_computed_tokens
+        )
+        plan.scheduled.append(
+            ScheduledRequest(
+                request=request,
+                num_new_tokens=num_new,
+                is_new=is_new,
+                new_block_ids=self.blocks.table(rid) if is_new else added,
+                num_computed_before=start,
+                replaced_table=self.blocks.table(rid) if copies and not is_new else None,
+            )
         )
 
     def _preempt(self, victim: Request, plan: PoolStepPlan) -> None:
+        self.num_preemptions += 1
+        victim.num_preemptions += 1
+        self._drop_from_worker(victim)
+        computed = victim.num_computed_tokens
+        if self._try_swap_out(victim, computed, plan):
+            return
         self.blocks.free(victim.request_id)
         victim.num_computed_tokens = 0
-        victim.num_preemptions += 1
-        if victim.request_id in self._on_worker:
-            self._on_worker.discard(victim.request_id)
-            self._pending_drops.append(victim.request_id)
         plan.preempted.append(victim)
 
-    def _finish(self, plan: PoolStepPlan) -> PoolStepPlan:
-        plan.dropped_request_ids = self._pending_drops
-        self._pending_drops = []
-        return plan
+    def _try_swap_out(self, victim: Request, computed: int, plan: PoolStepPlan) -> bool:
+        if self.preemption_mode != "swap" or computed == 0:
+            return False
+        swap = self.swap_blocks
+        if not swap.can_allocate(victim.request_id, computed):
+            return False  # swap space is full: recompute instead
+        device_table = self.blocks.table(victim.request_id)[: swap.blocks_for_tokens(computed)]
+        swap.allocate(victim.request_id, computed)
+        plan.swap_out.extend(zip(device_table, swap.table(victim.request_id), strict=True))
+        self.blocks.free(victim.request_id)
+        self.swapped.append(victim)
+        plan.swapped_out.append(victim)
+        self.num_swap_outs += 1
+        return True
+
+    def _drop_from_worker(self, request: Request) -> None:
+        if request.request_id in self._on_worker:
+            self._on_worker.discard(request.request_id)
+            self._pending_drops.append(request.request_id)

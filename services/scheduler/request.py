@@ -11,6 +11,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from services.scheduler.prefix_hash import BlockHash, extend_block_hashes
+
 
 class FinishReason(enum.Enum):
     STOP = "stop"  # a stop token (EOS) was produced
@@ -43,18 +45,30 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: frozenset[int] = frozenset()
     max_model_len: int | None = None
+    cache_salt: str = ""
     output_token_ids: list[int] = field(default_factory=list)
     # Leading tokens whose KV sits in the blocks of the pool the request is in now.
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0
+    # Tokens a worker has sampled (or will, in a step in flight) that have not arrived yet.
+    num_pending_tokens: int = 0
+    # Prompt tokens served from the prefix cache at the first admission (-1 = not yet).
+    num_cached_tokens: int = -1
+    # Parent of the first block's hash (deployment salt + cache_salt), set on submit.
+    hash_root: BlockHash = b""
+    block_hashes: list[BlockHash] = field(default_factory=list)
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
 
     @property
-    def num_tokens(self) -> int:
+    def num_known_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Known tokens plus those sampled in steps whose results have not arrived."""
+        return self.num_known_tokens + self.num_pending_tokens
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -68,6 +82,22 @@ class Request:
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def will_finish(self) -> bool:
+        """True when tokens already sampled (arrived or pending) reach a length limit."""
+        produced = len(self.output_token_ids) + self.num_pending_tokens
+        if produced >= self.max_tokens:
+            return True
+        return self.max_model_len is not None and self.num_tokens >= self.max_model_len
+
+    def update_block_hashes(self, block_size: int) -> list[BlockHash]:
+        """Hashes of every full block of the known tokens (computed incrementally)."""
+        if not self.hash_root:
+            return self.block_hashes
+        return extend_block_hashes(
+            self.block_hashes, self.all_token_ids, block_size, self.hash_root
+        )
+
     def append_token(self, token_id: int) -> FinishReason | None:
         """Record a sampled token; returns (and records) the finish reason if it ends here."""
         if self.is_finished:
@@ -79,6 +109,6 @@ class Request:
             self.finish_reason = FinishReason.STOP
         elif len(self.output_token_ids) >= self.max_tokens:
             self.finish_reason = FinishReason.LENGTH
-        elif self.max_model_len is not None and self.num_tokens >= self.max_model_len:
+        elif self.max_model_len is not None and self.num_known_tokens >= self.max_model_len:
             self.finish_reason = FinishReason.LENGTH
         return self.finish_reason

@@ -7,7 +7,9 @@ import grpc
 
 from common.log import bind_request
 from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
-from services.scheduler.engine import Engine, Finished, InvalidRequestError
+from services.scheduler.engine import Engine, InvalidRequestError
+from services.scheduler.handle import Finished
+from services.scheduler.pool import Pool
 from services.scheduler.request import FinishReason, Request, SamplingParams
 from services.scheduler.worker_client import ROLE_FROM_PB, WorkerUnavailableError
 
@@ -45,6 +47,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                         max_tokens=request.max_tokens,
                         sampling=sampling,
                         stop_token_ids=frozenset(request.stop_token_ids),
+                        cache_salt=request.cache_salt,
                         max_model_len=engine.max_model_len,
                     )
                 )
@@ -90,16 +93,31 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def GetPoolStats(self, request, context):
         engine = await self._ready(context)
         return scheduler_pb2.GetPoolStatsResponse(
-            pools=[
-                scheduler_pb2.PoolStats(
-                    worker_id=p.info.worker_id,
-                    role=ROLE_TO_PB[p.info.role],
-                    address=p.info.address,
-                    num_blocks=p.scheduler.blocks.num_blocks,
-                    num_free_blocks=p.scheduler.blocks.num_free_blocks,
-                    num_requests=p.scheduler.blocks.num_requests,
-                )
-                for p in engine.pools
-            ],
+            pools=[pool_stats(p) for p in engine.pools],
             num_requests=engine.num_requests,
+            integrity_errors=engine.check_integrity() if request.check_integrity else [],
         )
+
+
+def pool_stats(pool: Pool) -> scheduler_pb2.PoolStats:
+    blocks, swap, counters = pool.blocks, pool.scheduler.swap_blocks, pool.counters
+    return scheduler_pb2.PoolStats(
+        worker_id=pool.info.worker_id,
+        role=ROLE_TO_PB[pool.info.role],
+        address=pool.info.address,
+        num_blocks=blocks.num_blocks,
+        num_free_blocks=blocks.num_free_blocks,
+        num_requests=blocks.num_requests,
+        num_cached_blocks=blocks.pool.num_cached,
+        prefix_hit_tokens=pool.scheduler.num_prefix_hit_tokens,
+        evictions=blocks.pool.num_evictions,
+        preemptions=pool.scheduler.num_preemptions,
+        swap_outs=pool.scheduler.num_swap_outs,
+        kv_blocks_received=counters.kv_blocks_received,
+        kv_blocks_reused=counters.kv_blocks_reused,
+        steps=counters.steps,
+        mean_execute_ms=counters.mean_execute_ms,
+        mean_step_interval_ms=counters.mean_step_interval_ms,
+        num_swap_blocks=0 if swap is None else swap.num_blocks,
+        num_free_swap_blocks=0 if swap is None else swap.num_free_blocks,
+    )

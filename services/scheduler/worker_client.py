@@ -37,10 +37,12 @@ class WorkerInfo:
     block_size: int
     block_bytes: int
     ucx_address: bytes
+    num_swap_blocks: int = 0
 
 
 @dataclass(frozen=True)
 class StepResult:
+    step_id: int
     sampled: dict[str, int]
     execute_seconds: float
 
@@ -50,8 +52,18 @@ def _sampling_pb(request) -> types_pb2.SamplingParams:
     return types_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
 
 
+def _copies(pairs: list[tuple[int, int]]) -> list[worker_pb2.BlockCopy]:
+    return [worker_pb2.BlockCopy(src=src, dst=dst) for src, dst in pairs]
+
+
 def plan_to_pb(step_id: int, plan: PoolStepPlan) -> worker_pb2.StepRequest:
-    message = worker_pb2.StepRequest(step_id=step_id, finished_request_ids=plan.dropped_request_ids)
+    message = worker_pb2.StepRequest(
+        step_id=step_id,
+        finished_request_ids=plan.dropped_request_ids,
+        swap_out=_copies(plan.swap_out),
+        swap_in=_copies(plan.swap_in),
+        block_copies=_copies(plan.block_copies),
+    )
     for item in plan.scheduled:
         req = item.request
         if item.is_new:
@@ -69,8 +81,9 @@ def plan_to_pb(step_id: int, plan: PoolStepPlan) -> worker_pb2.StepRequest:
             message.cached_requests.append(
                 worker_pb2.CachedRequest(
                     request_id=req.request_id,
-                    new_block_ids=item.new_block_ids,
+                    new_block_ids=[] if item.replaced_table else item.new_block_ids,
                     num_scheduled_tokens=item.num_new_tokens,
+                    block_table=item.replaced_table or [],
                 )
             )
     return message
@@ -104,6 +117,7 @@ class WorkerClient:
                     block_size=d.kv_cache.block_size,
                     block_bytes=d.kv_cache.block_bytes,
                     ucx_address=d.ucx_address,
+                    num_swap_blocks=d.kv_cache.num_swap_blocks,
                 )
             except grpc.aio.AioRpcError as exc:
                 if time.monotonic() > deadline:
@@ -116,10 +130,24 @@ class WorkerClient:
     async def open_step_stream(self) -> None:
         self._step_call = self._stub.Step()
 
-    async def step(self, plan: PoolStepPlan) -> StepResult:
+    @property
+    def last_sent_step_id(self) -> int:
+        return self._step_id
+
+    async def send_step(self, plan: PoolStepPlan) -> int:
+        """Write a plan on the Step stream without waiting for its result; returns its id."""
         self._step_id += 1
         try:
             await self._step_call.write(plan_to_pb(self._step_id, plan))
+        except grpc.aio.AioRpcError as exc:
+            raise WorkerUnavailableError(
+                f"worker {self.address} step failed: {exc.code().name} {exc.details()}"
+            ) from exc
+        return self._step_id
+
+    async def receive_step(self) -> StepResult:
+        """The result of the oldest step sent and not yet answered."""
+        try:
             response = await self._step_call.read()
         except grpc.aio.AioRpcError as exc:
             raise WorkerUnavailableError(
@@ -127,11 +155,8 @@ class WorkerClient:
             ) from exc
         if response is grpc.aio.EOF:
             raise WorkerUnavailableError(f"worker {self.address} closed its step stream")
-        if response.step_id != self._step_id:
-            raise WorkerUnavailableError(
-                f"worker {self.address} answered step {response.step_id}, expected {self._step_id}"
-            )
         return StepResult(
+            step_id=response.step_id,
             sampled={t.request_id: t.token_id for t in response.sampled_tokens},
             execute_seconds=response.execute_seconds,
         )
@@ -155,11 +180,13 @@ class WorkerClient:
             ) from exc
 
     async def receive_kv(
-        self, tag: int, block_ids: list[int], timeout_s: float
+        self, tag: int, block_ids: list[int], timeout_s: float, after_step_id: int
     ) -> worker_pb2.ReceiveKvResponse:
         try:
             return await self._stub.ReceiveKv(
-                worker_pb2.ReceiveKvRequest(transfer_tag=tag, block_ids=block_ids),
+                worker_pb2.ReceiveKvRequest(
+                    transfer_tag=tag, block_ids=block_ids, after_step_id=after_step_id
+                ),
                 timeout=timeout_s,
             )
         except grpc.aio.AioRpcError as exc:

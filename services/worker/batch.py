@@ -47,6 +47,20 @@ class CachedRequestData:
     request_id: str
     new_block_ids: Sequence[int]
     num_scheduled_tokens: int
+    # Whole replacement table (copy-on-write replaced blocks); empty = append new_block_ids.
+    block_table: Sequence[int] = ()
+
+
+@dataclass(frozen=True)
+class BlockMoves:
+    """Whole-block copies a step makes before its forward pass, in field order."""
+
+    swap_out: Sequence[tuple[int, int]] = ()  # (device block, swap block)
+    swap_in: Sequence[tuple[int, int]] = ()  # (swap block, device block)
+    copies: Sequence[tuple[int, int]] = ()  # (shared device block, fresh device block)
+
+    def __bool__(self) -> bool:
+        return bool(self.swap_out or self.swap_in or self.copies)
 
 
 @dataclass(frozen=True)
@@ -103,7 +117,12 @@ class PersistentBatch:
             request = self.requests.get(delta.request_id)
             if request is None:
                 raise PlanError(f"request {delta.request_id} is not in the batch")
-            request.block_ids.extend(self._checked_blocks(delta.request_id, delta.new_block_ids))
+            if delta.block_table:
+                request.block_ids = self._checked_blocks(delta.request_id, delta.block_table)
+            else:
+                request.block_ids.extend(
+                    self._checked_blocks(delta.request_id, delta.new_block_ids)
+                )
             work.append(self._work(request, delta.num_scheduled_tokens))
         return work
 

@@ -44,6 +44,11 @@ class WorkerConfig:
         "(CPU); on GPU the pool takes gpu_memory_utilization",
         env="TANDEM_KV_CACHE_MEMORY",
     )
+    swap_space: str = setting(
+        "512MiB",
+        "CPU memory for swap preemption (0 = none); untouched until the scheduler swaps",
+        env="TANDEM_SWAP_SPACE",
+    )
     gpu_memory_utilization: float = setting(
         0.9, "fraction of GPU memory for weights and KV", env="TANDEM_GPU_MEMORY_UTILIZATION"
     )
@@ -78,6 +83,8 @@ class WorkerConfig:
             raise ValueError(f"num_blocks must be >= 0, got {self.num_blocks}")
         if parse_size(self.kv_cache_memory) <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
+        if parse_size(self.swap_space) < 0:
+            raise ValueError(f"swap_space must be >= 0, got {self.swap_space!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

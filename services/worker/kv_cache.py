@@ -30,7 +30,9 @@ class KvCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        zeroed: bool = True,
     ) -> None:
+        """`zeroed=False` leaves memory untouched until used (swap space)."""
         for name, value in (
             ("num_blocks", num_blocks),
             ("block_size", block_size),
@@ -49,7 +51,8 @@ class KvCache:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        self.data = torch.zeros(
+        make = torch.zeros if zeroed else torch.empty
+        self.data = make(
             (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim),
             dtype=dtype,
             device=self.device,
@@ -111,6 +114,21 @@ class KvCache:
             return
         values = payload.to(self.device).contiguous().view(self.dtype)
         self.data.index_copy_(0, index, values.view(len(index), *self.data.shape[1:]))
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]], source: KvCache | None = None) -> None:
+        """Copy whole blocks: `self[dst] = source[src]` for each (src, dst) pair.
+
+        `source` defaults to this cache (copy-on-write); another cache of the same geometry
+        moves blocks between device and swap space. Destinations must be distinct.
+        """
+        if not pairs:
+            return
+        source = self if source is None else source
+        if source.data.shape[1:] != self.data.shape[1:] or source.dtype != self.dtype:
+            raise ValueError("block copies need caches of the same geometry and dtype")
+        src = source._index([p[0] for p in pairs], unique=False)
+        dst = self._index([p[1] for p in pairs], unique=True)
+        self.data.index_copy_(0, dst, source.data.index_select(0, src).to(self.device))
 
     def _index(self, block_ids: Sequence[int], unique: bool) -> torch.Tensor:
         ids = [int(b) for b in block_ids]

@@ -6,7 +6,13 @@ import grpc
 
 from common.log import get_logger
 from common.pb.tandem.internal.v1 import types_pb2, worker_pb2, worker_pb2_grpc
-from services.worker.batch import CachedRequestData, NewRequestData, PlanError, Sampling
+from services.worker.batch import (
+    BlockMoves,
+    CachedRequestData,
+    NewRequestData,
+    PlanError,
+    Sampling,
+)
 from services.worker.kv_transfer import KvTransferError
 from services.worker.worker import KV_LAYOUT, Worker
 
@@ -55,6 +61,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 block_size=worker.kv_cache.block_size,
                 block_bytes=worker.kv_cache.block_bytes,
                 layout=KV_LAYOUT,
+                num_swap_blocks=0 if worker.swap_cache is None else worker.swap_cache.num_blocks,
             ),
             ucx_address=worker.transport.address,
             num_active_requests=len(worker.batch),
@@ -82,11 +89,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 for r in plan.new_requests
             ]
             cached = [
-                CachedRequestData(r.request_id, r.new_block_ids, r.num_scheduled_tokens)
+                CachedRequestData(
+                    r.request_id, r.new_block_ids, r.num_scheduled_tokens, r.block_table
+                )
                 for r in plan.cached_requests
             ]
+            moves = BlockMoves(
+                swap_out=[(c.src, c.dst) for c in plan.swap_out],
+                swap_in=[(c.src, c.dst) for c in plan.swap_in],
+                copies=[(c.src, c.dst) for c in plan.block_copies],
+            )
             try:
-                output = await worker.step(plan.finished_request_ids, new, cached)
+                output = await worker.step(
+                    plan.step_id, plan.finished_request_ids, new, cached, moves
+                )
             except PlanError as exc:
                 log.error("bad_step_plan", step_id=plan.step_id, error=str(exc))
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
@@ -116,7 +132,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def ReceiveKv(self, request, context):
         worker = await self._ready(context)
         try:
-            result = await worker.receive_kv(request.transfer_tag, list(request.block_ids))
+            result = await worker.receive_kv(
+                request.transfer_tag, list(request.block_ids), request.after_step_id
+            )
         except KvTransferError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return worker_pb2.ReceiveKvResponse(num_bytes=result.num_bytes, seconds=result.seconds)

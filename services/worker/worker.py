@@ -18,7 +18,13 @@ import torch
 from common.config import parse_size
 from common.log import get_logger
 from common.model_config import ModelConfig
-from services.worker.batch import CachedRequestData, NewRequestData, PersistentBatch
+from services.worker.batch import (
+    BlockMoves,
+    CachedRequestData,
+    NewRequestData,
+    PersistentBatch,
+    PlanError,
+)
 from services.worker.config import WorkerConfig
 from services.worker.kv_cache import KvCache
 from services.worker.kv_transfer import KvTransferError, UcxTransport
@@ -28,6 +34,7 @@ from services.worker.runner import ModelRunner, StepOutput
 log = get_logger(__name__)
 
 KV_LAYOUT = "block,layer,kv,slot,head,dim"
+NO_MOVES = BlockMoves()
 
 
 @dataclass(frozen=True)
@@ -62,7 +69,7 @@ def kv_pool_bytes(config: WorkerConfig, device: torch.device) -> int:
 
 def load_model_and_pool(
     config: WorkerConfig, worker_id: str
-) -> tuple[torch.nn.Module, ModelConfig, KvCache, int, torch.device]:
+) -> tuple[torch.nn.Module, ModelConfig, KvCache, int, torch.device, KvCache | None]:
     """Load weights, then size and allocate the KV pool from the memory left (blocking)."""
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
@@ -92,6 +99,12 @@ def load_model_and_pool(
             f"kv_cache_memory/num_blocks or lower max_model_len"
         )
     kv_cache = KvCache(num_blocks=num_blocks, device=device, **geometry)
+    num_swap_blocks = parse_size(config.swap_space) // kv_cache.block_bytes
+    swap_cache = (
+        KvCache(num_blocks=num_swap_blocks, device="cpu", zeroed=False, **geometry)
+        if num_swap_blocks
+        else None
+    )
     log.info(
         "worker_loaded",
         worker_id=worker_id,
@@ -101,10 +114,11 @@ def load_model_and_pool(
         dtype=str(dtype).removeprefix("torch."),
         num_blocks=num_blocks,
         kv_pool_mib=round(num_blocks * kv_cache.block_bytes / 2**20, 1),
+        swap_blocks=num_swap_blocks,
         max_model_len=max_model_len,
         seconds=round(time.perf_counter() - started, 2),
     )
-    return model, model_config, kv_cache, max_model_len, device
+    return model, model_config, kv_cache, max_model_len, device, swap_cache
 
 
 class Worker:
@@ -117,6 +131,7 @@ class Worker:
         kv_cache: KvCache,
         max_model_len: int,
         device: torch.device,
+        swap_cache: KvCache | None = None,
     ) -> None:
         self.config = config
         self.worker_id = worker_id
@@ -134,6 +149,9 @@ class Worker:
             error_handling=config.kv_transfer_error_handling,
         )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensor")
+        self.swap_cache = swap_cache
+        self.executed_step_id = 0
+        self._step_done = asyncio.Condition()
 
     @classmethod
     async def load(cls, config: WorkerConfig, worker_id: str) -> Worker:
@@ -146,18 +164,52 @@ class Worker:
 
     async def step(
         self,
+        step_id: int,
         finished_ids: Sequence[str],
         new: Sequence[NewRequestData],
         cached: Sequence[CachedRequestData],
+        moves: BlockMoves = NO_MOVES,
     ) -> StepOutput:
         work = self.batch.apply(finished_ids, new, cached)
+        if moves:
+            self._check_moves(moves)
+            await self._on_tensor_thread(self._move_blocks, moves)
         output = await self._on_tensor_thread(self.runner.execute, work)
         self.batch.complete(work, output.sampled)
+        async with self._step_done:
+            self.executed_step_id = step_id
+            self._step_done.notify_all()
         return output
 
+    def _check_moves(self, moves: BlockMoves) -> None:
+        swap_blocks = 0 if self.swap_cache is None else self.swap_cache.num_blocks
+        if (moves.swap_out or moves.swap_in) and not swap_blocks:
+            raise PlanError("the plan swaps blocks but this worker has no swap space")
+        for name, pairs, (src_n, dst_n) in (
+            ("swap_out", moves.swap_out, (self.kv_cache.num_blocks, swap_blocks)),
+            ("swap_in", moves.swap_in, (swap_blocks, self.kv_cache.num_blocks)),
+            ("block_copies", moves.copies, (self.kv_cache.num_blocks,) * 2),
+        ):
+            bad = [p for p in pairs if not (0 <= p[0] < src_n and 0 <= p[1] < dst_n)]
+            if bad:
+                raise PlanError(f"{name} pairs {bad[:4]} are outside the pools")
+
+    def _move_blocks(self, moves: BlockMoves) -> None:
+        if moves.swap_out:
+            self.swap_cache.copy_blocks(moves.swap_out, source=self.kv_cache)
+        if moves.swap_in:
+            self.kv_cache.copy_blocks(moves.swap_in, source=self.swap_cache)
+        self.kv_cache.copy_blocks(moves.copies)
+
     def reset(self) -> None:
-        """Forget every request (a new scheduler took over)."""
+        """Forget every request (a new scheduler took over); step ids restart."""
         self.batch.clear()
+        self.executed_step_id = 0
+
+    async def wait_for_step(self, step_id: int) -> None:
+        """Return once step `step_id` (or a later one) has executed."""
+        async with self._step_done:
+            await self._step_done.wait_for(lambda: self.executed_step_id >= step_id)
 
     async def send_kv(
         self, tag: int, peer_id: str, peer_address: bytes, block_ids: Sequence[int]
@@ -169,11 +221,14 @@ class Worker:
         await self.transport.send(peer_id, peer_address, tag, array)
         return TransferResult(array.nbytes, time.perf_counter() - started)
 
-    async def receive_kv(self, tag: int, block_ids: Sequence[int]) -> TransferResult:
+    async def receive_kv(
+        self, tag: int, block_ids: Sequence[int], after_step_id: int = 0
+    ) -> TransferResult:
         started = time.perf_counter()
         self._check_blocks(block_ids)
         nbytes = len(block_ids) * self.kv_cache.block_bytes
         buffer = await self.transport.receive(tag, nbytes)
+        await self.wait_for_step(after_step_id)
         payload = torch.from_numpy(buffer).view(len(block_ids), self.kv_cache.block_bytes)
         await self._on_tensor_thread(
             self.kv_cache.scatter_blocks, list(block_ids), payload.to(self.device)

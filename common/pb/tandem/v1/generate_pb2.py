@@ -24,29 +24,29 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/generate.proto\x12\ttandem.v1\"\xaa\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_max_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"v\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_k\"\x98\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\x91\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x03\x12\r\n\x05\x64type\x18\x06 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa9\x01\n\x0fGenerateService\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12O\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x1f.tandem.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/generate.proto\x12\ttandem.v1\"\xbe\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\ncache_salt\x18\x05 \x01(\tB\x08\n\x06promptB\r\n\x0b_max_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"v\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_k\"\x98\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\x91\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x03\x12\r\n\x05\x64type\x18\x06 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa9\x01\n\x0fGenerateService\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12O\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x1f.tandem.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=765
-  _globals['_FINISHREASON']._serialized_end=885
+  _globals['_FINISHREASON']._serialized_start=785
+  _globals['_FINISHREASON']._serialized_end=905
   _globals['_GENERATEREQUEST']._serialized_start=40
-  _globals['_GENERATEREQUEST']._serialized_end=210
-  _globals['_TOKENIDS']._serialized_start=212
-  _globals['_TOKENIDS']._serialized_end=235
-  _globals['_SAMPLINGPARAMS']._serialized_start=237
-  _globals['_SAMPLINGPARAMS']._serialized_end=355
-  _globals['_GENERATERESPONSE']._serialized_start=358
-  _globals['_GENERATERESPONSE']._serialized_end=510
-  _globals['_USAGE']._serialized_start=512
-  _globals['_USAGE']._serialized_end=592
-  _globals['_GETMODELINFOREQUEST']._serialized_start=594
-  _globals['_GETMODELINFOREQUEST']._serialized_end=615
-  _globals['_GETMODELINFORESPONSE']._serialized_start=618
-  _globals['_GETMODELINFORESPONSE']._serialized_end=763
-  _globals['_GENERATESERVICE']._serialized_start=888
-  _globals['_GENERATESERVICE']._serialized_end=1057
+  _globals['_GENERATEREQUEST']._serialized_end=230
+  _globals['_TOKENIDS']._serialized_start=232
+  _globals['_TOKENIDS']._serialized_end=255
+  _globals['_SAMPLINGPARAMS']._serialized_start=257
+  _globals['_SAMPLINGPARAMS']._serialized_end=375
+  _globals['_GENERATERESPONSE']._serialized_start=378
+  _globals['_GENERATERESPONSE']._serialized_end=530
+  _globals['_USAGE']._serialized_start=532
+  _globals['_USAGE']._serialized_end=612
+  _globals['_GETMODELINFOREQUEST']._serialized_start=614
+  _globals['_GETMODELINFOREQUEST']._serialized_end=635
+  _globals['_GETMODELINFORESPONSE']._serialized_start=638
+  _globals['_GETMODELINFORESPONSE']._serialized_end=783
+  _globals['_GENERATESERVICE']._serialized_start=908
+  _globals['_GENERATESERVICE']._serialized_end=1077
 # @@protoc_insertion_point(module_scope)

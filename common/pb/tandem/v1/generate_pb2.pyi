@@ -19,16 +19,18 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "sampling", "max_tokens")
+    __slots__ = ("text", "token_ids", "sampling", "max_tokens", "cache_salt")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     sampling: SamplingParams
     max_tokens: int
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "stop_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "stop_token_ids", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _types_pb2.SamplingParams
     max_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "usage")
@@ -54,29 +56,57 @@ class GetModelInfoResponse(_message.Message):
     def __init__(self, model: _Optional[_Union[_types_pb2.ModelDescription, _Mapping]] = ...) -> None: ...
 
 class GetPoolStatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("check_integrity",)
+    CHECK_INTEGRITY_FIELD_NUMBER: _ClassVar[int]
+    check_integrity: bool
+    def __init__(self, check_integrity: _Optional[bool] = ...) -> None: ...
 
 class GetPoolStatsResponse(_message.Message):
-    __slots__ = ("pools", "num_requests")
+    __slots__ = ("pools", "num_requests", "integrity_errors")
     POOLS_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    INTEGRITY_ERRORS_FIELD_NUMBER: _ClassVar[int]
     pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
     num_requests: int
-    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., num_requests: _Optional[int] = ...) -> None: ...
+    integrity_errors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., num_requests: _Optional[int] = ..., integrity_errors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "num_blocks", "num_free_blocks", "num_requests")
+    __slots__ = ("worker_id", "role", "address", "num_blocks", "num_free_blocks", "num_requests", "num_cached_blocks", "prefix_hit_tokens", "evictions", "preemptions", "kv_blocks_received", "kv_blocks_reused", "steps", "mean_execute_ms", "mean_step_interval_ms", "num_swap_blocks", "num_free_swap_blocks", "swap_outs")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_REUSED_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_EXECUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_STEP_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_SWAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_OUTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _types_pb2.WorkerRole
     address: str
     num_blocks: int
     num_free_blocks: int
     num_requests: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ...) -> None: ...
+    num_cached_blocks: int
+    prefix_hit_tokens: int
+    evictions: int
+    preemptions: int
+    kv_blocks_received: int
+    kv_blocks_reused: int
+    steps: int
+    mean_execute_ms: float
+    mean_step_interval_ms: float
+    num_swap_blocks: int
+    num_free_swap_blocks: int
+    swap_outs: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., kv_blocks_reused: _Optional[int] = ..., steps: _Optional[int] = ..., mean_execute_ms: _Optional[float] = ..., mean_step_interval_ms: _Optional[float] = ..., num_swap_blocks: _Optional[int] = ..., num_free_swap_blocks: _Optional[int] = ..., swap_outs: _Optional[int] = ...) -> None: ...

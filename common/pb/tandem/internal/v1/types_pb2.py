@@ -24,23 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1etandem/internal/v1/types.proto\x12\x12tandem.internal.v1\"C\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\"\xc3\x01\n\x10ModelDescription\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x03\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nnum_layers\x18\x07 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x08 \x01(\r\x12\x10\n\x08head_dim\x18\t \x01(\r\"a\n\x12KvCacheDescription\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06layout\x18\x04 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r*p\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x14\n\x10WORKER_ROLE_BOTH\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1etandem/internal/v1/types.proto\x12\x12tandem.internal.v1\"C\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\"\xc3\x01\n\x10ModelDescription\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x03\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nnum_layers\x18\x07 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x08 \x01(\r\x12\x10\n\x08head_dim\x18\t \x01(\r\"z\n\x12KvCacheDescription\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x17\n\x0fnum_swap_blocks\x18\x05 \x01(\r\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r*p\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x14\n\x10WORKER_ROLE_BOTH\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.internal.v1.types_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERROLE']._serialized_start=502
-  _globals['_WORKERROLE']._serialized_end=614
-  _globals['_FINISHREASON']._serialized_start=616
-  _globals['_FINISHREASON']._serialized_end=736
+  _globals['_WORKERROLE']._serialized_start=527
+  _globals['_WORKERROLE']._serialized_end=639
+  _globals['_FINISHREASON']._serialized_start=641
+  _globals['_FINISHREASON']._serialized_end=761
   _globals['_SAMPLINGPARAMS']._serialized_start=54
   _globals['_SAMPLINGPARAMS']._serialized_end=121
   _globals['_MODELDESCRIPTION']._serialized_start=124
   _globals['_MODELDESCRIPTION']._serialized_end=319
   _globals['_KVCACHEDESCRIPTION']._serialized_start=321
-  _globals['_KVCACHEDESCRIPTION']._serialized_end=418
-  _globals['_USAGE']._serialized_start=420
-  _globals['_USAGE']._serialized_end=500
+  _globals['_KVCACHEDESCRIPTION']._serialized_end=443
+  _globals['_USAGE']._serialized_start=445
+  _globals['_USAGE']._serialized_end=525
 # @@protoc_insertion_point(module_scope)

@@ -62,16 +62,18 @@ class ModelDescription(_message.Message):
     def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class KvCacheDescription(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "block_bytes", "layout")
+    __slots__ = ("num_blocks", "block_size", "block_bytes", "layout", "num_swap_blocks")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     block_bytes: int
     layout: str
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., block_bytes: _Optional[int] = ..., layout: _Optional[str] = ...) -> None: ...
+    num_swap_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., block_bytes: _Optional[int] = ..., layout: _Optional[str] = ..., num_swap_blocks: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")

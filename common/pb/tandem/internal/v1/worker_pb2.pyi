@@ -30,16 +30,30 @@ class DescribeWorkerResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.WorkerRole, str]] = ..., model: _Optional[_Union[_types_pb2.ModelDescription, _Mapping]] = ..., kv_cache: _Optional[_Union[_types_pb2.KvCacheDescription, _Mapping]] = ..., ucx_address: _Optional[bytes] = ..., num_active_requests: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "finished_request_ids")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "finished_request_ids", "swap_out", "swap_in", "block_copies")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
     finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    swap_out: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    swap_in: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    block_copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+
+class BlockCopy(_message.Message):
+    __slots__ = ("src", "dst")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    src: int
+    dst: int
+    def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class NewRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "sampling")
@@ -58,14 +72,16 @@ class NewRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class CachedRequest(_message.Message):
-    __slots__ = ("request_id", "new_block_ids", "num_scheduled_tokens")
+    __slots__ = ("request_id", "new_block_ids", "num_scheduled_tokens", "block_table")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_scheduled_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
+    block_table: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("step_id", "sampled_tokens", "execute_seconds")
@@ -106,12 +122,14 @@ class SendKvResponse(_message.Message):
     def __init__(self, num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class ReceiveKvRequest(_message.Message):
-    __slots__ = ("transfer_tag", "block_ids")
+    __slots__ = ("transfer_tag", "block_ids", "after_step_id")
     TRANSFER_TAG_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    AFTER_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     transfer_tag: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, transfer_tag: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    after_step_id: int
+    def __init__(self, transfer_tag: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., after_step_id: _Optional[int] = ...) -> None: ...
 
 class ReceiveKvResponse(_message.Message):
     __slots__ = ("num_bytes", "seconds")

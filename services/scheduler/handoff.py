@@ -1,0 +1,154 @@
+"""The prefill → decode handoff: choose a decode pool, reuse what it already holds, move
+the rest of the request's KV over UCX, and hand the request to the decode pool.
+
+A request whose prompt is done waits here, holding its prefill blocks, until some decode
+pool has room. Its full blocks are looked up in each decode pool's prefix cache first;
+only the blocks that pool lacks are allocated and sent (`ReceiveKv` on the decode worker
+and `SendKv` on the prefill worker, same UCX tag, issued together). The receive is applied
+only after the decode worker has run every step planned before its blocks were allocated
+(`after_step_id`), so a step still in flight can never write into freshly received KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine, Sequence
+
+from common.log import bind_request, get_logger
+from services.scheduler.handle import RequestHandle, Stage
+from services.scheduler.placement import DecodeCandidate, choose_decode
+from services.scheduler.pool import Pool
+
+log = get_logger(__name__)
+
+
+class KvHandoff:
+    def __init__(
+        self,
+        decode_pools: Sequence[Pool],
+        timeout_s: float,
+        spawn: Callable[[Coroutine, str], None],
+        fail: Callable[[RequestHandle, str], None],
+    ) -> None:
+        self.decode_pools = list(decode_pools)
+        self.timeout_s = timeout_s
+        self._spawn = spawn
+        self._fail = fail
+        self.queue: deque[RequestHandle] = deque()
+        self._tag_base = secrets.randbits(31) << 32
+        self._tag_counter = 0
+
+    def enqueue(self, handle: RequestHandle) -> None:
+        handle.stage = Stage.HANDOFF
+        self.queue.append(handle)
+
+    def remove(self, handle: RequestHandle) -> None:
+        self.queue.remove(handle)
+
+    def pump(self) -> None:
+        """Start every queued handoff that some decode pool has room for, in order."""
+        while self.queue:
+            healthy = [p for p in self.decode_pools if p.healthy]
+            if not healthy:
+                for stranded in list(self.queue):
+                    self._fail(stranded, "no decode worker left")
+                return
+            handle = self.queue[0]
+            request = handle.request
+            computed = request.num_computed_tokens
+            hits = [
+                p.blocks.cached_prefix(request.block_hashes, request.all_token_ids, computed)
+                for p in healthy
+            ]
+            needed = healthy[0].blocks.blocks_for_tokens(computed)
+            choice = choose_decode(
+                [
+                    DecodeCandidate(
+                        transfer_blocks=needed - len(h),
+                        consumed_blocks=p.blocks.blocks_needed(
+                            request.request_id, computed, hits=h
+                        ),
+                        free_blocks=p.blocks.num_free_blocks,
+                    )
+                    for p, h in zip(healthy, hits, strict=True)
+                ]
+            )
+            if choice is None:
+                return  # wait until a decode pool frees blocks
+            self.queue.popleft()
+            self._start(handle, healthy[choice], hits[choice])
+
+    def _start(self, handle: RequestHandle, dst: Pool, hits: list[int]) -> None:
+        request, src = handle.request, handle.pool
+        rid = request.request_id
+        dst_blocks, _ = dst.blocks.allocate(rid, request.num_computed_tokens, hits=hits)
+        table = src.blocks.table(rid)
+        src_blocks = table[len(hits) : len(hits) + len(dst_blocks)]
+        dst.counters.kv_blocks_reused += len(hits)
+        handle.stage = Stage.TRANSFER
+        if not dst_blocks:  # the decode pool already holds every block
+            self._arrive(handle, src, dst)
+            return
+        self._tag_counter += 1
+        tag = self._tag_base | self._tag_counter
+        after_step = dst.client.last_sent_step_id
+        self._spawn(
+            self._transfer(handle, src, dst, tag, src_blocks, dst_blocks, after_step),
+            f"kv-{rid}",
+        )
+
+    async def _transfer(
+        self,
+        handle: RequestHandle,
+        src: Pool,
+        dst: Pool,
+        tag: int,
+        src_blocks: list[int],
+        dst_blocks: list[int],
+        after_step: int,
+    ) -> None:
+        rid = handle.request.request_id
+        started = time.perf_counter()
+        received, sent = await asyncio.gather(
+            dst.client.receive_kv(tag, dst_blocks, self.timeout_s, after_step),
+            src.client.send_kv(tag, dst.info, src_blocks, self.timeout_s),
+            return_exceptions=True,
+        )
+        error = next((r for r in (received, sent) if isinstance(r, BaseException)), None)
+        if handle.done or error is not None:
+            src.blocks.free(rid)
+            dst.blocks.free(rid)
+            src.wakeup.set()
+            if error is not None and not handle.done:
+                self._fail(handle, f"KV transfer failed: {error}")
+            self.pump()
+            return
+        dst.counters.kv_blocks_received += len(dst_blocks)
+        with bind_request(rid):
+            log.debug(
+                "kv_transferred",
+                src=src.info.worker_id,
+                dst=dst.info.worker_id,
+                blocks=len(dst_blocks),
+                bytes=received.num_bytes,
+                seconds=round(time.perf_counter() - started, 5),
+            )
+        self._arrive(handle, src, dst)
+
+    def _arrive(self, handle: RequestHandle, src: Pool, dst: Pool) -> None:
+        request = handle.request
+        src.blocks.free(request.request_id)
+        src.wakeup.set()
+        dst.blocks.cache_full_blocks(
+            request.request_id,
+            request.block_hashes,
+            request.all_token_ids,
+            request.num_computed_tokens,
+        )
+        handle.stage, handle.pool = Stage.DECODE, dst
+        dst.scheduler.add(request)
+        dst.wakeup.set()
+        self.pump()

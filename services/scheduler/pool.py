@@ -1,0 +1,60 @@
+"""One worker as the engine sees it: its connection, its pool scheduler, and its counters."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from services.scheduler.pool_scheduler import PoolScheduler
+from services.scheduler.worker_client import StepResult, WorkerClient, WorkerInfo
+
+
+@dataclass
+class PoolCounters:
+    steps: int = 0
+    execute_s: float = 0.0
+    # Time between consecutive step results while the pool never went idle in between;
+    # minus the execute time it is the per-step scheduling + transport overhead.
+    busy_intervals: int = 0
+    busy_interval_s: float = 0.0
+    kv_blocks_received: int = 0
+    kv_blocks_reused: int = 0
+    _last_result: float | None = None
+
+    def record_step(self, result: StepResult, was_idle: bool) -> None:
+        now = time.perf_counter()
+        self.steps += 1
+        self.execute_s += result.execute_seconds
+        if self._last_result is not None and not was_idle:
+            self.busy_intervals += 1
+            self.busy_interval_s += now - self._last_result
+        self._last_result = now
+
+    @property
+    def mean_execute_ms(self) -> float:
+        return 1e3 * self.execute_s / self.steps if self.steps else 0.0
+
+    @property
+    def mean_step_interval_ms(self) -> float:
+        return 1e3 * self.busy_interval_s / self.busy_intervals if self.busy_intervals else 0.0
+
+
+@dataclass(eq=False)
+class Pool:
+    info: WorkerInfo
+    client: WorkerClient
+    scheduler: PoolScheduler
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    healthy: bool = True
+    steps_in_flight: int = 0
+    idle_since_last_result: bool = True
+    counters: PoolCounters = field(default_factory=PoolCounters)
+
+    @property
+    def runs_prompts(self) -> bool:
+        return self.info.role in ("prefill", "both")
+
+    @property
+    def blocks(self):
+        return self.scheduler.blocks

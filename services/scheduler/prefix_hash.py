@@ -1,0 +1,42 @@
+"""Chained block hashes for automatic prefix caching.
+
+A full block's hash covers its parent's hash and its own token ids, so equal hashes mean
+equal prefixes (up to a hash collision, which the block pool rules out by comparing tokens
+on every hit). The chain starts from a root that mixes a per-deployment salt and the
+request's optional `cache_salt`, so requests with different salts never share blocks and
+hashes cannot be predicted across deployments. SHA-256 over a fixed little-endian encoding
+(never Python's `hash()`, never pickle). Pure Python.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+BlockHash = bytes  # 32-byte SHA-256 digest
+
+
+def root_hash(deployment_salt: bytes, cache_salt: str = "") -> BlockHash:
+    """The parent of a sequence's first block."""
+    digest = hashlib.sha256(b"tandem-prefix-v1\0")
+    digest.update(struct.pack("<I", len(deployment_salt)))
+    digest.update(deployment_salt)
+    digest.update(cache_salt.encode("utf-8"))
+    return digest.digest()
+
+
+def block_hash(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
+    digest = hashlib.sha256(parent)
+    digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return digest.digest()
+
+
+def extend_block_hashes(
+    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, root: BlockHash
+) -> list[BlockHash]:
+    """Append the hashes of blocks that `token_ids` now fills completely; returns `hashes`."""
+    for index in range(len(hashes), len(token_ids) // block_size):
+        parent = hashes[index - 1] if index else root
+        hashes.append(block_hash(parent, token_ids[index * block_size : (index + 1) * block_size]))
+    return hashes

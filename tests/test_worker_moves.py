@@ -1,0 +1,70 @@
+"""A real Worker's block moves (swap out, swap in, copy-on-write copies) and the step
+ordering that KV receives wait on."""
+
+import asyncio
+
+import pytest
+import torch
+
+from services.worker.batch import BlockMoves, PlanError
+from services.worker.config import WorkerConfig
+from services.worker.worker import Worker
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def loaded(model) -> Worker:
+    config = WorkerConfig(
+        model=str(model), num_blocks=16, max_model_len=128, swap_space="256KiB", port=0
+    )
+    worker = await Worker.load(config, "moves")
+    worker.kv_cache.data.copy_(torch.randn(worker.kv_cache.data.shape))
+    return worker
+
+
+def test_swap_out_swap_in_and_copies_move_whole_blocks(tiny_llama_dir):
+    async def scenario():
+        worker = await loaded(tiny_llama_dir)
+        kv, swap = worker.kv_cache, worker.swap_cache
+        assert swap is not None and swap.num_blocks >= 2
+        original = kv.data.clone()
+        await worker.step(1, [], [], [], BlockMoves(swap_out=[(3, 0), (5, 1)]))
+        assert torch.equal(swap.data[0], original[3]) and torch.equal(swap.data[1], original[5])
+        await worker.step(2, [], [], [], BlockMoves(swap_in=[(0, 9), (1, 10)], copies=[(2, 7)]))
+        assert torch.equal(kv.data[9], original[3]) and torch.equal(kv.data[10], original[5])
+        assert torch.equal(kv.data[7], original[2])
+        untouched = [b for b in range(16) if b not in (7, 9, 10)]
+        assert torch.equal(kv.data[untouched], original[untouched])
+        assert worker.executed_step_id == 2
+        await asyncio.wait_for(worker.wait_for_step(2), timeout=1)
+        await worker.close()
+
+    run(scenario())
+
+
+def test_moves_outside_the_pools_are_rejected(tiny_llama_dir):
+    async def scenario():
+        worker = await loaded(tiny_llama_dir)
+        with pytest.raises(PlanError, match="block_copies"):
+            await worker.step(1, [], [], [], BlockMoves(copies=[(2, 16)]))
+        with pytest.raises(PlanError, match="swap_in"):
+            await worker.step(1, [], [], [], BlockMoves(swap_in=[(10_000, 1)]))
+        await worker.close()
+
+    run(scenario())
+
+
+def test_a_receive_waits_for_the_steps_planned_before_it(tiny_llama_dir):
+    async def scenario():
+        worker = await loaded(tiny_llama_dir)
+        waiter = asyncio.create_task(worker.wait_for_step(2))
+        await worker.step(1, [], [], [])
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        await worker.step(2, [], [], [])
+        await asyncio.wait_for(waiter, timeout=1)
+        await worker.close()
+
+    run(scenario())
