@@ -1,8 +1,9 @@
 """KV-transfer bandwidth over UCX between two processes vs a plain memcpy of the same bytes.
 
 A sender and a receiver process each own a `KvCache` and a `UcxTransport` (what workers
-use). Each round the sender gathers N scattered blocks into one buffer and sends it as one
-tagged message; the receiver scatters it into N other blocks. Reported: GB/s of the whole
+use). Each round the sender gathers N scattered blocks into one reused staging buffer and sends it
+as one tagged message; the receiver receives into its own reused buffer and scatters it into
+N other blocks (exactly what workers do). Reported: GB/s of the whole
 path (gather + UCX + scatter, as the receiver sees it), of the UCX message alone, and of a
 `torch` copy of the same bytes in one process. JSON goes to bench/results/.
 
@@ -36,21 +37,25 @@ def make_cache(num_blocks: int, dtype: torch.dtype):
 
 def receiver(conn, num_blocks: int, dtype_name: str, rounds: int, per_round: int) -> None:
     from services.worker.kv_transfer import UcxTransport
+    from services.worker.staging import StagingBuffers
 
     async def run() -> None:
         cache = make_cache(num_blocks, getattr(torch, dtype_name))
         transport = UcxTransport()
         conn.send(transport.address)
         dst = list(range(num_blocks - per_round, num_blocks))
+        staging = StagingBuffers()
         timings = []
         for r in range(rounds):
             conn.send("ready")
+            buffer = staging.acquire(per_round * cache.block_bytes)
             start = time.perf_counter()
-            buffer = await transport.receive(tag=r + 1, nbytes=per_round * cache.block_bytes)
+            await transport.receive(tag=r + 1, nbytes=buffer.nbytes, out=buffer)
             received = time.perf_counter()
             payload = torch.from_numpy(buffer).view(per_round, cache.block_bytes)
             cache.scatter_blocks(dst, payload)
             timings.append((received - start, time.perf_counter() - start))
+            staging.release(buffer)
         checksum = float(cache.data[dst].float().sum())
         conn.send((timings, checksum))
         await transport.close()
@@ -60,20 +65,24 @@ def receiver(conn, num_blocks: int, dtype_name: str, rounds: int, per_round: int
 
 async def sender(conn, num_blocks: int, dtype: torch.dtype, rounds: int, per_round: int):
     from services.worker.kv_transfer import UcxTransport
+    from services.worker.staging import StagingBuffers
 
     cache = make_cache(num_blocks, dtype)
     cache.data.copy_(torch.randn(cache.data.shape, dtype=torch.float32).to(dtype))
     transport = UcxTransport()
     address = conn.recv()
     src = list(range(0, 2 * per_round, 2))  # scattered source blocks
+    staging = StagingBuffers()
     sends = []
     for r in range(rounds):
         assert conn.recv() == "ready"
+        buffer = staging.acquire(per_round * cache.block_bytes)
         start = time.perf_counter()
-        payload = cache.gather_blocks(src).numpy()
+        cache.gather_blocks(src, out=torch.from_numpy(buffer).view(per_round, -1))
         gathered = time.perf_counter()
-        await transport.send("bench-peer", address, tag=r + 1, payload=payload)
+        await transport.send("bench-peer", address, tag=r + 1, payload=buffer)
         sends.append((gathered - start, time.perf_counter() - gathered))
+        staging.release(buffer)
     timings, checksum = conn.recv()
     expected = float(cache.data[src].float().sum())
     await transport.close()

@@ -95,9 +95,19 @@ class KvCache:
             block_size, num_layers, num_kv_heads, head_dim, dtype
         )
 
-    def gather_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """Copy the given blocks into a contiguous uint8 tensor `[len(block_ids), block_bytes]`."""
+    def gather_blocks(
+        self, block_ids: Sequence[int], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Copy the given blocks into a contiguous uint8 tensor `[len(block_ids), block_bytes]`
+        (into `out` when given: a reused staging buffer of exactly that shape)."""
         index = self._index(block_ids, unique=False)
+        if out is not None:
+            expected = (len(index), self.block_bytes)
+            if out.dtype != torch.uint8 or tuple(out.shape) != expected:
+                raise ValueError(f"gather target must be uint8 {expected}, got {out.shape}")
+            typed = out.view(self.dtype).view(len(index), *self.data.shape[1:])
+            torch.index_select(self.data, 0, index, out=typed)
+            return out
         blocks = self.data.index_select(0, index).contiguous()
         elements_per_block = self.data[0].numel()
         return blocks.view(len(index), elements_per_block).view(torch.uint8)

@@ -60,9 +60,9 @@ class UcxTransport:
             self._endpoints.pop(key, None)
             raise KvTransferError(f"send to {peer_id} (tag {tag:#x}) failed: {exc!r}") from exc
 
-    async def receive(self, tag: int, nbytes: int) -> np.ndarray:
-        """Receive exactly nbytes tagged `tag` from any peer."""
-        buffer = np.empty(nbytes, dtype=np.uint8)
+    async def receive(self, tag: int, nbytes: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Receive exactly nbytes tagged `tag` from any peer (into `out` when given)."""
+        buffer = np.empty(nbytes, dtype=np.uint8) if out is None else out
         try:
             await asyncio.wait_for(self._ucxx.recv(buffer, tag=tag), timeout=self.timeout_s)
         except Exception as exc:

@@ -30,6 +30,7 @@ from services.worker.kv_cache import KvCache
 from services.worker.kv_transfer import KvTransferError, UcxTransport
 from services.worker.models.loader import load_model
 from services.worker.runner import ModelRunner, StepOutput
+from services.worker.staging import StagingBuffers
 
 log = get_logger(__name__)
 
@@ -150,6 +151,7 @@ class Worker:
         )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensor")
         self.swap_cache = swap_cache
+        self.staging = StagingBuffers()
         self.executed_step_id = 0
         self._step_done = asyncio.Condition()
 
@@ -216,10 +218,18 @@ class Worker:
     ) -> TransferResult:
         started = time.perf_counter()
         self._check_blocks(block_ids)
-        payload = await self._on_tensor_thread(self.kv_cache.gather_blocks, list(block_ids))
-        array = payload.cpu().numpy()
-        await self.transport.send(peer_id, peer_address, tag, array)
-        return TransferResult(array.nbytes, time.perf_counter() - started)
+        nbytes = len(block_ids) * self.kv_cache.block_bytes
+        if self.device.type != "cpu":  # device memory: gather there, then one copy to host
+            payload = await self._on_tensor_thread(self.kv_cache.gather_blocks, list(block_ids))
+            await self.transport.send(peer_id, peer_address, tag, payload.cpu().numpy())
+            return TransferResult(nbytes, time.perf_counter() - started)
+        # A failed transfer's buffer is not reused: UCX may still hold it.
+        buffer = self.staging.acquire(nbytes)
+        staged = torch.from_numpy(buffer).view(len(block_ids), self.kv_cache.block_bytes)
+        await self._on_tensor_thread(self.kv_cache.gather_blocks, list(block_ids), staged)
+        await self.transport.send(peer_id, peer_address, tag, buffer)
+        self.staging.release(buffer)
+        return TransferResult(nbytes, time.perf_counter() - started)
 
     async def receive_kv(
         self, tag: int, block_ids: Sequence[int], after_step_id: int = 0
@@ -227,12 +237,14 @@ class Worker:
         started = time.perf_counter()
         self._check_blocks(block_ids)
         nbytes = len(block_ids) * self.kv_cache.block_bytes
-        buffer = await self.transport.receive(tag, nbytes)
+        buffer = self.staging.acquire(nbytes)
+        await self.transport.receive(tag, nbytes, out=buffer)
         await self.wait_for_step(after_step_id)
         payload = torch.from_numpy(buffer).view(len(block_ids), self.kv_cache.block_bytes)
         await self._on_tensor_thread(
             self.kv_cache.scatter_blocks, list(block_ids), payload.to(self.device)
         )
+        self.staging.release(buffer)
         return TransferResult(nbytes, time.perf_counter() - started)
 
     def _check_blocks(self, block_ids: Sequence[int]) -> None:
