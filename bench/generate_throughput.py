@@ -95,6 +95,26 @@ def run_tandem(address: str, prompts: list[list[int]], max_tokens: int) -> dict:
     }
 
 
+def step_overheads(scheduler_address: str) -> list[dict]:
+    """Per worker: steps run, mean model time, mean time between step results."""
+    from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+    with grpc.insecure_channel(scheduler_address) as channel:
+        stats = scheduler_pb2_grpc.SchedulerServiceStub(channel).GetPoolStats(
+            scheduler_pb2.GetPoolStatsRequest(), timeout=10
+        )
+    return [
+        {
+            "worker": p.worker_id,
+            "steps": p.steps,
+            "mean_execute_ms": round(p.mean_execute_ms, 3),
+            "mean_step_interval_ms": round(p.mean_step_interval_ms, 3),
+            "overhead_ms": round(p.mean_step_interval_ms - p.mean_execute_ms, 3),
+        }
+        for p in stats.pools
+    ]
+
+
 def median_run(measure, repeat: int) -> dict:
     """Run `measure()` `repeat` times; keep the run with the median tokens/s."""
     runs = sorted((measure() for _ in range(repeat)), key=lambda r: r["tokens_per_s"])
@@ -175,6 +195,7 @@ def main() -> None:
         tandem_multi = median_run(
             lambda: run_tandem(address, prompts, args.max_tokens), args.repeat
         )
+        steps = step_overheads(stack.spec.scheduler_address) if stack is not None else []
     finally:
         if stack is not None:
             stack.stop()
@@ -200,6 +221,8 @@ def main() -> None:
             "torch_threads": torch.get_num_threads(),
         },
         "tandem": {"single": tandem_single, f"concurrent_{args.concurrency}": tandem_multi},
+        "scheduler_step_overhead": steps,
+        "async_scheduling": os.environ.get("TANDEM_ASYNC_SCHEDULING", "true"),
         "hf_generate": {"single": hf_single, f"batch_{args.concurrency}": hf_multi},
         "ratio_tandem_over_hf": {
             "single": round(tandem_single["tokens_per_s"] / hf_single["tokens_per_s"], 2),

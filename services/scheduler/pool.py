@@ -6,6 +6,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from services.scheduler.block_manager import BlockManager
 from services.scheduler.pool_scheduler import PoolScheduler
 from services.scheduler.worker_client import StepResult, WorkerClient, WorkerInfo
 
@@ -56,5 +57,5 @@ class Pool:
         return self.info.role in ("prefill", "both")
 
     @property
-    def blocks(self):
+    def blocks(self) -> BlockManager:
         return self.scheduler.blocks
