@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.config import check_port, parse_size, setting
+from services.worker.models.attention_backend import BACKENDS
 
 ROLES = ("prefill", "decode", "both")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -33,6 +34,28 @@ class WorkerConfig:
         "weights and KV dtype (auto: float32 on CPU, the checkpoint's dtype on GPU)",
         choices=DTYPES,
         env="TANDEM_DTYPE",
+    )
+    attention_backend: str = setting(
+        "auto",
+        "paged attention: auto (Triton on CUDA, torch elsewhere), torch or triton",
+        choices=BACKENDS,
+        env="TANDEM_ATTENTION_BACKEND",
+    )
+    enforce_eager: bool = setting(
+        False,
+        "never capture CUDA graphs (decode steps run eagerly)",
+        env="TANDEM_ENFORCE_EAGER",
+    )
+    cuda_graph_max_batch_size: int = setting(
+        256,
+        "largest decode batch replayed from a CUDA graph (larger ones run eagerly)",
+        env="TANDEM_CUDA_GRAPH_MAX_BATCH_SIZE",
+    )
+    profile_num_tokens: int = setting(
+        2048,
+        "tokens of the largest step, profiled on GPU to leave room for activations "
+        "(match the scheduler's max_num_batched_tokens)",
+        env="TANDEM_PROFILE_NUM_TOKENS",
     )
     block_size: int = setting(16, "tokens per KV block", env="TANDEM_BLOCK_SIZE")
     num_blocks: int = setting(
@@ -91,6 +114,18 @@ class WorkerConfig:
             )
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(BACKENDS)}, "
+                f"got {self.attention_backend!r}"
+            )
+        if not 1 <= self.cuda_graph_max_batch_size <= 1024:
+            raise ValueError(
+                "cuda_graph_max_batch_size must be in 1..1024, "
+                f"got {self.cuda_graph_max_batch_size}"
+            )
+        if self.profile_num_tokens < 1:
+            raise ValueError(f"profile_num_tokens must be >= 1, got {self.profile_num_tokens}")
         if self.torch_threads < 0:
             raise ValueError(f"torch_threads must be >= 0, got {self.torch_threads}")
         if not self.kv_transfer_timeout_s > 0:

@@ -1,5 +1,6 @@
-"""Executes one step: flattens the scheduled tokens, runs the model over the paged KV cache,
-samples a token for every request that caught up, and advances the persistent batch.
+"""Executes one step: flattens the scheduled tokens, runs the model over the paged KV cache
+(replaying a CUDA graph for pure-decode steps when the worker captured them), and samples a
+token for every request that caught up.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from services.worker.batch import ScheduledWork
+from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.kv_cache import KvCache
 from services.worker.models.attention_metadata import SequenceSlice, build_attention_metadata
 from services.worker.sampler import sample
@@ -23,10 +25,17 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KvCache, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: KvCache,
+        device: torch.device,
+        graphs: DecodeGraphs | None = None,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
+        self.graphs = graphs
         self.generator = torch.Generator(device=device)
         self.generator.seed()
 
@@ -44,7 +53,10 @@ class ModelRunner:
             slices.append(SequenceSlice(begin, item.num_new_tokens, req.block_ids))
         positions, meta = build_attention_metadata(slices, self.kv_cache.block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, positions, self.kv_cache, meta)
+        if self.graphs is not None and self.graphs.supports(meta):
+            hidden = self.graphs.run(ids, positions, meta)
+        else:
+            hidden = self.model(ids, positions, self.kv_cache, meta)
         samplers = [i for i, item in enumerate(work) if item.samples]
         sampled: dict[str, int] = {}
         if samplers:

@@ -15,9 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.config import parse_size
 from common.log import get_logger
-from common.model_config import ModelConfig
 from services.worker.batch import (
     BlockMoves,
     CachedRequestData,
@@ -26,9 +24,8 @@ from services.worker.batch import (
     PlanError,
 )
 from services.worker.config import WorkerConfig
-from services.worker.kv_cache import KvCache
 from services.worker.kv_transfer import KvTransferError, UcxTransport
-from services.worker.models.loader import load_model
+from services.worker.loading import LoadedWorker, load_worker
 from services.worker.runner import ModelRunner, StepOutput
 from services.worker.staging import StagingBuffers
 
@@ -44,113 +41,25 @@ class TransferResult:
     seconds: float
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} asked for but CUDA is not available")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
-    if name == "auto":
-        name = "float32" if device.type == "cpu" else checkpoint_dtype
-    return getattr(torch, name)
-
-
-def kv_pool_bytes(config: WorkerConfig, device: torch.device) -> int:
-    """Memory the KV pool may take, measured after the weights are loaded."""
-    if device.type != "cuda":
-        return parse_size(config.kv_cache_memory)
-    free, total = torch.cuda.mem_get_info(device)
-    used = total - free
-    return max(0, int(total * config.gpu_memory_utilization) - used)
-
-
-def load_model_and_pool(
-    config: WorkerConfig, worker_id: str
-) -> tuple[torch.nn.Module, ModelConfig, KvCache, int, torch.device, KvCache | None]:
-    """Load weights, then size and allocate the KV pool from the memory left (blocking)."""
-    if config.torch_threads:
-        torch.set_num_threads(config.torch_threads)
-    device = resolve_device(config.device)
-    model_config = ModelConfig.from_folder(config.model)
-    dtype = resolve_dtype(config.dtype, device, model_config.torch_dtype)
-    started = time.perf_counter()
-    model, model_config = load_model(config.model, dtype=dtype, device=device)
-    geometry = dict(
-        block_size=config.block_size,
-        num_layers=model_config.num_hidden_layers,
-        num_kv_heads=model_config.num_key_value_heads,
-        head_dim=model_config.head_dim,
-        dtype=dtype,
-    )
-    num_blocks = config.num_blocks or KvCache.num_blocks_for_bytes(
-        kv_pool_bytes(config, device), **geometry
-    )
-    max_model_len = min(
-        config.max_model_len or model_config.max_position_embeddings,
-        model_config.max_position_embeddings,
-    )
-    if num_blocks * config.block_size < max_model_len:
-        raise ValueError(
-            f"the KV pool ({num_blocks} blocks of {config.block_size} tokens) cannot hold "
-            f"one request of max_model_len={max_model_len} tokens: raise "
-            f"kv_cache_memory/num_blocks or lower max_model_len"
-        )
-    kv_cache = KvCache(num_blocks=num_blocks, device=device, **geometry)
-    num_swap_blocks = parse_size(config.swap_space) // kv_cache.block_bytes
-    swap_cache = (
-        KvCache(num_blocks=num_swap_blocks, device="cpu", zeroed=False, **geometry)
-        if num_swap_blocks
-        else None
-    )
-    log.info(
-        "worker_loaded",
-        worker_id=worker_id,
-        role=config.role,
-        model=model_config.name,
-        device=str(device),
-        dtype=str(dtype).removeprefix("torch."),
-        num_blocks=num_blocks,
-        kv_pool_mib=round(num_blocks * kv_cache.block_bytes / 2**20, 1),
-        swap_blocks=num_swap_blocks,
-        max_model_len=max_model_len,
-        seconds=round(time.perf_counter() - started, 2),
-    )
-    return model, model_config, kv_cache, max_model_len, device, swap_cache
-
-
 class Worker:
-    def __init__(
-        self,
-        config: WorkerConfig,
-        worker_id: str,
-        model: torch.nn.Module,
-        model_config: ModelConfig,
-        kv_cache: KvCache,
-        max_model_len: int,
-        device: torch.device,
-        swap_cache: KvCache | None = None,
-    ) -> None:
+    def __init__(self, config: WorkerConfig, worker_id: str, loaded: LoadedWorker) -> None:
         self.config = config
         self.worker_id = worker_id
         self.role = config.role
-        self.model_config = model_config
-        self.kv_cache = kv_cache
-        self.max_model_len = max_model_len
-        self.device = device
-        self.runner = ModelRunner(model, kv_cache, device)
+        self.model_config = loaded.model_config
+        self.kv_cache = loaded.kv_cache
+        self.swap_cache = loaded.swap_cache
+        self.max_model_len = loaded.max_model_len
+        self.device = loaded.device
+        self.runner = ModelRunner(loaded.model, loaded.kv_cache, loaded.device, loaded.graphs)
         self.batch = PersistentBatch(
-            kv_cache.block_size, kv_cache.num_blocks, model_config.vocab_size
+            loaded.kv_cache.block_size, loaded.kv_cache.num_blocks, loaded.model_config.vocab_size
         )
         self.transport = UcxTransport(
             timeout_s=config.kv_transfer_timeout_s,
             error_handling=config.kv_transfer_error_handling,
         )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensor")
-        self.swap_cache = swap_cache
         self.staging = StagingBuffers()
         self.executed_step_id = 0
         self._step_done = asyncio.Condition()
@@ -158,8 +67,7 @@ class Worker:
     @classmethod
     async def load(cls, config: WorkerConfig, worker_id: str) -> Worker:
         """Load weights and allocate the KV pool off the event loop; UCX starts on the loop."""
-        parts = await asyncio.to_thread(load_model_and_pool, config, worker_id)
-        return cls(config, worker_id, *parts)
+        return cls(config, worker_id, await asyncio.to_thread(load_worker, config, worker_id))
 
     async def _on_tensor_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)

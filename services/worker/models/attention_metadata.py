@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -40,17 +41,31 @@ class SequenceSlice:
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    """Everything attention needs about the batch, built once per forward pass."""
+    """Everything attention needs about the batch, built once per forward pass.
+
+    Host lists serve the torch path; the device tensors serve the Triton kernels (and stay
+    at fixed addresses inside CUDA graphs, where `max_seq_len` is the captured bound).
+    """
 
     slot_mapping: torch.Tensor  # int64 [T]: cache slot (block * block_size + offset) per token
     block_tables: torch.Tensor  # int32 [S, max_blocks], padded with 0
     query_start_loc: list[int]  # len S + 1: sequence i owns tokens [loc[i], loc[i + 1])
     seq_lens: list[int]  # len S: num_computed + num_new
     block_size: int
+    query_start_loc_t: torch.Tensor | None = None  # int32 [S + 1] on the device
+    seq_lens_t: torch.Tensor | None = None  # int32 [S] on the device
+    max_query_len: int = 0
+    max_seq_len: int = 0
+    # Split-KV partitions for the decode kernel (None = let the kernel choose).
+    decode_num_splits: int | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.query_start_loc[-1]
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1
 
     @property
     def last_token_indices(self) -> list[int]:
@@ -66,35 +81,37 @@ def build_attention_metadata(
         raise ValueError(f"block_size must be positive, got {block_size}")
     if not seqs:
         raise ValueError("cannot build attention metadata for an empty batch")
-    positions: list[torch.Tensor] = []
-    slots: list[torch.Tensor] = []
-    tables: list[list[int]] = []
-    query_start_loc = [0]
-    seq_lens: list[int] = []
+    computed = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))
+    new = np.fromiter((s.num_new_tokens for s in seqs), np.int64, len(seqs))
+    seq_lens = computed + new
+    needed = -(-seq_lens // block_size)
+    tables = np.zeros((len(seqs), int(needed.max())), dtype=np.int32)
     for i, seq in enumerate(seqs):
-        needed = -(-seq.seq_len // block_size)
-        if len(seq.block_ids) < needed:
+        if len(seq.block_ids) < needed[i]:
             raise ValueError(
-                f"sequence {i}: {seq.seq_len} tokens need {needed} blocks of {block_size}, "
+                f"sequence {i}: {seq_lens[i]} tokens need {needed[i]} blocks of {block_size}, "
                 f"block table has {len(seq.block_ids)}"
             )
-        table = list(seq.block_ids[:needed])
-        pos = torch.arange(seq.num_computed_tokens, seq.seq_len, dtype=torch.long)
-        blocks = torch.tensor(table, dtype=torch.long)[pos // block_size]
-        positions.append(pos)
-        slots.append(blocks * block_size + pos % block_size)
-        tables.append(table)
-        query_start_loc.append(query_start_loc[-1] + seq.num_new_tokens)
-        seq_lens.append(seq.seq_len)
-    max_blocks = max(len(t) for t in tables)
-    padded = torch.zeros((len(tables), max_blocks), dtype=torch.int32)
-    for i, table in enumerate(tables):
-        padded[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        tables[i, : needed[i]] = seq.block_ids[: needed[i]]
+    query_start_loc = np.zeros(len(seqs) + 1, dtype=np.int64)
+    np.cumsum(new, out=query_start_loc[1:])
+    owner = np.repeat(np.arange(len(seqs)), new)
+    positions = np.arange(int(query_start_loc[-1])) - query_start_loc[owner] + computed[owner]
+    slots = tables[owner, positions // block_size].astype(np.int64) * block_size
+    slots += positions % block_size
+
+    def to_device(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(device, non_blocking=True)
+
     meta = AttentionMetadata(
-        slot_mapping=torch.cat(slots).to(device),
-        block_tables=padded.to(device),
-        query_start_loc=query_start_loc,
-        seq_lens=seq_lens,
+        slot_mapping=to_device(slots),
+        block_tables=to_device(tables),
+        query_start_loc=query_start_loc.tolist(),
+        seq_lens=seq_lens.tolist(),
         block_size=block_size,
+        query_start_loc_t=to_device(query_start_loc.astype(np.int32)),
+        seq_lens_t=to_device(seq_lens.astype(np.int32)),
+        max_query_len=int(new.max()),
+        max_seq_len=int(seq_lens.max()),
     )
-    return torch.cat(positions).to(device), meta
+    return to_device(positions), meta

@@ -6,7 +6,8 @@ of queries and keys before RoPE (qwen3), and tied input/output embeddings. Modul
 parameter names equal Hugging Face's, so an HF state dict loads without renaming.
 
 `forward` takes a flat varlen batch of new tokens; each attention layer writes their K/V into
-the cache (`reshape_and_cache`) and attends through the block tables (`paged_attention`).
+the cache and attends through the block tables with the `AttentionBackend` the model was
+built with (plain torch or Triton).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.model_config import ModelConfig
-from kernels.torch_paged import paged_attention, reshape_and_cache
 from services.worker.kv_cache import KvCache
+from services.worker.models.attention_backend import AttentionBackend, TorchAttention
 from services.worker.models.attention_metadata import AttentionMetadata
 from services.worker.models.rope import RotaryEmbedding
 
@@ -38,8 +39,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, backend: AttentionBackend) -> None:
         super().__init__()
+        self.backend = backend
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -77,10 +79,8 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         q, k = rotary(positions, q, k)
         k_cache, v_cache = cache
-        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = paged_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, self.scale
-        )
+        self.backend.write_kv(k, v, k_cache, v_cache, meta)
+        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -99,9 +99,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, backend: AttentionBackend) -> None:
         super().__init__()
-        self.self_attn = Attention(config, dtype)
+        self.self_attn = Attention(config, dtype, backend)
         self.mlp = MLP(config, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -123,11 +123,11 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embeddings, decoder stack and final norm (HF's `model.` prefix)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, backend: AttentionBackend) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, dtype, backend) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary_emb = RotaryEmbedding(
@@ -153,10 +153,16 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Decoder plus LM head; `forward` returns hidden states, `compute_logits` the logits."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        attention: AttentionBackend | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, dtype)
+        self.attention = attention or TorchAttention()
+        self.model = LlamaModel(config, dtype, self.attention)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.tie_weights()
 

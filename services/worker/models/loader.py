@@ -16,20 +16,24 @@ import torch
 
 from common.hf_checkpoint import iter_tensors
 from common.model_config import ModelConfig
+from services.worker.models.attention_backend import AttentionBackend
 from services.worker.models.llama import LlamaForCausalLM
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def load_model(
-    folder: str | os.PathLike, dtype: torch.dtype, device: str | torch.device = "cpu"
+    folder: str | os.PathLike,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    attention: AttentionBackend | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model for `folder` and load its weights; returns (model in eval mode, config)."""
     path = Path(folder)
     config = ModelConfig.from_folder(path)
     device = torch.device(device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, dtype=dtype)
+        model = LlamaForCausalLM(config, dtype=dtype, attention=attention)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     tied_head = "lm_head.weight" if config.tie_word_embeddings else None
 

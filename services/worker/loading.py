@@ -1,0 +1,186 @@
+"""Bringing a worker up: device and dtype, the model with its attention backend, the KV pool
+sized from the memory actually left, the CPU swap space, and the decode CUDA graphs.
+
+On CUDA the pool gets `gpu_memory_utilization` of the device minus what this worker
+already uses (weights; other processes sharing the GPU do not count), minus the activation
+peak of the largest step (measured by one profiling forward pass of `profile_num_tokens`
+tokens) and minus the memory the decode graphs take (measured by capturing them once over a
+one-block cache, then released). The graphs are then captured for real over the allocated
+pool. On CPU the pool gets `kv_cache_memory`.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass
+
+import torch
+
+from common.config import parse_size
+from common.log import get_logger
+from common.model_config import ModelConfig
+from services.worker.config import WorkerConfig
+from services.worker.cuda_graphs import DecodeGraphs, graph_buckets
+from services.worker.kv_cache import KvCache
+from services.worker.models.attention_backend import select_backend
+from services.worker.models.attention_metadata import SequenceSlice, build_attention_metadata
+from services.worker.models.loader import load_model
+
+log = get_logger(__name__)
+
+# Left free on the device for the CUDA context's growth, cuBLAS workspaces and fragmentation.
+CUDA_HEADROOM_BYTES = 512 * 2**20
+
+
+@dataclass
+class LoadedWorker:
+    model: torch.nn.Module
+    model_config: ModelConfig
+    kv_cache: KvCache
+    max_model_len: int
+    device: torch.device
+    swap_cache: KvCache | None
+    graphs: DecodeGraphs | None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
+    if name == "auto":
+        name = "float32" if device.type == "cpu" else checkpoint_dtype
+    return getattr(torch, name)
+
+
+def _release_cuda() -> None:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+@torch.inference_mode()
+def profile_activation_bytes(model, geometry: dict, num_tokens: int, device) -> int:
+    """Peak memory of one forward pass over `num_tokens` prompt tokens (plus logits)."""
+    block_size = geometry["block_size"]
+    blocks = -(-num_tokens // block_size)
+    cache = KvCache(num_blocks=blocks, device=device, **geometry)
+    positions, meta = build_attention_metadata(
+        [SequenceSlice(0, num_tokens, range(blocks))], block_size, device
+    )
+    ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    hidden = model(ids, positions, cache, meta)
+    model.compute_logits(hidden[-1:])
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del cache, hidden
+    _release_cuda()
+    return peak
+
+
+def measure_graph_bytes(model, geometry: dict, buckets, max_model_len: int, device) -> int:
+    """Memory the decode graphs hold, from a throwaway capture over a one-block cache."""
+    cache = KvCache(num_blocks=1, device=device, **geometry)
+    _release_cuda()
+    free_before = torch.cuda.mem_get_info(device)[0]
+    graphs = DecodeGraphs(model, cache, buckets, max_model_len)
+    graphs.capture_all()
+    used = free_before - torch.cuda.mem_get_info(device)[0]
+    del graphs, cache
+    _release_cuda()
+    return max(0, used)
+
+
+def load_worker(config: WorkerConfig, worker_id: str) -> LoadedWorker:
+    """Everything `Worker` needs, loaded and sized (blocking; run off the event loop)."""
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    started = time.perf_counter()
+    device = resolve_device(config.device)
+    model_config = ModelConfig.from_folder(config.model)
+    dtype = resolve_dtype(config.dtype, device, model_config.torch_dtype)
+    free_at_start = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+    backend = select_backend(config.attention_backend, device)
+    model, model_config = load_model(config.model, dtype=dtype, device=device, attention=backend)
+    max_model_len = min(
+        config.max_model_len or model_config.max_position_embeddings,
+        model_config.max_position_embeddings,
+    )
+    geometry = dict(
+        block_size=config.block_size,
+        num_layers=model_config.num_hidden_layers,
+        num_kv_heads=model_config.num_key_value_heads,
+        head_dim=model_config.head_dim,
+        dtype=dtype,
+    )
+    use_graphs = device.type == "cuda" and not config.enforce_eager and config.role != "prefill"
+    buckets = graph_buckets(config.cuda_graph_max_batch_size)
+    sizing: dict[str, float] = {}
+    if device.type == "cuda":
+        _release_cuda()
+        free, total = torch.cuda.mem_get_info(device)
+        # This worker's share: other processes on the same GPU do not count against it.
+        used_here = free_at_start - free
+        budget = min(
+            int(total * config.gpu_memory_utilization) - used_here, free - CUDA_HEADROOM_BYTES
+        )
+        activation = profile_activation_bytes(
+            model, geometry, min(config.profile_num_tokens, max_model_len), device
+        )
+        graph_bytes = (
+            measure_graph_bytes(model, geometry, buckets, max_model_len, device)
+            if use_graphs
+            else 0
+        )
+        pool_bytes = max(0, budget - activation - graph_bytes)
+        sizing = {
+            "budget_gib": budget / 2**30,
+            "activation_gib": activation / 2**30,
+            "cuda_graphs_gib": graph_bytes / 2**30,
+        }
+    else:
+        pool_bytes = parse_size(config.kv_cache_memory)
+    num_blocks = config.num_blocks or KvCache.num_blocks_for_bytes(pool_bytes, **geometry)
+    if num_blocks * config.block_size < max_model_len:
+        raise ValueError(
+            f"the KV pool ({num_blocks} blocks of {config.block_size} tokens) cannot hold "
+            f"one request of max_model_len={max_model_len} tokens: raise "
+            f"kv_cache_memory/num_blocks/gpu_memory_utilization or lower max_model_len"
+        )
+    kv_cache = KvCache(num_blocks=num_blocks, device=device, **geometry)
+    graphs = None
+    if use_graphs:
+        graphs = DecodeGraphs(model, kv_cache, buckets, max_model_len)
+        graphs.capture_all()
+    num_swap_blocks = parse_size(config.swap_space) // kv_cache.block_bytes
+    swap_cache = (
+        KvCache(num_blocks=num_swap_blocks, device="cpu", zeroed=False, **geometry)
+        if num_swap_blocks
+        else None
+    )
+    log.info(
+        "worker_loaded",
+        worker_id=worker_id,
+        role=config.role,
+        model=model_config.name,
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        attention=backend.name,
+        cuda_graphs=graphs.num_graphs if graphs else 0,
+        num_blocks=num_blocks,
+        kv_pool_mib=round(num_blocks * kv_cache.block_bytes / 2**20, 1),
+        swap_blocks=num_swap_blocks,
+        max_model_len=max_model_len,
+        seconds=round(time.perf_counter() - started, 2),
+        **{k: round(v, 3) for k, v in sizing.items()},
+    )
+    return LoadedWorker(model, model_config, kv_cache, max_model_len, device, swap_cache, graphs)
