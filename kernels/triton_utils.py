@@ -1,0 +1,113 @@
+"""Helpers shared by the Triton paged-attention kernels: argument validation for the paged
+K/V caches, the choice of `tl.dot` operand dtype and precision, and the in-kernel block-table
+lookup that turns token positions into cache addresses.
+
+Nothing here keeps state; every function is a pure function of its arguments.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+LOG2E = 1.4426950408889634  # kernels use exp2; softmax scales are folded by log2(e)
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def is_interpreted(kernel: object) -> bool:
+    """True when `kernel` runs under the Triton CPU interpreter (`TRITON_INTERPRET=1` was set
+    before it was defined) rather than compiled for a GPU."""
+    return isinstance(kernel, InterpretedFunction)
+
+
+def tl_dtype(dtype: torch.dtype) -> tl.dtype:
+    if dtype == torch.float32:
+        return tl.float32
+    if dtype == torch.float16:
+        return tl.float16
+    if dtype == torch.bfloat16:
+        return tl.bfloat16
+    raise ValueError(f"unsupported dtype {dtype}; expected one of {SUPPORTED_DTYPES}")
+
+
+def dot_config(
+    query_dtype: torch.dtype, cache_dtype: torch.dtype, kernel: object
+) -> tuple[tl.dtype, str]:
+    """(operand dtype, input_precision) for the attention `tl.dot`s.
+
+    On a GPU, 16-bit inputs multiply in their own dtype on the tensor cores (fp32
+    accumulation; the precision flag only matters for fp32 operands). fp32 inputs, mixed
+    input dtypes, and everything under the interpreter (whose bf16 arithmetic is wrong) use
+    fp32 operands with exact ("ieee") products, so fp32 results match the reference closely.
+    """
+    if query_dtype == cache_dtype and query_dtype != torch.float32 and not is_interpreted(kernel):
+        return tl_dtype(query_dtype), "tf32"
+    return tl.float32, "ieee"
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (an H100-like 132 elsewhere: the value only
+    steers launch heuristics)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
+
+
+def check_paged_args(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> None:
+    """Shape/dtype/device checks common to the attention kernels (no tensor values are read,
+    so the checks never synchronise with the device)."""
+    if query.dim() != 3:
+        raise ValueError(f"query must be [tokens, q_heads, head_dim], got {tuple(query.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            "k/v caches must both be [num_blocks, block_size, kv_heads, head_dim], got "
+            f"{tuple(k_cache.shape)}/{tuple(v_cache.shape)}"
+        )
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k/v cache dtypes differ: {k_cache.dtype} vs {v_cache.dtype}")
+    for name, tensor in (("query", query), ("cache", k_cache)):
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name} dtype {tensor.dtype} not in {SUPPORTED_DTYPES}")
+    if k_cache.shape[3] != query.shape[2]:
+        raise ValueError(f"query head_dim {query.shape[2]} != cache head_dim {k_cache.shape[3]}")
+    if query.shape[2] > 256:
+        raise ValueError(f"head_dim {query.shape[2]} > 256 is not supported")
+    if query.shape[1] % k_cache.shape[2] != 0:
+        raise ValueError(
+            f"query heads ({query.shape[1]}) must be a multiple of kv heads ({k_cache.shape[2]})"
+        )
+    if block_tables.dim() != 2:
+        raise ValueError(f"block_tables must be [S, max_blocks], got {tuple(block_tables.shape)}")
+    if seq_lens.dim() != 1:
+        raise ValueError(f"seq_lens must be [S], got {tuple(seq_lens.shape)}")
+    if block_tables.shape[0] < seq_lens.shape[0]:
+        raise ValueError(
+            f"block_tables has {block_tables.shape[0]} rows for {seq_lens.shape[0]} sequences"
+        )
+    for name, tensor in (("block_tables", block_tables), ("seq_lens", seq_lens)):
+        if tensor.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {tensor.dtype}")
+    devices = {t.device for t in (query, k_cache, v_cache, block_tables, seq_lens)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+@triton.jit
+def kv_block_slot(block_table_row, pos, mask, BLOCK_SIZE: tl.constexpr):
+    """(block, slot), both int64, of the cache rows holding token positions `pos` of one
+    sequence: position p lives in block `block_table_row[p // BLOCK_SIZE]` at slot
+    `p % BLOCK_SIZE`. Masked positions read no block-table entry and map to block 0 (callers
+    mask their cache loads with the same mask). int64 because block * block_stride overflows
+    int32 on large caches.
+    """
+    block = tl.load(block_table_row + pos // BLOCK_SIZE, mask=mask, other=0).to(tl.int64)
+    return block, (pos % BLOCK_SIZE).to(tl.int64)
