@@ -255,7 +255,7 @@ def random_model(shape: dict, device: torch.device, dtype: torch.dtype, backend:
     with torch.device(device):  # its inv_freq buffer was built on the meta device
         hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf_config)
     hf.to(device).eval()
-    ours.eval()
+    ours.to(device).eval()  # moves the rotary cos/sin buffers (built on the CPU)
     weight_bytes = sum(t.numel() * t.element_size() for t in state.values())
     return ours, hf, config, weight_bytes
 
