@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 
 from common.log import bind_request, get_logger
-from services.scheduler.handle import Finished, RequestHandle, Stage
+from services.scheduler.handle import Finished, RequestHandle, Stage, Tokens
 from services.scheduler.handoff import KvHandoff
 from services.scheduler.placement import PrefillCandidate, choose_prefill
 from services.scheduler.pool import Pool
@@ -76,19 +76,26 @@ class Engine:
         for pool in self.pools:
             self._spawn(self._run_pool(pool), f"pool-{pool.info.worker_id}")
 
-    def submit(self, request: Request) -> RequestHandle:
-        """Validate and queue a request; raises InvalidRequestError naming field and limit."""
-        self._validate(request)
-        request.hash_root = root_hash(self.deployment_salt, request.cache_salt)
-        request.update_block_hashes(self.pools[0].blocks.block_size)
-        pool = self._pick_prefill_pool(request)
+    def submit(self, samples: Sequence[Request]) -> list[RequestHandle]:
+        """Validate and queue the n samples of one client request (separate requests with
+        the same prompt, queued together on one prefill pool so they share its cached
+        prompt blocks); their events go to one queue. Raises InvalidRequestError."""
+        for request in samples:
+            self._validate(request)
+            request.hash_root = root_hash(self.deployment_salt, request.cache_salt)
+            request.update_block_hashes(self.pools[0].blocks.block_size)
+        pool = self._pick_prefill_pool(samples[0])
         if pool is None:
             raise WorkerUnavailableError("no healthy worker can run prompts")
-        handle = RequestHandle(request=request, pool=pool)
-        self._handles[request.request_id] = handle
-        pool.scheduler.add(request)
+        events: asyncio.Queue = asyncio.Queue()
+        handles = []
+        for request in samples:
+            handle = RequestHandle(request=request, pool=pool, events=events)
+            self._handles[request.request_id] = handle
+            pool.scheduler.add(request)
+            handles.append(handle)
         pool.wakeup.set()
-        return handle
+        return handles
 
     def abort(self, request_id: str) -> bool:
         handle = self._handles.get(request_id)
@@ -191,6 +198,12 @@ class Engine:
         await pool.wakeup.wait()
 
     def _apply(self, pool: Pool, result: StepResult) -> None:
+        for request_id, (start, entries) in result.prompt_logprobs.items():
+            handle = self._handles.get(request_id)
+            if handle is not None and not handle.prompt_logprobs_sent:
+                gathered = handle.request.prompt_logprobs
+                del gathered[start - 1 :]  # a recompute after preemption resends positions
+                gathered.extend(entries)
         for request_id, token in result.sampled.items():
             handle = self._handles.get(request_id)
             if handle is None:
@@ -201,7 +214,13 @@ class Engine:
                 continue
             request.num_pending_tokens -= 1
             reason = request.append_token(token)
-            handle.events.put_nowait([token])
+            prompt_logprobs = []
+            if request.sampling.prompt_logprobs is not None and not handle.prompt_logprobs_sent:
+                prompt_logprobs, handle.prompt_logprobs_sent = request.prompt_logprobs, True
+            logprob = result.logprobs.get(request_id)
+            handle.events.put_nowait(
+                Tokens(request.index, [token], [logprob] if logprob else [], prompt_logprobs)
+            )
             if handle.pool is not pool:
                 handle.pool.wakeup.set()  # preempted meanwhile: it waited for this token
             if reason is not None:
@@ -258,6 +277,7 @@ class Engine:
         cached = max(0, request.num_cached_tokens)
         handle.events.put_nowait(
             Finished(
+                index=request.index,
                 reason=request.finish_reason,
                 prompt_tokens=len(request.prompt_token_ids),
                 completion_tokens=len(request.output_token_ids),

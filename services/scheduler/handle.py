@@ -7,7 +7,7 @@ import enum
 from dataclasses import dataclass, field
 
 from services.scheduler.pool import Pool
-from services.scheduler.request import FinishReason, Request
+from services.scheduler.request import FinishReason, Logprob, Request
 
 
 class Stage(enum.Enum):
@@ -19,9 +19,20 @@ class Stage(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Finished:
-    """The last event of a request's stream."""
+class Tokens:
+    """New tokens of one sample (with their logprobs, and the prompt's on the first)."""
 
+    index: int
+    token_ids: list[int]
+    logprobs: list[Logprob] = field(default_factory=list)
+    prompt_logprobs: list[Logprob] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last event of one sample."""
+
+    index: int
     reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
@@ -35,8 +46,9 @@ class RequestHandle:
     request: Request
     pool: Pool
     stage: Stage = Stage.PREFILL
-    # Token lists, then one Finished.
+    # Tokens events, then one Finished; shared by the n samples of one client request.
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    prompt_logprobs_sent: bool = False
 
     @property
     def done(self) -> bool:

@@ -255,6 +255,8 @@ class PoolScheduler:
         """Cached blocks for a request that starts from scratch here (none otherwise)."""
         if request.num_computed_tokens or self.blocks.has(request.request_id):
             return []
+        if request.sampling.prompt_logprobs is not None:
+            return []  # every prompt position's logits must be computed
         request.update_block_hashes(self.blocks.block_size)
         return self.blocks.cached_prefix(
             request.block_hashes, request.all_token_ids, request.num_known_tokens - 1

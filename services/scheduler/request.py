@@ -22,11 +22,21 @@ class FinishReason(enum.Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Resolved sampling settings (0 temperature = greedy; top_p 1 and top_k 0 = off)."""
+    """Resolved sampling settings, passed through to the worker's sampler (see
+    `services/worker/sampling_params.py` for what each does). 0 temperature = greedy."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    seed: int | None = None
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -35,6 +45,15 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """A token's log-probability under the raw model distribution, with alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(eq=False)
@@ -46,6 +65,8 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     max_model_len: int | None = None
     cache_salt: str = ""
+    # Which of the client request's n samples this is.
+    index: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     # Leading tokens whose KV sits in the blocks of the pool the request is in now.
     num_computed_tokens: int = 0
@@ -56,6 +77,8 @@ class Request:
     # Parent of the first block's hash (deployment salt + cache_salt), set on submit.
     hash_root: BlockHash = b""
     block_hashes: list[BlockHash] = field(default_factory=list)
+    # Prompt log-probabilities gathered while the prompt is computed (positions 1..).
+    prompt_logprobs: list[Logprob] = field(default_factory=list)
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.monotonic)

@@ -8,9 +8,9 @@ import grpc
 from common.log import bind_request
 from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
 from services.scheduler.engine import Engine, InvalidRequestError
-from services.scheduler.handle import Finished
+from services.scheduler.handle import Tokens
 from services.scheduler.pool import Pool
-from services.scheduler.request import FinishReason, Request, SamplingParams
+from services.scheduler.request import FinishReason, Logprob, Request, SamplingParams
 from services.scheduler.worker_client import ROLE_FROM_PB, WorkerUnavailableError
 
 FINISH_TO_PB = {
@@ -19,12 +19,15 @@ FINISH_TO_PB = {
     FinishReason.ABORT: types_pb2.FINISH_REASON_ABORT,
 }
 ROLE_TO_PB = {role: pb for pb, role in ROLE_FROM_PB.items()}
+MAX_SAMPLES = 16
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     def __init__(self) -> None:
         self.engine: Engine | None = None
         self.model: types_pb2.ModelDescription | None = None
+        # Client request id -> its samples' request ids, while its Submit stream is open.
+        self._groups: dict[str, list[str]] = {}
 
     async def _ready(self, context) -> Engine:
         if self.engine is None:
@@ -35,56 +38,38 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         engine = await self._ready(context)
         with bind_request(request.request_id):
             try:
-                sampling = SamplingParams(
-                    temperature=request.sampling.temperature,
-                    top_p=request.sampling.top_p or 1.0,
-                    top_k=request.sampling.top_k,
-                )
-                handle = engine.submit(
-                    Request(
-                        request_id=request.request_id,
-                        prompt_token_ids=list(request.prompt_token_ids),
-                        max_tokens=request.max_tokens,
-                        sampling=sampling,
-                        stop_token_ids=frozenset(request.stop_token_ids),
-                        cache_salt=request.cache_salt,
-                        max_model_len=engine.max_model_len,
-                    )
-                )
+                samples = samples_from_pb(request, engine.max_model_len)
+                handles = engine.submit(samples)
             except (InvalidRequestError, ValueError) as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except WorkerUnavailableError as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            self._groups[request.request_id] = [s.request_id for s in samples]
+            events = handles[0].events
+            unfinished = len(handles)
             try:
-                while True:
-                    events = [await handle.events.get()]
-                    while not handle.events.empty():  # coalesce what piled up
-                        events.append(handle.events.get_nowait())
-                    tokens = [t for e in events if isinstance(e, list) for t in e]
-                    finished = next((e for e in events if isinstance(e, Finished)), None)
-                    if finished is None:
-                        yield scheduler_pb2.SubmitResponse(token_ids=tokens)
-                        continue
-                    if finished.error is not None:
-                        code, message = finished.error
-                        await context.abort(grpc.StatusCode[code], message)
-                    yield scheduler_pb2.SubmitResponse(
-                        token_ids=tokens,
-                        finish_reason=FINISH_TO_PB[finished.reason],
-                        usage=types_pb2.Usage(
-                            prompt_tokens=finished.prompt_tokens,
-                            completion_tokens=finished.completion_tokens,
-                            cached_tokens=finished.cached_tokens,
-                        ),
-                    )
-                    return
+                while unfinished:
+                    batch = [await events.get()]
+                    while not events.empty():  # coalesce what piled up
+                        batch.append(events.get_nowait())
+                    for message, error in responses_from_events(batch):
+                        if error is not None:
+                            await context.abort(grpc.StatusCode[error[0]], error[1])
+                        unfinished -= message.finish_reason != types_pb2.FINISH_REASON_UNSPECIFIED
+                        yield message
             finally:
-                if not handle.done:  # the caller went away (cancel, deadline, disconnect)
-                    engine.abort(request.request_id)
+                self._groups.pop(request.request_id, None)
+                for handle in handles:
+                    if not handle.done:  # the caller went away (cancel, deadline, disconnect)
+                        engine.abort(handle.request.request_id)
 
     async def Abort(self, request, context):
         engine = await self._ready(context)
-        return scheduler_pb2.AbortResponse(found=engine.abort(request.request_id))
+        ids = self._groups.get(request.request_id, [request.request_id])
+        if request.HasField("index"):
+            ids = ids[request.index : request.index + 1]
+        found = [engine.abort(i) for i in ids]
+        return scheduler_pb2.AbortResponse(found=any(found))
 
     async def GetModelInfo(self, request, context):
         await self._ready(context)
@@ -121,3 +106,85 @@ def pool_stats(pool: Pool) -> scheduler_pb2.PoolStats:
         num_swap_blocks=0 if swap is None else swap.num_blocks,
         num_free_swap_blocks=0 if swap is None else swap.num_free_blocks,
     )
+
+
+def sampling_from_pb(
+    pb: types_pb2.SamplingParams, seed_offset: int, with_prompt_logprobs: bool
+) -> SamplingParams:
+    return SamplingParams(
+        temperature=pb.temperature,
+        top_p=pb.top_p or 1.0,
+        top_k=pb.top_k,
+        min_p=pb.min_p,
+        repetition_penalty=pb.repetition_penalty or 1.0,
+        presence_penalty=pb.presence_penalty,
+        frequency_penalty=pb.frequency_penalty,
+        logit_bias=tuple(sorted(pb.logit_bias.items())),
+        seed=(pb.seed + seed_offset) % 2**64 if pb.HasField("seed") else None,
+        min_tokens=pb.min_tokens,
+        logprobs=pb.logprobs if pb.HasField("logprobs") else None,
+        prompt_logprobs=(
+            pb.prompt_logprobs if with_prompt_logprobs and pb.HasField("prompt_logprobs") else None
+        ),
+    )
+
+
+def samples_from_pb(request: scheduler_pb2.SubmitRequest, max_model_len: int) -> list[Request]:
+    """The n samples of a SubmitRequest as separate requests (sample i: seed + i; only
+    sample 0 computes prompt logprobs)."""
+    n = request.n or 1
+    if not 1 <= n <= MAX_SAMPLES:
+        raise InvalidRequestError(f"n must be in 1..{MAX_SAMPLES}, got {n}")
+    return [
+        Request(
+            request_id=request.request_id if n == 1 else f"{request.request_id}/{i}",
+            prompt_token_ids=list(request.prompt_token_ids),
+            max_tokens=request.max_tokens,
+            sampling=sampling_from_pb(request.sampling, i, with_prompt_logprobs=i == 0),
+            stop_token_ids=frozenset(request.stop_token_ids),
+            cache_salt=request.cache_salt,
+            max_model_len=max_model_len,
+            index=i,
+        )
+        for i in range(n)
+    ]
+
+
+def logprob_pb(logprob: Logprob) -> types_pb2.TokenLogprob:
+    return types_pb2.TokenLogprob(
+        token_id=logprob.token_id,
+        logprob=logprob.logprob,
+        top_logprobs=[types_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in logprob.top],
+    )
+
+
+def responses_from_events(events: list) -> list[tuple[scheduler_pb2.SubmitResponse, tuple | None]]:
+    """One SubmitResponse per run of same-sample events (tokens merged); a Finished closes
+    its sample's message. Returns (message, error) pairs; error = (status name, text)."""
+    out: list[list] = []  # [message, error]
+    open_entries: dict[int, list] = {}
+    for event in events:
+        entry = open_entries.get(event.index)
+        if entry is None:
+            entry = open_entries[event.index] = [
+                scheduler_pb2.SubmitResponse(index=event.index),
+                None,
+            ]
+            out.append(entry)
+        message = entry[0]
+        if isinstance(event, Tokens):
+            message.token_ids.extend(event.token_ids)
+            message.logprobs.extend(logprob_pb(lp) for lp in event.logprobs)
+            message.prompt_logprobs.extend(logprob_pb(lp) for lp in event.prompt_logprobs)
+            continue
+        message.finish_reason = FINISH_TO_PB[event.reason]
+        message.usage.CopyFrom(
+            types_pb2.Usage(
+                prompt_tokens=event.prompt_tokens,
+                completion_tokens=event.completion_tokens,
+                cached_tokens=event.cached_tokens,
+            )
+        )
+        entry[1] = event.error
+        del open_entries[event.index]
+    return [(message, error) for message, error in out]

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
 from common.grpc_server import insecure_channel
 from common.pb.tandem.internal.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from services.scheduler.pool_scheduler import PoolStepPlan
+from services.scheduler.request import Logprob, Request
 
 ROLE_FROM_PB = {
     types_pb2.WORKER_ROLE_PREFILL: "prefill",
@@ -45,11 +46,36 @@ class StepResult:
     step_id: int
     sampled: dict[str, int]
     execute_seconds: float
+    logprobs: dict[str, Logprob] = field(default_factory=dict)
+    # request id -> (first prompt position covered, entries)
+    prompt_logprobs: dict[str, tuple[int, list[Logprob]]] = field(default_factory=dict)
 
 
-def _sampling_pb(request) -> types_pb2.SamplingParams:
+def logprob_from_pb(pb: types_pb2.TokenLogprob) -> Logprob:
+    return Logprob(pb.token_id, pb.logprob, tuple((t.token_id, t.logprob) for t in pb.top_logprobs))
+
+
+def _sampling_pb(request: Request) -> types_pb2.SamplingParams:
     s = request.sampling
-    return types_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+    message = types_pb2.SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        logit_bias=dict(s.logit_bias),
+        min_tokens=s.min_tokens,
+        stop_token_ids=sorted(request.stop_token_ids),
+    )
+    if s.seed is not None:
+        message.seed = s.seed
+    if s.logprobs is not None:
+        message.logprobs = s.logprobs
+    if s.prompt_logprobs is not None:
+        message.prompt_logprobs = s.prompt_logprobs
+    return message
 
 
 def _copies(pairs: list[tuple[int, int]]) -> list[worker_pb2.BlockCopy]:
@@ -75,6 +101,7 @@ def plan_to_pb(step_id: int, plan: PoolStepPlan) -> worker_pb2.StepRequest:
                     num_computed_tokens=item.num_computed_before,
                     num_scheduled_tokens=item.num_new_tokens,
                     sampling=_sampling_pb(req),
+                    num_prompt_tokens=len(req.prompt_token_ids),
                 )
             )
         else:
@@ -159,6 +186,15 @@ class WorkerClient:
             step_id=response.step_id,
             sampled={t.request_id: t.token_id for t in response.sampled_tokens},
             execute_seconds=response.execute_seconds,
+            logprobs={
+                t.request_id: logprob_from_pb(t.logprob)
+                for t in response.sampled_tokens
+                if t.HasField("logprob")
+            },
+            prompt_logprobs={
+                p.request_id: (p.start, [logprob_from_pb(e) for e in p.entries])
+                for p in response.prompt_logprobs
+            },
         )
 
     async def send_kv(

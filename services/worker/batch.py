@@ -11,16 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from services.worker.sampling_params import Sampling
+
 
 class PlanError(ValueError):
     """A step plan that does not fit the worker's state (a scheduler bug or a stale plan)."""
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
 
 
 @dataclass
@@ -30,6 +25,7 @@ class WorkerRequest:
     block_ids: list[int]
     num_computed_tokens: int
     sampling: Sampling
+    num_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -40,6 +36,7 @@ class NewRequestData:
     num_computed_tokens: int
     num_scheduled_tokens: int
     sampling: Sampling
+    num_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,6 +107,7 @@ class PersistentBatch:
                 block_ids=self._checked_blocks(data.request_id, data.block_ids),
                 num_computed_tokens=data.num_computed_tokens,
                 sampling=data.sampling,
+                num_prompt_tokens=data.num_prompt_tokens or len(data.token_ids),
             )
             self.requests[data.request_id] = request
             work.append(self._work(request, data.num_scheduled_tokens))

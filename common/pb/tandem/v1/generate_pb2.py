@@ -24,29 +24,63 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/generate.proto\x12\ttandem.v1\"\xbe\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\ncache_salt\x18\x05 \x01(\tB\x08\n\x06promptB\r\n\x0b_max_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"v\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_k\"\x98\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\x91\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x03\x12\r\n\x05\x64type\x18\x06 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa9\x01\n\x0fGenerateService\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12O\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x1f.tandem.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/generate.proto\x12\ttandem.v1\"\x80\x03\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x06 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12+\n\x08stopping\x18\x07 \x01(\x0b\x32\x19.tandem.v1.StoppingParams\x12\x0e\n\x01n\x18\x08 \x01(\x05H\x02\x88\x01\x01\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x03\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\n \x01(\x05H\x04\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_max_tokensB\x04\n\x02_nB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"v\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xc2\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12<\n\nlogit_bias\x18\x08 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x11\n\x04seed\x18\t \x01(\x04H\x07\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seed\"\xd0\x01\n\x0eStoppingParams\x12\x0c\n\x04stop\x18\x01 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x02 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x03\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x12\x17\n\nmin_tokens\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x06 \x01(\x08H\x01\x88\x01\x01\x42\r\n\x0b_min_tokensB\x16\n\x14_skip_special_tokens\"\xe8\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\r\n\x05index\x18\x06 \x01(\r\x12)\n\x08logprobs\x18\x07 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12#\n\x07timings\x18\t \x01(\x0b\x32\x12.tandem.v1.Timings\x12\x15\n\x0bstop_string\x18\n \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x0b \x01(\x03H\x00\x42\r\n\x0bstop_reason\"m\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12+\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"?\n\x07Timings\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x01\x12\x13\n\x0bmean_itl_ms\x18\x02 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x03 \x01(\x01\"\x8b\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"L\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xac\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x03\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x19\n\x11has_chat_template\x18\x07 \x01(\x08\"\x13\n\x11ListModelsRequest\"E\n\x12ListModelsResponse\x12/\n\x06models\x18\x01 \x03(\x0b\x32\x1f.tandem.v1.GetModelInfoResponse\"\x16\n\x14GetServerLoadRequest\"m\n\x15GetServerLoadResponse\x12\x14\n\x0cnum_requests\x18\x01 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x02 \x01(\x01\x12&\n\x07workers\x18\x03 \x03(\x0b\x32\x15.tandem.v1.WorkerLoad\"p\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x14\n\x0cnum_requests\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xd8\x03\n\x0fGenerateService\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.tandem.v1.DetokenizeRequest\x1a\x1d.tandem.v1.DetokenizeResponse\x12O\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x1f.tandem.v1.GetModelInfoResponse\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponse\x12R\n\rGetServerLoad\x12\x1f.tandem.v1.GetServerLoadRequest\x1a .tandem.v1.GetServerLoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=785
-  _globals['_FINISHREASON']._serialized_end=905
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2859
+  _globals['_FINISHREASON']._serialized_end=2979
   _globals['_GENERATEREQUEST']._serialized_start=40
-  _globals['_GENERATEREQUEST']._serialized_end=230
-  _globals['_TOKENIDS']._serialized_start=232
-  _globals['_TOKENIDS']._serialized_end=255
-  _globals['_SAMPLINGPARAMS']._serialized_start=257
-  _globals['_SAMPLINGPARAMS']._serialized_end=375
-  _globals['_GENERATERESPONSE']._serialized_start=378
-  _globals['_GENERATERESPONSE']._serialized_end=530
-  _globals['_USAGE']._serialized_start=532
-  _globals['_USAGE']._serialized_end=612
-  _globals['_GETMODELINFOREQUEST']._serialized_start=614
-  _globals['_GETMODELINFOREQUEST']._serialized_end=635
-  _globals['_GETMODELINFORESPONSE']._serialized_start=638
-  _globals['_GETMODELINFORESPONSE']._serialized_end=783
-  _globals['_GENERATESERVICE']._serialized_start=908
-  _globals['_GENERATESERVICE']._serialized_end=1077
+  _globals['_GENERATEREQUEST']._serialized_end=424
+  _globals['_TOKENIDS']._serialized_start=426
+  _globals['_TOKENIDS']._serialized_end=449
+  _globals['_CHATMESSAGES']._serialized_start=451
+  _globals['_CHATMESSAGES']._serialized_end=569
+  _globals['_CHATMESSAGE']._serialized_start=571
+  _globals['_CHATMESSAGE']._serialized_end=615
+  _globals['_SAMPLINGPARAMS']._serialized_start=618
+  _globals['_SAMPLINGPARAMS']._serialized_end=1068
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=899
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=947
+  _globals['_STOPPINGPARAMS']._serialized_start=1071
+  _globals['_STOPPINGPARAMS']._serialized_end=1279
+  _globals['_GENERATERESPONSE']._serialized_start=1282
+  _globals['_GENERATERESPONSE']._serialized_end=1642
+  _globals['_TOKENLOGPROB']._serialized_start=1644
+  _globals['_TOKENLOGPROB']._serialized_end=1753
+  _globals['_TOPLOGPROB']._serialized_start=1755
+  _globals['_TOPLOGPROB']._serialized_end=1817
+  _globals['_USAGE']._serialized_start=1819
+  _globals['_USAGE']._serialized_end=1899
+  _globals['_TIMINGS']._serialized_start=1901
+  _globals['_TIMINGS']._serialized_end=1964
+  _globals['_TOKENIZEREQUEST']._serialized_start=1967
+  _globals['_TOKENIZEREQUEST']._serialized_end=2106
+  _globals['_TOKENIZERESPONSE']._serialized_start=2108
+  _globals['_TOKENIZERESPONSE']._serialized_end=2184
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2186
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2282
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2284
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2318
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2320
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2341
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2344
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2516
+  _globals['_LISTMODELSREQUEST']._serialized_start=2518
+  _globals['_LISTMODELSREQUEST']._serialized_end=2537
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2539
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2608
+  _globals['_GETSERVERLOADREQUEST']._serialized_start=2610
+  _globals['_GETSERVERLOADREQUEST']._serialized_end=2632
+  _globals['_GETSERVERLOADRESPONSE']._serialized_start=2634
+  _globals['_GETSERVERLOADRESPONSE']._serialized_end=2743
+  _globals['_WORKERLOAD']._serialized_start=2745
+  _globals['_WORKERLOAD']._serialized_end=2857
+  _globals['_GENERATESERVICE']._serialized_start=2982
+  _globals['_GENERATESERVICE']._serialized_end=3454
 # @@protoc_insertion_point(module_scope)

@@ -30,6 +30,8 @@ class GenerateServiceStub:
 
     Every service also serves grpc.health.v1.Health and server reflection, so
     `grpcurl -plaintext 127.0.0.1:50051 list` works without these files.
+    Every field limit is listed in docs/api.md; a request that breaks one fails
+    with INVALID_ARGUMENT naming the field and the limit, before any work starts.
     """
 
     def __init__(self, channel):
@@ -43,10 +45,30 @@ class GenerateServiceStub:
                 request_serializer=tandem_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/tandem.v1.GenerateService/Tokenize',
+                request_serializer=tandem_dot_v1_dot_generate__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_generate__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/tandem.v1.GenerateService/Detokenize',
+                request_serializer=tandem_dot_v1_dot_generate__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_generate__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/tandem.v1.GenerateService/GetModelInfo',
                 request_serializer=tandem_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_generate__pb2.GetModelInfoResponse.FromString,
+                _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/tandem.v1.GenerateService/ListModels',
+                request_serializer=tandem_dot_v1_dot_generate__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_generate__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
+        self.GetServerLoad = channel.unary_unary(
+                '/tandem.v1.GenerateService/GetServerLoad',
+                request_serializer=tandem_dot_v1_dot_generate__pb2.GetServerLoadRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_generate__pb2.GetServerLoadResponse.FromString,
                 _registered_method=True)
 
 
@@ -55,13 +77,29 @@ class GenerateServiceServicer:
 
     Every service also serves grpc.health.v1.Health and server reflection, so
     `grpcurl -plaintext 127.0.0.1:50051 list` works without these files.
+    Every field limit is listed in docs/api.md; a request that breaks one fails
+    with INVALID_ARGUMENT naming the field and the limit, before any work starts.
     """
 
     def Generate(self, request, context):
-        """Generate streams the completion of one prompt. The first messages carry
-        token ids and text deltas as they are produced; the last message also
-        carries the finish reason and the usage. Bad input fails with
-        INVALID_ARGUMENT before any work starts, naming the field and the limit.
+        """Generate streams the completion(s) of one prompt. Messages carry token
+        ids and text deltas as they are produced, tagged with the sample's index
+        (0..n-1); a sample's last message carries its finish reason, and the
+        stream's very last message the usage and timings.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Tokenize(self, request, context):
+        """Tokenize turns text or chat messages into token ids.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Detokenize turns token ids into text.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -69,6 +107,20 @@ class GenerateServiceServicer:
 
     def GetModelInfo(self, request, context):
         """GetModelInfo describes the served model and its limits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListModels(self, request, context):
+        """ListModels lists the models this server serves (one, for now).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetServerLoad(self, request, context):
+        """GetServerLoad reports queue lengths and KV-cache usage.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -82,10 +134,30 @@ def add_GenerateServiceServicer_to_server(servicer, server):
                     request_deserializer=tandem_dot_v1_dot_generate__pb2.GenerateRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_generate__pb2.GenerateResponse.SerializeToString,
             ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=tandem_dot_v1_dot_generate__pb2.TokenizeRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_generate__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=tandem_dot_v1_dot_generate__pb2.DetokenizeRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_generate__pb2.DetokenizeResponse.SerializeToString,
+            ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
                     request_deserializer=tandem_dot_v1_dot_generate__pb2.GetModelInfoRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_generate__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=tandem_dot_v1_dot_generate__pb2.ListModelsRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_generate__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'GetServerLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetServerLoad,
+                    request_deserializer=tandem_dot_v1_dot_generate__pb2.GetServerLoadRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_generate__pb2.GetServerLoadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -100,6 +172,8 @@ class GenerateService:
 
     Every service also serves grpc.health.v1.Health and server reflection, so
     `grpcurl -plaintext 127.0.0.1:50051 list` works without these files.
+    Every field limit is listed in docs/api.md; a request that breaks one fails
+    with INVALID_ARGUMENT naming the field and the limit, before any work starts.
     """
 
     @staticmethod
@@ -130,6 +204,60 @@ class GenerateService:
             _registered_method=True)
 
     @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.GenerateService/Tokenize',
+            tandem_dot_v1_dot_generate__pb2.TokenizeRequest.SerializeToString,
+            tandem_dot_v1_dot_generate__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.GenerateService/Detokenize',
+            tandem_dot_v1_dot_generate__pb2.DetokenizeRequest.SerializeToString,
+            tandem_dot_v1_dot_generate__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def GetModelInfo(request,
             target,
             options=(),
@@ -146,6 +274,60 @@ class GenerateService:
             '/tandem.v1.GenerateService/GetModelInfo',
             tandem_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
             tandem_dot_v1_dot_generate__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.GenerateService/ListModels',
+            tandem_dot_v1_dot_generate__pb2.ListModelsRequest.SerializeToString,
+            tandem_dot_v1_dot_generate__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetServerLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.GenerateService/GetServerLoad',
+            tandem_dot_v1_dot_generate__pb2.GetServerLoadRequest.SerializeToString,
+            tandem_dot_v1_dot_generate__pb2.GetServerLoadResponse.FromString,
             options,
             channel_credentials,
             insecure,

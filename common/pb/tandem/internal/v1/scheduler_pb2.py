@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from common.pb.tandem.internal.v1 import types_pb2 as tandem_dot_internal_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"tandem/internal/v1/scheduler.proto\x12\x12tandem.internal.v1\x1a\x1etandem/internal/v1/types.proto\"\xb3\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12\x34\n\x08sampling\x18\x03 \x01(\x0b\x32\".tandem.internal.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x03\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"\x86\x01\n\x0eSubmitResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x37\n\rfinish_reason\x18\x02 \x01(\x0e\x32 .tandem.internal.v1.FinishReason\x12(\n\x05usage\x18\x03 \x01(\x0b\x32\x19.tandem.internal.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"K\n\x14GetModelInfoResponse\x12\x33\n\x05model\x18\x01 \x01(\x0b\x32$.tandem.internal.v1.ModelDescription\".\n\x13GetPoolStatsRequest\x12\x17\n\x0f\x63heck_integrity\x18\x01 \x01(\x08\"t\n\x14GetPoolStatsResponse\x12,\n\x05pools\x18\x01 \x03(\x0b\x32\x1d.tandem.internal.v1.PoolStats\x12\x14\n\x0cnum_requests\x18\x02 \x01(\r\x12\x18\n\x10integrity_errors\x18\x03 \x03(\t\"\xc5\x03\n\tPoolStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12,\n\x04role\x18\x02 \x01(\x0e\x32\x1e.tandem.internal.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x14\n\x0cnum_requests\x18\x06 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x07 \x01(\r\x12\x19\n\x11prefix_hit_tokens\x18\x08 \x01(\x04\x12\x11\n\tevictions\x18\t \x01(\x04\x12\x13\n\x0bpreemptions\x18\n \x01(\x04\x12\x1a\n\x12kv_blocks_received\x18\x0b \x01(\x04\x12\x18\n\x10kv_blocks_reused\x18\x0c \x01(\x04\x12\r\n\x05steps\x18\r \x01(\x04\x12\x17\n\x0fmean_execute_ms\x18\x0e \x01(\x01\x12\x1d\n\x15mean_step_interval_ms\x18\x0f \x01(\x01\x12\x17\n\x0fnum_swap_blocks\x18\x10 \x01(\r\x12\x1c\n\x14num_free_swap_blocks\x18\x11 \x01(\r\x12\x11\n\tswap_outs\x18\x12 \x01(\x04\x32\xf9\x02\n\x10SchedulerService\x12Q\n\x06Submit\x12!.tandem.internal.v1.SubmitRequest\x1a\".tandem.internal.v1.SubmitResponse0\x01\x12L\n\x05\x41\x62ort\x12 .tandem.internal.v1.AbortRequest\x1a!.tandem.internal.v1.AbortResponse\x12\x61\n\x0cGetModelInfo\x12\'.tandem.internal.v1.GetModelInfoRequest\x1a(.tandem.internal.v1.GetModelInfoResponse\x12\x61\n\x0cGetPoolStats\x12\'.tandem.internal.v1.GetPoolStatsRequest\x1a(.tandem.internal.v1.GetPoolStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"tandem/internal/v1/scheduler.proto\x12\x12tandem.internal.v1\x1a\x1etandem/internal/v1/types.proto\"\xbe\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12\x34\n\x08sampling\x18\x03 \x01(\x0b\x32\".tandem.internal.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x03\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\t\n\x01n\x18\x07 \x01(\r\"\x9b\x02\n\x0eSubmitResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x37\n\rfinish_reason\x18\x02 \x01(\x0e\x32 .tandem.internal.v1.FinishReason\x12(\n\x05usage\x18\x03 \x01(\x0b\x32\x19.tandem.internal.v1.Usage\x12\r\n\x05index\x18\x04 \x01(\r\x12\x32\n\x08logprobs\x18\x05 \x03(\x0b\x32 .tandem.internal.v1.TokenLogprob\x12\x39\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32 .tandem.internal.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x07 \x01(\r\"@\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\x05index\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_index\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"K\n\x14GetModelInfoResponse\x12\x33\n\x05model\x18\x01 \x01(\x0b\x32$.tandem.internal.v1.ModelDescription\".\n\x13GetPoolStatsRequest\x12\x17\n\x0f\x63heck_integrity\x18\x01 \x01(\x08\"t\n\x14GetPoolStatsResponse\x12,\n\x05pools\x18\x01 \x03(\x0b\x32\x1d.tandem.internal.v1.PoolStats\x12\x14\n\x0cnum_requests\x18\x02 \x01(\r\x12\x18\n\x10integrity_errors\x18\x03 \x03(\t\"\xc5\x03\n\tPoolStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12,\n\x04role\x18\x02 \x01(\x0e\x32\x1e.tandem.internal.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x14\n\x0cnum_requests\x18\x06 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x07 \x01(\r\x12\x19\n\x11prefix_hit_tokens\x18\x08 \x01(\x04\x12\x11\n\tevictions\x18\t \x01(\x04\x12\x13\n\x0bpreemptions\x18\n \x01(\x04\x12\x1a\n\x12kv_blocks_received\x18\x0b \x01(\x04\x12\x18\n\x10kv_blocks_reused\x18\x0c \x01(\x04\x12\r\n\x05steps\x18\r \x01(\x04\x12\x17\n\x0fmean_execute_ms\x18\x0e \x01(\x01\x12\x1d\n\x15mean_step_interval_ms\x18\x0f \x01(\x01\x12\x17\n\x0fnum_swap_blocks\x18\x10 \x01(\r\x12\x1c\n\x14num_free_swap_blocks\x18\x11 \x01(\r\x12\x11\n\tswap_outs\x18\x12 \x01(\x04\x32\xf9\x02\n\x10SchedulerService\x12Q\n\x06Submit\x12!.tandem.internal.v1.SubmitRequest\x1a\".tandem.internal.v1.SubmitResponse0\x01\x12L\n\x05\x41\x62ort\x12 .tandem.internal.v1.AbortRequest\x1a!.tandem.internal.v1.AbortResponse\x12\x61\n\x0cGetModelInfo\x12\'.tandem.internal.v1.GetModelInfoRequest\x1a(.tandem.internal.v1.GetModelInfoResponse\x12\x61\n\x0cGetPoolStats\x12\'.tandem.internal.v1.GetPoolStatsRequest\x1a(.tandem.internal.v1.GetPoolStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,23 +33,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.internal.v1.schedule
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SUBMITREQUEST']._serialized_start=91
-  _globals['_SUBMITREQUEST']._serialized_end=270
-  _globals['_SUBMITRESPONSE']._serialized_start=273
-  _globals['_SUBMITRESPONSE']._serialized_end=407
-  _globals['_ABORTREQUEST']._serialized_start=409
-  _globals['_ABORTREQUEST']._serialized_end=443
-  _globals['_ABORTRESPONSE']._serialized_start=445
-  _globals['_ABORTRESPONSE']._serialized_end=475
-  _globals['_GETMODELINFOREQUEST']._serialized_start=477
-  _globals['_GETMODELINFOREQUEST']._serialized_end=498
-  _globals['_GETMODELINFORESPONSE']._serialized_start=500
-  _globals['_GETMODELINFORESPONSE']._serialized_end=575
-  _globals['_GETPOOLSTATSREQUEST']._serialized_start=577
-  _globals['_GETPOOLSTATSREQUEST']._serialized_end=623
-  _globals['_GETPOOLSTATSRESPONSE']._serialized_start=625
-  _globals['_GETPOOLSTATSRESPONSE']._serialized_end=741
-  _globals['_POOLSTATS']._serialized_start=744
-  _globals['_POOLSTATS']._serialized_end=1197
-  _globals['_SCHEDULERSERVICE']._serialized_start=1200
-  _globals['_SCHEDULERSERVICE']._serialized_end=1577
+  _globals['_SUBMITREQUEST']._serialized_end=281
+  _globals['_SUBMITRESPONSE']._serialized_start=284
+  _globals['_SUBMITRESPONSE']._serialized_end=567
+  _globals['_ABORTREQUEST']._serialized_start=569
+  _globals['_ABORTREQUEST']._serialized_end=633
+  _globals['_ABORTRESPONSE']._serialized_start=635
+  _globals['_ABORTRESPONSE']._serialized_end=665
+  _globals['_GETMODELINFOREQUEST']._serialized_start=667
+  _globals['_GETMODELINFOREQUEST']._serialized_end=688
+  _globals['_GETMODELINFORESPONSE']._serialized_start=690
+  _globals['_GETMODELINFORESPONSE']._serialized_end=765
+  _globals['_GETPOOLSTATSREQUEST']._serialized_start=767
+  _globals['_GETPOOLSTATSREQUEST']._serialized_end=813
+  _globals['_GETPOOLSTATSRESPONSE']._serialized_start=815
+  _globals['_GETPOOLSTATSRESPONSE']._serialized_end=931
+  _globals['_POOLSTATS']._serialized_start=934
+  _globals['_POOLSTATS']._serialized_end=1387
+  _globals['_SCHEDULERSERVICE']._serialized_start=1390
+  _globals['_SCHEDULERSERVICE']._serialized_end=1767
 # @@protoc_insertion_point(module_scope)
