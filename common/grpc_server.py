@@ -1,7 +1,8 @@
 """The grpc.aio server every Tandem service runs: its servicers plus health and reflection.
 
 Health is the standard `grpc.health.v1.Health` (so probes and `grpcurl` work); a service
-reports SERVING only once it can actually serve. Reflection lists every service.
+reports SERVING only once it can actually serve. Reflection lists every service. Requests
+that do not parse fail with INVALID_ARGUMENT (`malformed_requests.py`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from contextlib import asynccontextmanager
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from common.malformed_requests import MalformedRequestInterceptor
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -32,7 +35,9 @@ class ServiceHost:
     """A grpc.aio server with health and reflection for the named services."""
 
     def __init__(self, service_names: Sequence[str]) -> None:
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.server = grpc.aio.server(
+            options=SERVER_OPTIONS, interceptors=[MalformedRequestInterceptor()]
+        )
         self.service_names = tuple(service_names)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

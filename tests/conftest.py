@@ -35,3 +35,17 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny random qwen3 checkpoint (per-head q/k RMSNorm), single safetensors file."""
     return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-qwen3", "qwen3")
+
+
+@pytest.fixture(scope="session")
+def api_stack(tiny_llama_dir, tmp_path_factory):
+    """One disaggregated stack (prefill + decode worker) on the tiny llama, shared by the
+    generation-API test modules."""
+    from services.stack.launcher import Stack, StackSpec
+
+    spec = StackSpec.on_free_ports(str(tiny_llama_dir))
+    stack = Stack.start(
+        spec, tmp_path_factory.mktemp("api-stack"), ready_timeout_s=180, exit_with_parent=True
+    )
+    yield stack
+    stack.stop()

@@ -323,3 +323,39 @@ def test_context_limit_counts_only_tokens_that_arrived():
     assert r.will_finish
     r.num_pending_tokens -= 1
     assert r.append_token(5) is FinishReason.LENGTH
+
+
+def samples_of(prompt_len: int, n: int) -> list[Request]:
+    group = [make_request(f"s/{i}", prompt_len) for i in range(n)]
+    for sample in group[1:]:
+        sample.leader = group[0]
+    return group
+
+
+def test_samples_wait_for_their_leaders_prompt_blocks_then_share_them():
+    # A 14-token prompt has 3 full 4-token blocks before its last token; a 6-token budget
+    # chunks the leader over three steps, and the other samples start only then.
+    s = sched(budget=6)
+    group = samples_of(14, 3)
+    for sample in group:
+        s.add(sample)
+    assert scheduled(step(s)) == [("s/0", 6)]
+    assert scheduled(step(s)) == [("s/0", 6)]  # 12 planned: every full block
+    plan = step(s)
+    assert scheduled(plan) == [("s/0", 2), ("s/1", 2), ("s/2", 2)]
+    leader_table = s.blocks.table("s/0")
+    for follower in ("s/1", "s/2"):
+        table = s.blocks.table(follower)
+        assert table[:3] == leader_table[:3] and table[3] != leader_table[3]
+    assert [r.num_cached_tokens for r in group] == [0, 12, 12]
+    for sample in group:
+        s.release(sample)
+    s.check_integrity()
+    assert s.blocks.num_free_blocks == s.blocks.num_blocks
+
+
+def test_samples_do_not_wait_without_prefix_caching():
+    s = PoolScheduler(BlockManager(64, 4, enable_caching=False), 32, 8)
+    for sample in samples_of(14, 2):
+        s.add(sample)
+    assert scheduled(step(s)) == [("s/0", 14), ("s/1", 14)]

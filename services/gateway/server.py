@@ -1,38 +1,86 @@
-"""GenerateService servicer: validate, tokenize, submit to the scheduler, stream text back.
+"""GenerateService servicer: validate, tokenize, submit to the scheduler, stream text back;
+plus Tokenize, Detokenize, model info and server load.
 
 Bad input fails with INVALID_ARGUMENT before the scheduler sees it; scheduler errors come
 back with their own status code; a client that goes away cancels the scheduler stream,
-which aborts the request and frees its blocks.
+which aborts the request and frees its blocks. A sample that ends on a stop string (found
+here) is aborted in the scheduler at once.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
+from dataclasses import dataclass
 
 import grpc
 
 from common.log import bind_request, get_logger
 from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
-from services.gateway.detokenizer import IncrementalDetokenizer
+from services.gateway.output import RequestOutput, SampleOutput
+from services.gateway.prompts import LARGE_INPUT_CHARS, PromptTokenizer
 from services.gateway.validation import (
+    MAX_DETOKENIZE_IDS,
+    MAX_LOGPROBS,
+    MAX_SAMPLES,
     InvalidArgumentError,
     ModelLimits,
+    Sampling,
+    Stopping,
     check_prompt_field,
+    check_token_ids,
     resolve_max_tokens,
     validate_cache_salt,
+    validate_chat,
+    validate_count,
     validate_prompt_ids,
-    validate_prompt_text,
     validate_sampling,
+    validate_stopping,
+    validate_text,
 )
 
 log = get_logger(__name__)
 
-FINISH_FROM_PB = {
-    types_pb2.FINISH_REASON_STOP: generate_pb2.FINISH_REASON_STOP,
-    types_pb2.FINISH_REASON_LENGTH: generate_pb2.FINISH_REASON_LENGTH,
-    types_pb2.FINISH_REASON_ABORT: generate_pb2.FINISH_REASON_ABORT,
+ROLE_NAMES = {
+    types_pb2.WORKER_ROLE_PREFILL: "prefill",
+    types_pb2.WORKER_ROLE_DECODE: "decode",
+    types_pb2.WORKER_ROLE_BOTH: "both",
 }
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    prompt_ids: list[int]
+    stopping: Stopping
+    stop_token_ids: frozenset[int]
+    n: int
+    submit: scheduler_pb2.SubmitRequest
+
+
+def sampling_pb(
+    sampling: Sampling, min_tokens: int, logprobs: int | None, prompt_logprobs: int | None
+) -> types_pb2.SamplingParams:
+    message = types_pb2.SamplingParams(
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        min_p=sampling.min_p,
+        repetition_penalty=sampling.repetition_penalty,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        logit_bias=dict(sampling.logit_bias),
+        min_tokens=min_tokens,
+    )
+    for field, value in (
+        ("seed", sampling.seed),
+        ("logprobs", logprobs),
+        ("prompt_logprobs", prompt_logprobs),
+    ):
+        if value is not None:
+            setattr(message, field, value)
+    return message
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
@@ -43,6 +91,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         default_max_tokens: int,
     ) -> None:
         self.tokenizer = tokenizer
+        self.prompts = PromptTokenizer(tokenizer)
         self.scheduler = scheduler
         self.default_max_tokens = default_max_tokens
         self.model: types_pb2.ModelDescription | None = None
@@ -67,66 +116,135 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "waiting for the scheduler")
         return self.model
 
-    def _prepare(self, request: generate_pb2.GenerateRequest, request_id: str):
+    async def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > LARGE_INPUT_CHARS:
+            return await asyncio.to_thread(self.prompts.encode, text, add_special_tokens)
+        return self.prompts.encode(text, add_special_tokens)
+
+    async def _prompt_ids(self, request: generate_pb2.GenerateRequest) -> list[int]:
         which = check_prompt_field(request)
         if which == "text":
-            validate_prompt_text(request.text)
-            prompt_ids = self.tokenizer.encode(request.text)
-            validate_prompt_ids(prompt_ids, self.limits, "prompt.text (tokenized)")
+            validate_text(request.text, "prompt.text")
+            ids, field = await self._encode(request.text), "prompt.text (tokenized)"
+        elif which == "token_ids":
+            ids, field = list(request.token_ids.ids), "prompt.token_ids.ids"
         else:
-            prompt_ids = list(request.token_ids.ids)
-            validate_prompt_ids(prompt_ids, self.limits, "prompt.token_ids.ids")
-        sampling = validate_sampling(request.sampling)
+            ids, field = self._render_chat(request.chat, "prompt.chat"), "prompt.chat (rendered)"
+        validate_prompt_ids(ids, self.limits, field)
+        return ids
+
+    def _render_chat(self, chat: generate_pb2.ChatMessages, field: str) -> list[int]:
+        messages = validate_chat(chat, field)
+        add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        return self.prompts.render_chat(messages, add_prompt, field)
+
+    async def _prepare(self, request: generate_pb2.GenerateRequest, request_id: str):
+        # Cheap checks first: a bad field fails before a large prompt is tokenized.
+        check_prompt_field(request)
+        sampling = validate_sampling(request.sampling, self.limits)
+        n = validate_count(request, "n", 1, MAX_SAMPLES, 1)
+        logprobs = validate_count(request, "logprobs", 0, MAX_LOGPROBS, None)
+        prompt_logprobs = validate_count(request, "prompt_logprobs", 0, MAX_LOGPROBS, None)
+        cache_salt = validate_cache_salt(request.cache_salt)
+        prompt_ids = await self._prompt_ids(request)
         max_tokens = resolve_max_tokens(request, len(prompt_ids), self.limits)
-        return prompt_ids, scheduler_pb2.SubmitRequest(
+        stopping = validate_stopping(request.stopping, self.limits, max_tokens)
+        stop_ids = set(stopping.stop_token_ids)
+        if not stopping.ignore_eos:
+            stop_ids.update(self.model.eos_token_ids)
+        submit = scheduler_pb2.SubmitRequest(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
-            sampling=types_pb2.SamplingParams(
-                temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k
-            ),
+            sampling=sampling_pb(sampling, stopping.min_tokens, logprobs, prompt_logprobs),
             max_tokens=max_tokens,
-            stop_token_ids=list(self.model.eos_token_ids),
-            cache_salt=validate_cache_salt(request.cache_salt),
+            stop_token_ids=sorted(stop_ids),
+            cache_salt=cache_salt,
+            n=n,
         )
+        return PreparedRequest(prompt_ids, stopping, frozenset(stop_ids), n, submit)
+
+    def _output(self, request_id: str, prepared: PreparedRequest, arrival: float):
+        samples = [
+            SampleOutput(
+                index,
+                self.tokenizer,
+                prepared.prompt_ids,
+                prepared.stopping,
+                prepared.stop_token_ids,
+                self.prompts.token_text,
+            )
+            for index in range(prepared.n)
+        ]
+        return RequestOutput(request_id, samples, len(prepared.prompt_ids), arrival)
 
     async def Generate(self, request, context):
+        arrival = time.monotonic()
         await self._ready(context)
         request_id = uuid.uuid4().hex
         with bind_request(request_id):
             try:
-                prompt_ids, submit = self._prepare(request, request_id)
+                prepared = await self._prepare(request, request_id)
             except InvalidArgumentError as exc:
                 log.info("invalid_request", error=str(exc))
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids)
-            timeout = context.time_remaining()
-            call = self.scheduler.Submit(submit, timeout=timeout)
+            output = self._output(request_id, prepared, arrival)
+            call = self.scheduler.Submit(prepared.submit, timeout=context.time_remaining())
             try:
                 async for update in call:
-                    text = detokenizer.add(update.token_ids)
-                    response = generate_pb2.GenerateResponse(
-                        request_id=request_id, token_ids=update.token_ids
-                    )
-                    if update.finish_reason != types_pb2.FINISH_REASON_UNSPECIFIED:
-                        text += detokenizer.flush()
-                        response.finish_reason = FINISH_FROM_PB[update.finish_reason]
-                        response.usage.CopyFrom(
-                            generate_pb2.Usage(
-                                prompt_tokens=update.usage.prompt_tokens,
-                                completion_tokens=update.usage.completion_tokens,
-                                cached_tokens=update.usage.cached_tokens,
-                            )
+                    message = output.consume(update, self.prompts.token_text)
+                    if message is None:
+                        continue  # a sample that already ended on a stop string
+                    yield message
+                    if output.done:
+                        break
+                    if message.HasField("stop_string"):  # the other samples go on
+                        await self.scheduler.Abort(
+                            scheduler_pb2.AbortRequest(request_id=request_id, index=message.index)
                         )
-                    response.text = text
-                    yield response
             except grpc.aio.AioRpcError as exc:
                 log.warning("scheduler_error", code=exc.code().name, details=exc.details())
                 await context.abort(exc.code(), exc.details() or "scheduler error")
             finally:
                 call.cancel()  # no-op when finished; aborts the request if the client left
+            if not output.done:
+                await context.abort(grpc.StatusCode.INTERNAL, "the scheduler stream ended early")
 
-    async def GetModelInfo(self, request, context):
+    async def Tokenize(self, request, context):
         m = await self._ready(context)
+        try:
+            which = request.WhichOneof("input")
+            if which is None:
+                raise InvalidArgumentError("input is required: set text or chat")
+            if which == "text":
+                validate_text(request.text, "text", allow_empty=True)
+                add_special = (
+                    request.add_special_tokens if request.HasField("add_special_tokens") else True
+                )
+                ids = await self._encode(request.text, add_special)
+            else:
+                ids = self._render_chat(request.chat, "chat")
+        except InvalidArgumentError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return generate_pb2.TokenizeResponse(
+            token_ids=ids, tokens=self.prompts.pieces(ids), max_model_len=m.max_model_len
+        )
+
+    async def Detokenize(self, request, context):
+        await self._ready(context)
+        ids = list(request.token_ids)
+        try:
+            if len(ids) > MAX_DETOKENIZE_IDS:
+                raise InvalidArgumentError(
+                    f"token_ids must hold at most {MAX_DETOKENIZE_IDS} ids, got {len(ids)}"
+                )
+            check_token_ids(ids, self.limits, "token_ids")
+        except InvalidArgumentError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        return generate_pb2.DetokenizeResponse(text=self.prompts.decode(ids, skip))
+
+    def _model_info(self) -> generate_pb2.GetModelInfoResponse:
+        m = self.model
         return generate_pb2.GetModelInfoResponse(
             model_name=m.name,
             architecture=m.architecture,
@@ -134,4 +252,38 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             max_model_len=m.max_model_len,
             eos_token_ids=list(m.eos_token_ids),
             dtype=m.dtype,
+            has_chat_template=self.prompts.has_chat_template,
+        )
+
+    async def GetModelInfo(self, request, context):
+        await self._ready(context)
+        return self._model_info()
+
+    async def ListModels(self, request, context):
+        await self._ready(context)
+        return generate_pb2.ListModelsResponse(models=[self._model_info()])
+
+    async def GetServerLoad(self, request, context):
+        await self._ready(context)
+        try:
+            stats = await self.scheduler.GetPoolStats(
+                scheduler_pb2.GetPoolStatsRequest(), timeout=context.time_remaining() or 10.0
+            )
+        except grpc.aio.AioRpcError as exc:
+            await context.abort(exc.code(), exc.details() or "scheduler error")
+        total = sum(p.num_blocks for p in stats.pools)
+        used = sum(p.num_blocks - p.num_free_blocks for p in stats.pools)
+        return generate_pb2.GetServerLoadResponse(
+            num_requests=stats.num_requests,
+            kv_cache_usage=used / total if total else 0.0,
+            workers=[
+                generate_pb2.WorkerLoad(
+                    worker_id=p.worker_id,
+                    role=ROLE_NAMES.get(p.role, "unknown"),
+                    num_requests=p.num_requests,
+                    num_blocks=p.num_blocks,
+                    num_free_blocks=p.num_free_blocks,
+                )
+                for p in stats.pools
+            ],
         )

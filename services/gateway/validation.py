@@ -1,7 +1,8 @@
 """Validation of public `GenerateRequest`s: every field against its documented limit.
 
 Errors name the field and the limit; the servicer returns them as INVALID_ARGUMENT before
-any work starts. Pure logic over protobuf messages (no grpc, no tokenizer).
+any work starts. Each limit here is a row of the table in docs/api.md (a test keeps the two
+in step). Pure logic over protobuf messages (no grpc, no tokenizer).
 """
 
 from __future__ import annotations
@@ -15,6 +16,18 @@ from common.pb.tandem.v1 import generate_pb2
 MAX_TEMPERATURE = 100.0
 MAX_PROMPT_TEXT_BYTES = 4 * 1024 * 1024
 MAX_CACHE_SALT_BYTES = 256
+MAX_SAMPLES = 16
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300
+MAX_ABS_LOGIT_BIAS = 100.0
+MAX_ABS_PENALTY = 2.0
+MAX_REPETITION_PENALTY = 10.0
+MAX_CHAT_MESSAGES = 1024
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+MAX_DETOKENIZE_IDS = 1 << 20
 
 
 class InvalidArgumentError(ValueError):
@@ -30,45 +43,185 @@ class ModelLimits:
 
 @dataclass(frozen=True)
 class Sampling:
-    temperature: float
-    top_p: float
-    top_k: int
+    """Resolved sampling settings (every field holds the value to use)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    seed: int | None = None
 
 
-def validate_sampling(params: generate_pb2.SamplingParams) -> Sampling:
-    temperature = params.temperature if params.HasField("temperature") else 1.0
-    if not math.isfinite(temperature) or not 0.0 <= temperature <= MAX_TEMPERATURE:
+@dataclass(frozen=True)
+class Stopping:
+    """Resolved stop conditions and output options."""
+
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+
+
+def _finite_in(value: float, low: float, high: float, field: str, note: str = "") -> float:
+    if not math.isfinite(value) or not low <= value <= high:
         raise InvalidArgumentError(
-            f"sampling.temperature must be a finite number in [0, {MAX_TEMPERATURE:g}], "
-            f"got {temperature}"
+            f"{field} must be a finite number in [{low:g}, {high:g}]{note}, got {value}"
         )
-    top_p = params.top_p if params.HasField("top_p") else 1.0
+    return value
+
+
+def validate_sampling(params: generate_pb2.SamplingParams, limits: ModelLimits) -> Sampling:
+    def get(name: str, default):
+        return getattr(params, name) if params.HasField(name) else default
+
+    temperature = _finite_in(get("temperature", 1.0), 0.0, MAX_TEMPERATURE, "sampling.temperature")
+    top_p = get("top_p", 1.0)
     if not math.isfinite(top_p) or not 0.0 < top_p <= 1.0:
         raise InvalidArgumentError(f"sampling.top_p must be in (0, 1], got {top_p}")
-    top_k = params.top_k if params.HasField("top_k") else 0
+    top_k = get("top_k", 0)
     if top_k < -1:
         raise InvalidArgumentError(f"sampling.top_k must be >= -1 (-1 or 0 = off), got {top_k}")
-    return Sampling(temperature=temperature, top_p=top_p, top_k=max(top_k, 0))
+    min_p = _finite_in(get("min_p", 0.0), 0.0, 1.0, "sampling.min_p")
+    repetition = get("repetition_penalty", 1.0)
+    if not math.isfinite(repetition) or not 0.0 < repetition <= MAX_REPETITION_PENALTY:
+        raise InvalidArgumentError(
+            f"sampling.repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] "
+            f"(1 = off), got {repetition}"
+        )
+    presence = _finite_in(
+        get("presence_penalty", 0.0), -MAX_ABS_PENALTY, MAX_ABS_PENALTY, "sampling.presence_penalty"
+    )
+    frequency = _finite_in(
+        get("frequency_penalty", 0.0),
+        -MAX_ABS_PENALTY,
+        MAX_ABS_PENALTY,
+        "sampling.frequency_penalty",
+    )
+    return Sampling(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=max(top_k, 0),
+        min_p=min_p,
+        repetition_penalty=repetition,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        logit_bias=validate_logit_bias(params.logit_bias, limits),
+        seed=get("seed", None),
+    )
 
 
-def validate_prompt_text(text: str) -> None:
-    if not text:
-        raise InvalidArgumentError("prompt.text must not be empty")
+def validate_logit_bias(bias, limits: ModelLimits) -> tuple[tuple[int, float], ...]:
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidArgumentError(
+            f"sampling.logit_bias must have at most {MAX_LOGIT_BIAS} entries, got {len(bias)}"
+        )
+    for token, value in bias.items():
+        if not 0 <= token < limits.vocab_size:
+            raise InvalidArgumentError(
+                f"sampling.logit_bias key {token} is outside the vocabulary "
+                f"[0, {limits.vocab_size})"
+            )
+        _finite_in(value, -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS, f"sampling.logit_bias[{token}]")
+    return tuple(sorted(bias.items()))
+
+
+def validate_stopping(
+    params: generate_pb2.StoppingParams, limits: ModelLimits, max_tokens: int
+) -> Stopping:
+    stop = list(params.stop)
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidArgumentError(
+            f"stopping.stop must have at most {MAX_STOP_STRINGS} strings, got {len(stop)}"
+        )
+    for index, text in enumerate(stop):
+        if not 1 <= len(text) <= MAX_STOP_STRING_CHARS:
+            raise InvalidArgumentError(
+                f"stopping.stop[{index}] must be 1..{MAX_STOP_STRING_CHARS} characters, "
+                f"got {len(text)}"
+            )
+    ids = list(params.stop_token_ids)
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidArgumentError(
+            f"stopping.stop_token_ids must have at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}"
+        )
+    check_token_ids(ids, limits, "stopping.stop_token_ids")
+    min_tokens = params.min_tokens if params.HasField("min_tokens") else 0
+    if not 0 <= min_tokens <= max_tokens:
+        raise InvalidArgumentError(
+            f"stopping.min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}"
+        )
+    return Stopping(
+        stop=tuple(stop),
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        stop_token_ids=tuple(dict.fromkeys(ids)),
+        ignore_eos=params.ignore_eos,
+        min_tokens=min_tokens,
+        skip_special_tokens=(
+            params.skip_special_tokens if params.HasField("skip_special_tokens") else True
+        ),
+    )
+
+
+def validate_count(request, field: str, low: int, high: int, default: int | None) -> int | None:
+    """An optional int field that must lie in [low, high] when set."""
+    if not request.HasField(field):
+        return default
+    value = getattr(request, field)
+    if not low <= value <= high:
+        raise InvalidArgumentError(f"{field} must be in [{low}, {high}], got {value}")
+    return value
+
+
+def validate_text(text: str, field: str, allow_empty: bool = False) -> None:
+    if not text and not allow_empty:
+        raise InvalidArgumentError(f"{field} must not be empty")
     size = len(text.encode("utf-8", errors="surrogatepass"))
     if size > MAX_PROMPT_TEXT_BYTES:
         raise InvalidArgumentError(
-            f"prompt.text must be at most {MAX_PROMPT_TEXT_BYTES} bytes, got {size}"
+            f"{field} must be at most {MAX_PROMPT_TEXT_BYTES} bytes, got {size}"
         )
 
 
-def validate_prompt_ids(ids: Sequence[int], limits: ModelLimits, field: str) -> None:
-    if not ids:
-        raise InvalidArgumentError(f"{field} must not be empty")
+def validate_chat(chat: generate_pb2.ChatMessages, field: str = "prompt.chat") -> list[dict]:
+    """The messages as the chat template expects them ([{role, content}, ...])."""
+    messages = chat.messages
+    if not 1 <= len(messages) <= MAX_CHAT_MESSAGES:
+        raise InvalidArgumentError(
+            f"{field}.messages must hold 1..{MAX_CHAT_MESSAGES} messages, got {len(messages)}"
+        )
+    size = 0
+    for index, message in enumerate(messages):
+        if message.role not in CHAT_ROLES:
+            raise InvalidArgumentError(
+                f"{field}.messages[{index}].role must be one of {', '.join(CHAT_ROLES)}, "
+                f"got {message.role!r}"
+            )
+        size += len(message.content.encode("utf-8", errors="surrogatepass"))
+    if size > MAX_PROMPT_TEXT_BYTES:
+        raise InvalidArgumentError(
+            f"{field} content must be at most {MAX_PROMPT_TEXT_BYTES} bytes in all, got {size}"
+        )
+    return [{"role": m.role, "content": m.content} for m in messages]
+
+
+def check_token_ids(ids: Sequence[int], limits: ModelLimits, field: str) -> None:
     for index, token in enumerate(ids):
         if not 0 <= token < limits.vocab_size:
             raise InvalidArgumentError(
                 f"{field}[{index}]={token} is outside the vocabulary [0, {limits.vocab_size})"
             )
+
+
+def validate_prompt_ids(ids: Sequence[int], limits: ModelLimits, field: str) -> None:
+    if not ids:
+        raise InvalidArgumentError(f"{field} must not be empty")
+    check_token_ids(ids, limits, field)
 
 
 def resolve_max_tokens(
@@ -102,8 +255,10 @@ def validate_cache_salt(salt: str) -> str:
 
 
 def check_prompt_field(request: generate_pb2.GenerateRequest) -> str:
-    """Return which prompt field is set ('text' or 'token_ids')."""
+    """Return which prompt field is set ('text', 'token_ids' or 'chat')."""
     which = request.WhichOneof("prompt")
     if which is None:
-        raise InvalidArgumentError("prompt is required: set prompt.text or prompt.token_ids")
+        raise InvalidArgumentError(
+            "prompt is required: set prompt.text, prompt.token_ids or prompt.chat"
+        )
     return which

@@ -218,8 +218,15 @@ class Engine:
             if request.sampling.prompt_logprobs is not None and not handle.prompt_logprobs_sent:
                 prompt_logprobs, handle.prompt_logprobs_sent = request.prompt_logprobs, True
             logprob = result.logprobs.get(request_id)
+            first = len(request.output_token_ids) == 1
             handle.events.put_nowait(
-                Tokens(request.index, [token], [logprob] if logprob else [], prompt_logprobs)
+                Tokens(
+                    request.index,
+                    [token],
+                    [logprob] if logprob else [],
+                    prompt_logprobs,
+                    max(0, request.num_cached_tokens) if first else None,
+                )
             )
             if handle.pool is not pool:
                 handle.pool.wakeup.set()  # preempted meanwhile: it waited for this token

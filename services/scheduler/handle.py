@@ -26,6 +26,8 @@ class Tokens:
     token_ids: list[int]
     logprobs: list[Logprob] = field(default_factory=list)
     prompt_logprobs: list[Logprob] = field(default_factory=list)
+    # Prompt tokens served from the prefix cache, on the sample's first tokens.
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)

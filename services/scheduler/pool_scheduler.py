@@ -13,7 +13,8 @@ Each step:
 2. If nobody was preempted: swapped requests come back first (swap-in), then waiting ones
    join while the budget, `max_num_seqs` and free blocks allow. A waiting request starts
    from the longest cached prefix of its prompt (never its last token, which must be
-   computed to sample from).
+   computed to sample from). The samples of an n > 1 request wait until their leader
+   (sample 0) has planned every full prompt block, then start from those blocks.
 
 `num_computed_tokens` advances when a step is planned; full blocks whose tokens are known
 are then offered to the prefix cache. Pure Python.
@@ -223,9 +224,9 @@ class PoolScheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.popleft()
-            if request.num_pending_tokens:  # preempted while a token was on the way
-                skipped.append(request)
-                continue
+            if request.num_pending_tokens or self._awaits_leader(request):
+                skipped.append(request)  # preempted while a token was on the way, or
+                continue  # a sample whose prompt blocks its leader is still computing
             hits = self._prefix_hits(request)
             start = len(hits) * self.blocks.block_size if hits else request.num_computed_tokens
             num_new = min(request.num_tokens - start, budget)
@@ -250,6 +251,15 @@ class PoolScheduler:
             budget -= num_new
             self._commit(plan, request, num_new, start, hits)
         self.waiting.extendleft(reversed(skipped))
+
+    def _awaits_leader(self, request: Request) -> bool:
+        """True for sample i > 0 of n while sample 0, in this pool, has not yet planned every
+        full prompt block: waiting lets it reuse them all instead of computing them again."""
+        leader = request.leader
+        if leader is None or not self.blocks.pool.enable_caching or not self.holds(leader):
+            return False
+        shareable = (len(request.prompt_token_ids) - 1) // self.blocks.block_size
+        return leader.num_computed_tokens < shareable * self.blocks.block_size
 
     def _prefix_hits(self, request: Request) -> list[int]:
         """Cached blocks for a request that starts from scratch here (none otherwise)."""

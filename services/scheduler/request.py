@@ -65,8 +65,10 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     max_model_len: int | None = None
     cache_salt: str = ""
-    # Which of the client request's n samples this is.
+    # Which of the client request's n samples this is; samples 1..n-1 point at sample 0,
+    # whose prompt blocks they reuse through the prefix cache.
     index: int = 0
+    leader: Request | None = None
     output_token_ids: list[int] = field(default_factory=list)
     # Leading tokens whose KV sits in the blocks of the pool the request is in now.
     num_computed_tokens: int = 0
@@ -128,7 +130,10 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
         self.output_token_ids.append(token_id)
-        if token_id in self.stop_token_ids:
+        if (
+            token_id in self.stop_token_ids
+            and len(self.output_token_ids) > self.sampling.min_tokens
+        ):
             self.finish_reason = FinishReason.STOP
         elif len(self.output_token_ids) >= self.max_tokens:
             self.finish_reason = FinishReason.LENGTH

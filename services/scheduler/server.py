@@ -135,7 +135,7 @@ def samples_from_pb(request: scheduler_pb2.SubmitRequest, max_model_len: int) ->
     n = request.n or 1
     if not 1 <= n <= MAX_SAMPLES:
         raise InvalidRequestError(f"n must be in 1..{MAX_SAMPLES}, got {n}")
-    return [
+    samples = [
         Request(
             request_id=request.request_id if n == 1 else f"{request.request_id}/{i}",
             prompt_token_ids=list(request.prompt_token_ids),
@@ -148,6 +148,9 @@ def samples_from_pb(request: scheduler_pb2.SubmitRequest, max_model_len: int) ->
         )
         for i in range(n)
     ]
+    for sample in samples[1:]:
+        sample.leader = samples[0]
+    return samples
 
 
 def logprob_pb(logprob: Logprob) -> types_pb2.TokenLogprob:
@@ -176,6 +179,8 @@ def responses_from_events(events: list) -> list[tuple[scheduler_pb2.SubmitRespon
             message.token_ids.extend(event.token_ids)
             message.logprobs.extend(logprob_pb(lp) for lp in event.logprobs)
             message.prompt_logprobs.extend(logprob_pb(lp) for lp in event.prompt_logprobs)
+            if event.cached_tokens is not None:
+                message.cached_tokens = event.cached_tokens
             continue
         message.finish_reason = FINISH_TO_PB[event.reason]
         message.usage.CopyFrom(
