@@ -35,3 +35,23 @@ def hf_greedy(folder: str | os.PathLike, prompt_ids: list[int], max_new_tokens: 
         pad_token_id=model.generation_config.eos_token_id,
     )
     return out[0, len(prompt_ids) :].tolist()
+
+
+@torch.inference_mode()
+def hf_generate(folder: str | os.PathLike, prompt_ids: list[int], **kwargs) -> list[int]:
+    """New token ids of greedy `generate` with extra generation settings (e.g.
+    repetition_penalty, min_new_tokens, sequence_bias, eos_token_id)."""
+    model = hf_model(str(folder))
+    input_ids = torch.tensor([prompt_ids])
+    kwargs.setdefault("pad_token_id", model.generation_config.eos_token_id)
+    out = model.generate(
+        input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False, **kwargs
+    )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+@torch.inference_mode()
+def hf_log_softmax(folder: str | os.PathLike, token_ids: list[int]) -> torch.Tensor:
+    """log_softmax of the model's logits at every position of one sequence, [len, vocab]."""
+    logits = hf_model(str(folder))(torch.tensor([token_ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
