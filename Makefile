@@ -9,10 +9,13 @@ BUF_VERSION := 1.75.0
 BUF    := .tools/node_modules/.bin/buf
 export BUF_CACHE_DIR := $(CURDIR)/.tools/buf-cache
 
-# make up knobs: MODEL=<HF folder>, GATEWAY_PORT, PREFILL/DECODE worker counts, BOTH>0 for
-# single-device (no disaggregation) workers.
+# make up knobs: MODEL=<HF folder>, GATEWAY_PORT, HTTP_PORT (the OpenAI-compatible API;
+# HTTP=0 leaves it off), PREFILL/DECODE worker counts, BOTH>0 for single-device (no
+# disaggregation) workers.
 MODEL        ?=
 GATEWAY_PORT ?= 50051
+HTTP_PORT    ?= 8000
+HTTP         ?= 1
 PREFILL      ?= 1
 DECODE       ?= 1
 BOTH         ?= 0
@@ -21,7 +24,8 @@ PYTEST_ARGS  ?=
 .PHONY: help venv up down status test unit protos protos-check lint lint-protos model clean
 
 help:
-	@echo "make up      start gateway, scheduler, prefill + decode workers (MODEL=<folder> to serve another)"
+	@echo "make up      start gateway, scheduler, prefill + decode workers and the OpenAI-compatible"
+	@echo "             HTTP API on 127.0.0.1:$(HTTP_PORT) (MODEL=<folder> to serve another, HTTP=0 without HTTP)"
 	@echo "make down    stop them"
 	@echo "make status  health of every service"
 	@echo "make test    contracts, lint and the whole test suite"
@@ -58,6 +62,7 @@ test: $(STAMP) $(BUF) protos-check lint-protos lint
 
 up: $(STAMP)
 	$(PY) -m services.stack up $(if $(MODEL),--model "$(MODEL)") --gateway-port $(GATEWAY_PORT) \
+		$(if $(filter 0,$(HTTP)),--no-http,--http-port $(HTTP_PORT)) \
 		--prefill $(PREFILL) --decode $(DECODE) --both $(BOTH)
 
 down:

@@ -1,10 +1,11 @@
 """`python -m services.stack up|status|down` — what `make up` / `make down` run — on a
-checkpoint folder (`make up MODEL=...`) and on free ports."""
+checkpoint folder (`make up MODEL=...`) and on free ports, with and without the HTTP front."""
 
 import subprocess
 import sys
 from pathlib import Path
 
+from services.openai_api.healthcheck import http_health_status
 from services.stack.launcher import _distinct_free_ports
 from tests.hf_reference import hf_greedy, hf_tokenizer
 from tests.stack_client import generate, greedy_request
@@ -23,21 +24,25 @@ def stack_cli(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def up_on_free_ports(run_dir: Path, model: Path, *extra: str):
-    """`up` with every port free; returns (result, gateway port)."""
-    gateway, scheduler, prefill, decode = _distinct_free_ports(4)
+    """`up` with every port free; returns (result, gateway port, HTTP port)."""
+    gateway, scheduler, prefill, decode, http = _distinct_free_ports(5)
     ports = ["--gateway-port", str(gateway), "--scheduler-port", str(scheduler),
-             "--prefill-port", str(prefill), "--decode-port", str(decode)]  # fmt: skip
-    return stack_cli(run_dir, "up", "--model", str(model), *ports, *extra), gateway
+             "--prefill-port", str(prefill), "--decode-port", str(decode),
+             "--http-port", str(http)]  # fmt: skip
+    return stack_cli(run_dir, "up", "--model", str(model), *ports, *extra), gateway, http
 
 
 def test_up_prints_how_to_call_then_status_and_down_stop_everything(tiny_llama_dir, tmp_path):
-    up, gateway = up_on_free_ports(tmp_path, tiny_llama_dir)
+    up, gateway, http = up_on_free_ports(tmp_path, tiny_llama_dir)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         assert "Tandem is serving tiny-llama" in up.stdout
         assert f"127.0.0.1:{gateway}" in up.stdout and "services.client" in up.stdout
+        assert f"curl http://127.0.0.1:{http}/v1/completions" in up.stdout
+        assert http_health_status(f"127.0.0.1:{http}") == "SERVING"
         status = stack_cli(tmp_path, "status")
-        assert status.returncode == 0 and status.stdout.count("SERVING") == 4
+        assert status.returncode == 0 and status.stdout.count("SERVING") == 5
+        assert f"http           127.0.0.1:{http}" in status.stdout
         again = stack_cli(tmp_path, "up", "--model", str(tiny_llama_dir))
         assert again.returncode == 1 and "already running" in again.stdout
         prompt = hf_tokenizer(str(tiny_llama_dir)).encode("Hello there")
@@ -48,11 +53,13 @@ def test_up_prints_how_to_call_then_status_and_down_stop_everything(tiny_llama_d
     assert down.returncode == 0 and "stopped" in down.stdout
     assert stack_cli(tmp_path, "status").returncode == 1
     assert "nothing to stop" in stack_cli(tmp_path, "down").stdout
+    assert http_health_status(f"127.0.0.1:{http}") == "UNREACHABLE"
 
 
 def test_bad_model_folder_fails_fast_with_the_log_tail(tmp_path):
     empty = tmp_path / "not-a-model"
     empty.mkdir()
-    up, _ = up_on_free_ports(tmp_path / "run", empty, "--timeout", "60")
+    up, _, _ = up_on_free_ports(tmp_path / "run", empty, "--timeout", "60", "--no-http")
+    assert "HTTP front" not in up.stdout
     assert up.returncode == 1
     assert "exited during startup" in up.stderr and "config.json" in up.stderr

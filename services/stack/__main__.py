@@ -1,8 +1,9 @@
 """`python -m services.stack up|down|status`: run every Tandem service as a local process.
 
 `up` builds the embedded default model on first use (unless --model is given), starts the
-workers, scheduler and gateway on loopback, waits until every health check says SERVING,
-and prints how to call it. `down` stops what `up` started.
+workers, scheduler, gateway and the OpenAI-compatible HTTP front (unless --no-http) on
+loopback, waits until every health check says SERVING, and prints how to call it. `down`
+stops what `up` started.
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from common.healthcheck import health_status
-from services.stack.launcher import ROOT, Stack, StackSpec
+from services.stack.launcher import ROOT, Stack, StackSpec, process_health
 
 DEFAULT_RUN_DIR = ROOT / ".tandem" / "run"
 DEFAULT_MODEL_DIR = ROOT / ".tandem" / "models" / "tandem-tiny-llama"
@@ -49,11 +49,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         decode_ports=_ports(args.decode_port, args.decode),
         both_ports=_ports(args.both_port, args.both),
         log_level=args.log_level,
+        http_port=None if args.no_http else args.http_port,
     )
     print(
         "starting "
         + ", ".join([f"{args.prefill} prefill", f"{args.decode} decode", f"{args.both} both"])
-        + " worker(s), scheduler, gateway ..."
+        + " worker(s), scheduler, gateway"
+        + ("" if args.no_http else ", HTTP front")
+        + " ..."
     )
     try:
         stack = Stack.start(spec, args.run_dir, ready_timeout_s=args.timeout)
@@ -67,9 +70,17 @@ def cmd_up(args: argparse.Namespace) -> int:
 Call it:
   {_short(Path(sys.executable))} -m services.client "The meaning of life is" --max-tokens 32
   grpcurl -plaintext -d '{{"text": "Hello", "max_tokens": 16}}' \\
-      {spec.gateway_address} tandem.v1.GenerateService/Generate
-Logs: {_short(Path(args.run_dir))}/logs    Stop: make down""")
+      {spec.gateway_address} tandem.v1.GenerateService/Generate""")
+    if spec.http_address is not None:
+        print(_curl_example(spec.http_address, Path(spec.model).name))
+    print(f"Logs: {_short(Path(args.run_dir))}/logs    Stop: make down")
     return 0
+
+
+def _curl_example(address: str, model: str) -> str:
+    body = f'{{"model": "{model}", "prompt": "Hello", "max_tokens": 16}}'
+    return f"""  curl http://{address}/v1/completions -H 'Content-Type: application/json' \\
+      -d '{body}'"""
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -87,7 +98,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if stack is None:
         print("not running")
         return 1
-    statuses = [(p, health_status(p.address)) for p in stack.processes]
+    statuses = [(p, process_health(p)) for p in stack.processes]
     for process, status in statuses:
         print(f"  {process.name:<14} {process.address:<22} {status}")
     return 0 if all(s == "SERVING" for _, s in statuses) else 1
@@ -110,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--prefill-port", type=int, default=50061, help="first prefill port")
     up.add_argument("--decode-port", type=int, default=50071, help="first decode port")
     up.add_argument("--both-port", type=int, default=50081, help="first both-role port")
+    up.add_argument(
+        "--http-port", type=int, default=8000, help="port of the OpenAI-compatible HTTP API"
+    )
+    up.add_argument("--no-http", action="store_true", help="do not start the HTTP API")
     up.add_argument("--log-level", default="info")
     up.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for SERVING")
     sub.add_parser("down", help="stop what `up` started")

@@ -1,4 +1,5 @@
-"""Start and stop a whole Tandem deployment as local processes: workers, scheduler, gateway.
+"""Start and stop a whole Tandem deployment as local processes: workers, scheduler, gateway
+and, when asked for, the OpenAI-compatible HTTP front.
 
 `make up` / `make down` use it through `python -m services.stack`, and the end-to-end tests
 use `Stack` directly on free loopback ports. Each service is a real process
@@ -20,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from common.healthcheck import health_status
+from services.openai_api.healthcheck import http_health_status
 
 ROOT = Path(__file__).resolve().parents[2]
 STATE_FILE = "stack.json"
@@ -40,9 +42,11 @@ class StackSpec:
     prefill_ports: tuple[int, ...] = (50061,)
     decode_ports: tuple[int, ...] = (50071,)
     both_ports: tuple[int, ...] = ()
-    # Extra CLI flags per role ("prefill", "decode", "both", "scheduler", "gateway").
+    # Extra CLI flags per role ("prefill", "decode", "both", "scheduler", "gateway", "http").
     extra_args: Mapping[str, Sequence[str]] = field(default_factory=dict)
     log_level: str = "info"
+    # The OpenAI-compatible HTTP front's port (python -m services.openai_api); None = none.
+    http_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.both_ports and (self.prefill_ports or self.decode_ports):
@@ -50,6 +54,8 @@ class StackSpec:
         if not self.both_ports and not (self.prefill_ports and self.decode_ports):
             raise ValueError("a disaggregated stack needs >= 1 prefill and >= 1 decode worker")
         ports = [self.gateway_port, self.scheduler_port, *self.worker_ports]
+        if self.http_port is not None:
+            ports.append(self.http_port)
         if len(set(ports)) != len(ports):
             raise ValueError(f"ports must be distinct, got {ports}")
 
@@ -65,11 +71,22 @@ class StackSpec:
     def scheduler_address(self) -> str:
         return f"{self.host}:{self.scheduler_port}"
 
+    @property
+    def http_address(self) -> str | None:
+        return None if self.http_port is None else f"{self.host}:{self.http_port}"
+
     @classmethod
     def on_free_ports(
-        cls, model: str, prefill: int = 1, decode: int = 1, both: int = 0, **kwargs
+        cls,
+        model: str,
+        prefill: int = 1,
+        decode: int = 1,
+        both: int = 0,
+        http: bool = False,
+        **kwargs,
     ) -> StackSpec:
-        ports = iter(_distinct_free_ports(2 + prefill + decode + both))
+        """Every service on a free loopback port; `http` adds the HTTP front on one too."""
+        ports = iter(_distinct_free_ports(2 + prefill + decode + both + int(http)))
         return cls(
             model=model,
             gateway_port=next(ports),
@@ -77,6 +94,7 @@ class StackSpec:
             prefill_ports=tuple(next(ports) for _ in range(prefill)),
             decode_ports=tuple(next(ports) for _ in range(decode)),
             both_ports=tuple(next(ports) for _ in range(both)),
+            http_port=next(ports) if http else None,
             **kwargs,
         )
 
@@ -96,10 +114,18 @@ class Process:
     address: str
     pid: int
     log: str
+    probe: str = "grpc"  # how its health is read: grpc.health.v1, or "http" GET /health
+
+
+def process_health(process: Process) -> str:
+    """'SERVING', 'NOT_SERVING' or 'UNREACHABLE', whichever kind of service it is."""
+    if process.probe == "http":
+        return http_health_status(process.address)
+    return health_status(process.address)
 
 
 def _commands(spec: StackSpec) -> list[tuple[str, str, list[str]]]:
-    """(name, address, argv) for every service, workers first."""
+    """(name, address, argv) for every service, workers first, the HTTP front last."""
     py = [sys.executable, "-m"]
     common = ["--model", spec.model, "--log-level", spec.log_level]
     out = []
@@ -162,6 +188,21 @@ def _commands(spec: StackSpec) -> list[tuple[str, str, list[str]]]:
             ],
         )
     )
+    if spec.http_port is not None:
+        http = [
+            *py,
+            "services.openai_api",
+            "--host",
+            spec.host,
+            "--port",
+            str(spec.http_port),
+            "--gateway",
+            spec.gateway_address,
+            "--log-level",
+            spec.log_level,
+            *spec.extra_args.get("http", ()),
+        ]
+        out.append(("http", spec.http_address, http))
     return out
 
 
@@ -207,7 +248,8 @@ class Stack:
                     stdin=subprocess.DEVNULL,
                     start_new_session=True,
                 )
-            stack.processes.append(Process(name, address, proc.pid, str(log_path)))
+            probe = "http" if name == "http" else "grpc"
+            stack.processes.append(Process(name, address, proc.pid, str(log_path), probe))
         stack.save()
         try:
             stack.wait_serving(ready_timeout_s)
@@ -258,7 +300,7 @@ class Stack:
                         f"{process.name} exited during startup; last log lines:\n"
                         + self.log_tail(process)
                     )
-                if health_status(process.address) == "SERVING":
+                if process_health(process) == "SERVING":
                     pending.remove(process)
             if pending and time.monotonic() > deadline:
                 names = ", ".join(p.name for p in pending)
@@ -273,7 +315,7 @@ class Stack:
             return "(no log)"
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM every service (gateway first), then SIGKILL what is left."""
+        """SIGTERM every service (front ends first), then SIGKILL what is left."""
         for process in reversed(self.processes):
             self._signal(process, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s

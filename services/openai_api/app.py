@@ -1,0 +1,218 @@
+"""The Starlette application: thin route handlers that read the JSON body (size-limited),
+translate it (`*_request.py`), call the gateway (`gateway_client.py`) and translate the
+answer back (`*_response.py`, `sse.py`). Every error leaves as OpenAI-shaped JSON."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+import structlog
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from common.log import get_logger
+from services.openai_api.chat_request import parse_chat
+from services.openai_api.chat_response import ChatChunks, chat_body
+from services.openai_api.collect import Collector, Meta
+from services.openai_api.completion_request import CompletionRequest, parse_completion
+from services.openai_api.completion_response import CompletionChunks, completion_body
+from services.openai_api.errors import ApiError
+from services.openai_api.gateway_client import GatewayClient, GenerateStreams
+from services.openai_api.sse import EventStreamResponse, chat_chunks, completion_chunks, events
+
+log = get_logger("services.openai_api")
+T = TypeVar("T")
+CLIENT_CLOSED = 499  # nginx's code for "the client went away"; nobody receives it
+DRAIN_FACTOR = 4
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The request body as JSON: 413 above `limit` bytes, 400 when it does not parse.
+
+    A body over the limit is still read (and dropped), up to DRAIN_FACTOR times the limit,
+    so that a client which sends it all before reading gets the 413 instead of a reset."""
+    length = request.headers.get("content-length", "")
+    too_large = length.isdigit() and int(length) > limit
+    body = bytearray()
+    received = 0
+    async for piece in request.stream():
+        received += len(piece)
+        too_large = too_large or received > limit
+        if too_large and received > DRAIN_FACTOR * limit:
+            break
+        if not too_large:
+            body += piece
+    if too_large:
+        raise ApiError(f"request body is larger than {limit} bytes", 413)
+    try:
+        return json.loads(body, parse_constant=_reject_constant)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ApiError(f"request body is not valid JSON: {exc}", 400) from None
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()  # its own cleanup cancels the gateway calls
+    if not task.done():
+        raise ClientDisconnected
+    return task.result()
+
+
+async def collect(streams: GenerateStreams, collector: Collector) -> Collector:
+    async for prompt_index, message in streams:
+        collector.add(prompt_index, message)
+    return collector
+
+
+def _stream_response(streams: GenerateStreams, chunks) -> EventStreamResponse:
+    ended = []
+
+    def on_end(outcome: str) -> None:
+        ended.append(outcome)
+        log.info("stream_finished", outcome=outcome)
+
+    def on_close() -> None:
+        if not ended:
+            log.info("client_disconnected", streaming=True)
+        streams.close()
+
+    return EventStreamResponse(events(chunks, on_end), on_close=on_close)
+
+
+async def _echo_texts(gateway: GatewayClient, parsed: CompletionRequest) -> list[str] | None:
+    if not parsed.echo:
+        return None
+    return [p if isinstance(p, str) else await gateway.detokenize(p) for p in parsed.prompts]
+
+
+def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
+    started = int(time.time())
+
+    async def open_streams(request: Request, requests) -> GenerateStreams:
+        streams = gateway.generate(requests)
+        await until_disconnect(request, streams.start())
+        structlog.contextvars.bind_contextvars(request_id=streams.request_ids[0])
+        return streams
+
+    async def completions(request: Request) -> Response:
+        created = int(time.time())
+        parsed = parse_completion(await read_json(request, max_body_bytes))
+        options = parsed.options
+        model = await gateway.resolve_model(options.model)
+        echo_texts = await _echo_texts(gateway, parsed)
+        streams = await open_streams(request, parsed.requests)
+        meta = Meta(f"cmpl-{streams.request_ids[0]}", created, model)
+        logprobs = parsed.logprobs is not None
+        if options.stream:
+            chunks = CompletionChunks(meta, options.n, echo_texts, logprobs, options.include_usage)
+            return _stream_response(streams, completion_chunks(streams, chunks))
+        collected = await until_disconnect(request, collect(streams, Collector(options.n)))
+        body = completion_body(
+            meta, collected, echo_texts, logprobs, options.prompt_logprobs is not None
+        )
+        return JSONResponse(body)
+
+    async def chat_completions(request: Request) -> Response:
+        created = int(time.time())
+        parsed = parse_chat(await read_json(request, max_body_bytes))
+        options = parsed.options
+        model = await gateway.resolve_model(options.model)
+        streams = await open_streams(request, [parsed.request])
+        meta = Meta(f"chatcmpl-{streams.request_ids[0]}", created, model)
+        if options.stream:
+            chunks = ChatChunks(meta, options.n, parsed.logprobs, options.include_usage)
+            return _stream_response(streams, chat_chunks(streams, chunks))
+        collected = await until_disconnect(request, collect(streams, Collector(options.n)))
+        body = chat_body(meta, collected, parsed.logprobs, options.prompt_logprobs is not None)
+        return JSONResponse(body)
+
+    def model_card(model) -> dict:
+        return {
+            "id": model.model_name,
+            "object": "model",
+            "created": started,
+            "owned_by": "tandem",
+            "root": model.model_name,
+            "parent": None,
+            "max_model_len": model.max_model_len,
+        }
+
+    async def list_models(request: Request) -> Response:
+        models = await gateway.list_models()
+        return JSONResponse({"object": "list", "data": [model_card(m) for m in models]})
+
+    async def get_model(request: Request) -> Response:
+        name = request.path_params["model"]
+        await gateway.resolve_model(name)
+        models = await gateway.list_models()
+        return JSONResponse(next(model_card(m) for m in models if m.model_name == name))
+
+    async def health(request: Request) -> Response:
+        if await gateway.serving():
+            return JSONResponse({"status": "ok"})
+        # Not logged: probes poll this while the stack starts.
+        return JSONResponse(ApiError("the gateway is not serving", 503).body(), status_code=503)
+
+    return Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/models", list_models, methods=["GET"]),
+            Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+        ],
+        exception_handlers={
+            ApiError: on_api_error,
+            ClientDisconnected: on_client_disconnected,
+            HTTPException: on_http_error,
+            Exception: on_internal_error,
+        },
+    )
+
+
+async def on_api_error(request: Request, exc: ApiError) -> Response:
+    log.info("request_failed", path=request.url.path, status=exc.status, error=exc.message)
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def on_client_disconnected(request: Request, exc: ClientDisconnected) -> Response:
+    log.info("client_disconnected", path=request.url.path)
+    return Response(status_code=CLIENT_CLOSED)
+
+
+async def on_http_error(request: Request, exc: HTTPException) -> Response:
+    error = ApiError(str(exc.detail), exc.status_code)
+    return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+
+async def on_internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("internal_error", path=request.url.path)
+    error = ApiError(f"internal error: {type(exc).__name__}", 500)
+    return JSONResponse(error.body(), status_code=500)

@@ -1,0 +1,116 @@
+"""`/v1/chat/completions` JSON body -> one `GenerateRequest` with chat messages (the gateway
+renders the checkpoint's chat template). Text content only; tools and structured output
+are refused by name. Pure."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.pb.tandem.v1 import generate_pb2
+from services.openai_api.errors import ApiError, invalid
+from services.openai_api.fields import Fields, check_str, json_type
+from services.openai_api.params import Options, read_common, read_max_tokens, unsupported
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    options: Options
+    request: generate_pb2.GenerateRequest
+    logprobs: bool
+    top_logprobs: int
+
+
+def read_content(value, where: str) -> str:
+    """A string, or text parts (`[{"type": "text", "text": ...}]`) joined by newlines."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise invalid(
+            where,
+            f"must be a string or an array of text parts, got {json_type(value)}",
+            "invalid_type",
+        )
+    texts = []
+    for j, part in enumerate(value):
+        fields = Fields(part, f"{where}[{j}]")
+        kind = check_str(fields.required("type"), fields.name("type"))
+        if kind != "text":
+            raise ApiError(
+                f"{fields.name('type')}: content parts of type {kind!r} are not supported "
+                "(text only)",
+                400,
+                fields.name("type"),
+                "unsupported_parameter",
+            )
+        texts.append(check_str(fields.required("text"), fields.name("text")))
+        fields.finish()
+    return "\n".join(texts)
+
+
+ROLE_ALIASES = {"developer": "system"}
+
+
+def read_message(value, index: int) -> generate_pb2.ChatMessage:
+    fields = Fields(value, f"messages[{index}]")
+    role = check_str(fields.required("role"), fields.name("role"))
+    content = read_content(fields.required("content"), fields.name("content"))
+    fields.finish()
+    # OpenAI's newer clients call the system turn "developer"; chat templates know "system".
+    return generate_pb2.ChatMessage(role=ROLE_ALIASES.get(role, role), content=content)
+
+
+def refuse_tools(fields: Fields) -> None:
+    tools = fields.list("tools")
+    if tools:
+        raise ApiError(
+            "tools are not supported (no tool calling)", 400, "tools", "unsupported_parameter"
+        )
+    choice = fields.get("tool_choice")
+    if choice not in (None, "none"):
+        raise ApiError(
+            'tool_choice is not supported (no tool calling); only "none" is accepted',
+            400,
+            "tool_choice",
+            "unsupported_parameter",
+        )
+    unsupported(fields, "functions", "no function calling")
+    unsupported(fields, "function_call", "no function calling")
+    response_format = fields.get("response_format")
+    if response_format is not None:
+        kind = Fields(response_format, "response_format").get("type")
+        if kind != "text":
+            raise ApiError(
+                f'response_format.type {kind!r} is not supported (only "text")',
+                400,
+                "response_format.type",
+                "unsupported_parameter",
+            )
+
+
+def parse_chat(body) -> ChatRequest:
+    fields = Fields(body)
+    messages = fields.required("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "must be a non-empty array of {role, content}", "invalid_type")
+    request = generate_pb2.GenerateRequest()
+    request.chat.messages.extend(read_message(m, i) for i, m in enumerate(messages))
+    add_generation_prompt = fields.bool("add_generation_prompt")
+    if add_generation_prompt is not None:
+        request.chat.add_generation_prompt = add_generation_prompt
+    options = read_common(fields, request)
+    # max_completion_tokens replaces the deprecated max_tokens; unset = until the context ends.
+    read_max_tokens(fields, "max_tokens", request)
+    read_max_tokens(fields, "max_completion_tokens", request)
+    logprobs = bool(fields.bool("logprobs"))
+    top_logprobs = fields.int("top_logprobs")
+    if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise invalid("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
+    if top_logprobs is not None and not logprobs:
+        raise ApiError("top_logprobs requires logprobs=true", 400, "top_logprobs")
+    if logprobs:
+        request.logprobs = top_logprobs or 0
+    refuse_tools(fields)
+    fields.finish()
+    return ChatRequest(options, request, logprobs, top_logprobs or 0)

@@ -1,0 +1,103 @@
+"""`GenerateResponse` messages -> `/v1/completions` answers: one `text_completion` object,
+or `text_completion` chunks for SSE (echo on a choice's first chunk, logprob text offsets
+carried across chunks, an optional usage chunk at the end). Pure."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from common.pb.tandem.v1 import generate_pb2
+from services.openai_api.collect import (
+    Collector,
+    Meta,
+    UsageSum,
+    choice_index,
+    finish_reason,
+    stop_reason,
+)
+from services.openai_api.logprobs import completion_logprobs, prompt_logprobs
+
+OBJECT = "text_completion"
+
+
+def completion_body(
+    meta: Meta,
+    collected: Collector,
+    echo_texts: Sequence[str] | None,
+    logprobs: bool,
+    with_prompt_logprobs: bool,
+) -> dict:
+    """The whole answer; `echo_texts[i]` is prepended to prompt i's choices when given."""
+    choices = []
+    for choice in collected.sorted_choices():
+        prompt_index = choice.index // collected.n
+        prefix = echo_texts[prompt_index] if echo_texts is not None else ""
+        body = {
+            "index": choice.index,
+            "text": prefix + choice.text,
+            "logprobs": completion_logprobs(choice.logprobs, 0)[0] if logprobs else None,
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
+        }
+        if with_prompt_logprobs:
+            body["prompt_logprobs"] = prompt_logprobs(
+                collected.prompt_logprobs.get(prompt_index, ())
+            )
+        choices.append(body)
+    return {**meta.head(OBJECT), "choices": choices, "usage": collected.usage.body()}
+
+
+class CompletionChunks:
+    """Builds the SSE chunks of one streamed completion request, message by message."""
+
+    def __init__(
+        self,
+        meta: Meta,
+        n: int,
+        echo_texts: Sequence[str] | None,
+        logprobs: bool,
+        include_usage: bool,
+    ) -> None:
+        self.meta = meta
+        self.n = n
+        self.echo_texts = echo_texts
+        self.logprobs = logprobs
+        self.include_usage = include_usage
+        self.usage = UsageSum()
+        self._offsets: dict[int, int] = {}  # choice index -> text offset of its next token
+
+    def chunk(self, prompt_index: int, response: generate_pb2.GenerateResponse) -> dict | None:
+        """The chunk for one message, or None when it carries nothing to show."""
+        self.usage.add(response)
+        index = choice_index(prompt_index, self.n, response)
+        text = response.text
+        if index not in self._offsets:
+            if self.echo_texts is not None:
+                text = self.echo_texts[prompt_index] + text
+            self._offsets[index] = 0
+        logprobs = None
+        if self.logprobs and response.logprobs:
+            logprobs, self._offsets[index] = completion_logprobs(
+                response.logprobs, self._offsets[index]
+            )
+        reason = finish_reason(response)
+        if not text and logprobs is None and reason is None:
+            return None
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": reason,
+            "stop_reason": stop_reason(response),
+        }
+        return self._with_usage({**self.meta.head(OBJECT), "choices": [choice]})
+
+    def usage_chunk(self) -> dict | None:
+        if not self.include_usage:
+            return None
+        return {**self.meta.head(OBJECT), "choices": [], "usage": self.usage.body()}
+
+    def _with_usage(self, chunk: dict) -> dict:
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk

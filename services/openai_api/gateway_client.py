@@ -1,0 +1,149 @@
+"""The gateway's public gRPC API as the HTTP layer uses it (grpc.aio on the server's event
+loop): served models (cached briefly), detokenization for `echo`, health, and concurrent
+`Generate` streams merged into one. gRPC errors come out as `ApiError`s."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
+from services.openai_api.errors import ApiError, from_rpc_error
+
+UNARY_TIMEOUT_S = 10.0
+MODELS_TTL_S = 5.0
+
+
+def api_error(exc: grpc.aio.AioRpcError) -> ApiError:
+    return from_rpc_error(exc.code(), exc.details())
+
+
+class GenerateStreams:
+    """One `Generate` call per request, read concurrently and merged into one stream of
+    (request index, message). `start()` waits for every call's first message, so a request
+    the gateway rejects becomes an HTTP error before any response byte is sent.
+    `close()` cancels every call (the gateway then aborts the requests)."""
+
+    def __init__(
+        self,
+        stub: generate_pb2_grpc.GenerateServiceStub,
+        requests: Sequence[generate_pb2.GenerateRequest],
+    ) -> None:
+        self._calls = [stub.Generate(request) for request in requests]
+        self._tasks: list[asyncio.Task] = []
+        self._first: list[generate_pb2.GenerateResponse] = []
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [message.request_id for message in self._first]
+
+    async def start(self) -> None:
+        reads = [asyncio.ensure_future(call.read()) for call in self._calls]
+        self._tasks.extend(reads)
+        try:
+            await asyncio.wait(reads, return_when=asyncio.FIRST_EXCEPTION)
+            errors = [r.exception() for r in reads if r.done() and r.exception() is not None]
+            if errors:
+                raise errors[0]
+        except grpc.aio.AioRpcError as exc:
+            self.close()
+            raise api_error(exc) from None
+        except BaseException:
+            self.close()
+            raise
+        self._first = [read.result() for read in reads]
+        if any(message is grpc.aio.EOF for message in self._first):
+            self.close()
+            raise ApiError("the gateway ended a Generate stream without a message", 502)
+        self._tasks = [
+            asyncio.create_task(self._pump(index, call)) for index, call in enumerate(self._calls)
+        ]
+
+    async def _pump(self, index: int, call) -> None:
+        try:
+            while (message := await call.read()) is not grpc.aio.EOF:
+                self._queue.put_nowait((index, message))
+            self._queue.put_nowait((index, None))
+        except grpc.aio.AioRpcError as exc:
+            self._queue.put_nowait((index, exc))
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, generate_pb2.GenerateResponse]]:
+        try:
+            for index, message in enumerate(self._first):
+                yield index, message
+            open_streams = len(self._calls)
+            while open_streams:
+                index, item = await self._queue.get()
+                if item is None:
+                    open_streams -= 1
+                elif isinstance(item, grpc.aio.AioRpcError):
+                    raise api_error(item)
+                else:
+                    yield index, item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for call in self._calls:
+            call.cancel()  # no-op once finished
+
+
+class GatewayClient:
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        self.health = health_pb2_grpc.HealthStub(channel)
+        self._models: list[generate_pb2.GetModelInfoResponse] = []
+        self._models_at = float("-inf")
+
+    async def list_models(self) -> list[generate_pb2.GetModelInfoResponse]:
+        if time.monotonic() - self._models_at > MODELS_TTL_S:
+            try:
+                reply = await self.stub.ListModels(
+                    generate_pb2.ListModelsRequest(), timeout=UNARY_TIMEOUT_S
+                )
+            except grpc.aio.AioRpcError as exc:
+                raise api_error(exc) from None
+            self._models, self._models_at = list(reply.models), time.monotonic()
+        return self._models
+
+    async def resolve_model(self, name: str | None) -> str:
+        """The served model's id: `name` when served (404 otherwise), the first one if None."""
+        models = await self.list_models()
+        if not models:
+            raise ApiError("the gateway serves no model yet", 503)
+        if name is None:
+            return models[0].model_name
+        if any(m.model_name == name for m in models):
+            return name
+        raise ApiError(
+            f"The model `{name}` does not exist. Served: "
+            + ", ".join(m.model_name for m in models),
+            404,
+            "model",
+            "model_not_found",
+        )
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        request = generate_pb2.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=False)
+        try:
+            reply = await self.stub.Detokenize(request, timeout=UNARY_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            raise api_error(exc) from None
+        return reply.text
+
+    async def serving(self) -> bool:
+        try:
+            reply = await self.health.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def generate(self, requests: Sequence[generate_pb2.GenerateRequest]) -> GenerateStreams:
+        return GenerateStreams(self.stub, requests)

@@ -1,0 +1,153 @@
+"""The request fields `/v1/completions` and `/v1/chat/completions` share: sampling, stop
+conditions, `n`, streaming options, vLLM's extras — written into a `GenerateRequest`. Pure."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.pb.tandem.v1 import generate_pb2
+from services.openai_api.errors import ApiError, invalid
+from services.openai_api.fields import INT64, UINT64, Fields, check_int, check_number, check_str
+
+SAMPLING_NUMBERS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the HTTP layer itself needs to know about a request."""
+
+    model: str | None
+    n: int
+    stream: bool
+    include_usage: bool
+    prompt_logprobs: int | None
+
+
+def unsupported(fields: Fields, key: str, why: str) -> None:
+    """A 400 when `key` is given (not null)."""
+    if fields.get(key) is not None:
+        raise ApiError(f"{key} is not supported: {why}", 400, key, "unsupported_parameter")
+
+
+def read_common(fields: Fields, request: generate_pb2.GenerateRequest) -> Options:
+    """Read the shared fields into `request`; returns the options the HTTP layer uses."""
+    model = fields.str("model")
+    sampling = request.sampling
+    for key in SAMPLING_NUMBERS:
+        value = fields.number(key)
+        if value is not None:
+            setattr(sampling, key, value)
+    top_k = fields.int("top_k")
+    if top_k is not None:
+        sampling.top_k = top_k
+    seed = fields.int("seed", UINT64)
+    if seed is not None:
+        sampling.seed = seed
+    bias = fields.get("logit_bias")
+    if bias is not None:
+        sampling.logit_bias.update(read_logit_bias(bias))
+
+    stopping = request.stopping
+    stopping.stop.extend(read_stop(fields.get("stop")))
+    ids = fields.list("stop_token_ids") or []
+    stopping.stop_token_ids.extend(
+        check_int(v, f"stop_token_ids[{i}]", INT64) for i, v in enumerate(ids)
+    )
+    for key in ("include_stop_str_in_output", "ignore_eos"):
+        setattr(stopping, key, bool(fields.bool(key)))
+    min_tokens = fields.int("min_tokens")
+    if min_tokens is not None:
+        stopping.min_tokens = min_tokens
+    skip_special = fields.bool("skip_special_tokens")
+    if skip_special is not None:
+        stopping.skip_special_tokens = skip_special
+
+    n = fields.int("n")
+    if n is not None:
+        request.n = n
+    best_of = fields.int("best_of")
+    if best_of is not None and best_of != (1 if n is None else n):
+        raise ApiError(
+            f"best_of is not supported unless it equals n (got best_of={best_of}, n={n or 1})",
+            400,
+            "best_of",
+            "unsupported_parameter",
+        )
+    unsupported(fields, "use_beam_search", "beam search is not implemented")
+    request.cache_salt = fields.str("cache_salt") or ""
+    fields.str("user")  # accepted and ignored, as by OpenAI for anything but abuse reports
+
+    prompt_logprobs = fields.int("prompt_logprobs")
+    if prompt_logprobs is not None:
+        request.prompt_logprobs = prompt_logprobs
+    stream = bool(fields.bool("stream"))
+    include_usage = read_stream_options(fields, stream)
+    if stream and prompt_logprobs is not None:
+        raise ApiError("prompt_logprobs is not supported with stream=true", 400, "prompt_logprobs")
+    return Options(
+        model=model,
+        n=1 if n is None else n,
+        stream=stream,
+        include_usage=include_usage,
+        prompt_logprobs=prompt_logprobs,
+    )
+
+
+def read_logit_bias(value) -> dict[int, float]:
+    """OpenAI's {"token id": bias} (keys are strings in JSON)."""
+    if not isinstance(value, dict):
+        raise invalid("logit_bias", "must be an object of {token id: bias}", "invalid_type")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise invalid("logit_bias", f"keys must be token ids, got {key!r}") from None
+        out[check_int(token, f"logit_bias[{key}]", INT64)] = check_number(
+            bias, f"logit_bias[{key}]"
+        )
+    return out
+
+
+def read_stop(value) -> list[str]:
+    """`stop`: a string or an array of strings."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        return [check_str(v, f"stop[{i}]") for i, v in enumerate(value)]
+    raise invalid("stop", "must be a string or an array of strings", "invalid_type")
+
+
+def read_stream_options(fields: Fields, stream: bool) -> bool:
+    """`stream_options.include_usage` (only with stream=true, as OpenAI and vLLM require)."""
+    value = fields.get("stream_options")
+    if value is None:
+        return False
+    if not stream:
+        raise ApiError("stream_options is only allowed with stream=true", 400, "stream_options")
+    options = Fields(value, "stream_options")
+    include_usage = bool(options.bool("include_usage"))
+    if options.bool("continuous_usage_stats"):
+        raise ApiError(
+            "stream_options.continuous_usage_stats is not supported",
+            400,
+            "stream_options.continuous_usage_stats",
+            "unsupported_parameter",
+        )
+    options.finish()
+    return include_usage
+
+
+def read_max_tokens(fields: Fields, key: str, request: generate_pb2.GenerateRequest) -> None:
+    value = fields.int(key)
+    if value is not None:
+        request.max_tokens = value
