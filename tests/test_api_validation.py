@@ -62,7 +62,10 @@ GENERATE_CASES = [
         {"text": "hi", "sampling": {"top_p": "Infinity"}},
         "sampling.top_p must be in (0, 1], got inf",
     ),
-    ({"text": "hi", "sampling": {"temperature": 101}}, "in [0, 100], got 101"),
+    (
+        {"text": "hi", "sampling": {"temperature": 101}},
+        "sampling.temperature must be a finite number in [0, 100], got 101",
+    ),
     ({"text": "hi", "sampling": {"top_p": 0}}, "sampling.top_p must be in (0, 1], got 0"),
     ({"text": "hi", "sampling": {"top_p": 1.5}}, "sampling.top_p must be in (0, 1], got 1.5"),
     ({"text": "hi", "sampling": {"top_k": -2}}, "sampling.top_k must be >= -1"),
@@ -135,7 +138,7 @@ TOKENIZE_CASES = [
     ({"text": "x" * BIG}, "text must be at most 4194304 bytes"),
     (
         {"chat": {"messages": [{"role": "narrator", "content": "x"}]}},
-        "chat.messages[0].role must be one of",
+        "chat.messages[0].role must be one of system, user, assistant, tool",
     ),
 ]
 DETOKENIZE_CASES = [
@@ -254,4 +257,6 @@ def test_docs_table_and_tested_cases_agree():
     for row in documented:
         assert any(row in message for message in tested), f"docs row not tested: {row!r}"
     for message in tested:
-        assert any(row in message for row in documented), f"tested but not documented: {message}"
+        assert any(row in message or message in row for row in documented), (
+            f"tested but not documented: {message}"
+        )

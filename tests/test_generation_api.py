@@ -242,11 +242,13 @@ def test_logprobs_and_prompt_logprobs_match_hf_log_softmax(stub, tok, tiny_llama
 
 def boundary_stop(tok, ids: list[int]) -> tuple[str, int]:
     """A stop string of the decoded output that starts inside one token and ends inside the
-    next; returns it and the index of the token that completes it."""
+    next; returns it and the index of the token that first completes it."""
     for i in range(2, len(ids) - 2):
         before, upto, after = (tok.decode(ids[:k]) for k in (i, i + 1, i + 2))
         if len(upto) - len(before) >= 2 and len(after) - len(upto) >= 2 and "\ufffd" not in after:
-            return after[len(upto) - 1 : len(upto) + 1], i + 1
+            stop = after[len(upto) - 1 : len(upto) + 1]
+            completing = next(k for k in range(len(ids)) if stop in tok.decode(ids[: k + 1]))
+            return stop, completing
     raise AssertionError("no two consecutive multi-character tokens")
 
 
@@ -393,7 +395,7 @@ def test_seeded_outputs_survive_preemption_on_a_both_worker(stub, tok, tiny_llam
         decode=0,
         both=1,
         extra_args={
-            "both": ["--num-blocks", "10"],
+            "both": ["--num-blocks", "10", "--max-model-len", "96"],
             "scheduler": ["--max-num-batched-tokens", "32"],
         },
     )
