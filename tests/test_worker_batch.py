@@ -60,3 +60,12 @@ def test_plans_that_do_not_fit_are_rejected(plan, message):
     batch = PersistentBatch(block_size=4, num_blocks=8, vocab_size=100)
     with pytest.raises(PlanError, match=message):
         plan(batch)
+
+
+def test_num_prompt_tokens_defaults_to_every_known_token():
+    batch = PersistentBatch(block_size=4, num_blocks=8, vocab_size=100)
+    batch.apply([], [new("a")], [])
+    resumed = NewRequestData("b", [1, 2, 3, 4, 5, 6], [4, 5], 0, 6, Sampling(), 4)
+    batch.apply([], [resumed], [])
+    assert batch.requests["a"].num_prompt_tokens == 5  # a plan that does not say: all prompt
+    assert batch.requests["b"].num_prompt_tokens == 4  # prompt + 2 outputs (recompute)

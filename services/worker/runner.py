@@ -1,27 +1,62 @@
 """Executes one step: flattens the scheduled tokens, runs the model over the paged KV cache
-(replaying a CUDA graph for pure-decode steps when the worker captured them), and samples a
-token for every request that caught up.
+(replaying a CUDA graph for pure-decode steps when the worker captured them), samples a
+token for every request that caught up, and scores the prompt tokens of requests that asked
+for prompt logprobs. A step's results come back from the device in one transfer.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from services.worker.batch import ScheduledWork
 from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.kv_cache import KvCache
-from services.worker.models.attention_metadata import SequenceSlice, build_attention_metadata
-from services.worker.sampler import sample
+from services.worker.logprobs import (
+    DeviceLogprobs,
+    PromptLogprobs,
+    TokenLogprobs,
+    concat,
+    prompt_entry_span,
+    raw_logprobs,
+    to_host,
+)
+from services.worker.models.attention_metadata import (
+    AttentionMetadata,
+    SequenceSlice,
+    build_attention_metadata,
+)
+from services.worker.sampler import DeviceSample, SamplingRow, sample_on_device, to_device
+
+# Prompt logprobs compute logits for at most this many elements (rows x vocab) at a time.
+PROMPT_LOGITS_CHUNK = 1 << 24
 
 
 @dataclass(frozen=True)
 class StepOutput:
     sampled: dict[str, int]  # request_id -> token id, in plan order
     execute_seconds: float
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # requests that asked
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _PromptScores:
+    """Prompt entries scored this step, on the device: spans of rows per request."""
+
+    spans: tuple[tuple[str, int, int], ...]  # (request_id, start position, entry count)
+    scores: DeviceLogprobs
+
+    def from_host(self, values: Sequence[Sequence[float]]) -> dict[str, PromptLogprobs]:
+        entries = self.scores.from_host(values)
+        out, at = {}, 0
+        for request_id, start, count in self.spans:
+            out[request_id] = PromptLogprobs(start, tuple(entries[at : at + count]))
+            at += count
+        return out
 
 
 class ModelRunner:
@@ -58,12 +93,67 @@ class ModelRunner:
         else:
             hidden = self.model(ids, positions, self.kv_cache, meta)
         samplers = [i for i, item in enumerate(work) if item.samples]
-        sampled: dict[str, int] = {}
+        sample: DeviceSample | None = None
         if samplers:
-            last_rows = torch.tensor(
-                [meta.query_start_loc[i + 1] - 1 for i in samplers], device=self.device
+            last_rows = to_device(
+                [meta.query_start_loc[i + 1] - 1 for i in samplers], torch.int64, self.device
             )
             logits = self.model.compute_logits(hidden[last_rows])
-            tokens = sample(logits, [work[i].request.sampling for i in samplers], self.generator)
-            sampled = {work[i].request.request_id: t for i, t in zip(samplers, tokens, strict=True)}
-        return StepOutput(sampled, time.perf_counter() - start)
+            rows = [
+                SamplingRow(r.sampling, r.token_ids, r.num_prompt_tokens)
+                for r in (work[i].request for i in samplers)
+            ]
+            sample = sample_on_device(logits, rows, self.generator)
+        prompt = self._score_prompts(work, meta, hidden)
+        sample_tensors = sample.tensors() if sample is not None else []
+        prompt_tensors = prompt.scores.tensors() if prompt is not None else []
+        values = to_host(sample_tensors + prompt_tensors)  # the step's one device-to-host copy
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprobs] = {}
+        if sample is not None:
+            result = sample.from_host(values[: len(sample_tensors)])
+            for i, token, entry in zip(samplers, result.token_ids, result.logprobs, strict=True):
+                request_id = work[i].request.request_id
+                sampled[request_id] = token
+                if entry is not None:
+                    logprobs[request_id] = entry
+        scored = prompt.from_host(values[len(sample_tensors) :]) if prompt is not None else {}
+        return StepOutput(sampled, time.perf_counter() - start, logprobs, scored)
+
+    def _score_prompts(
+        self, work: Sequence[ScheduledWork], meta: AttentionMetadata, hidden: torch.Tensor
+    ) -> _PromptScores | None:
+        """Raw logprobs of the prompt tokens this step's chunks predict, for requests that
+        asked: the hidden state at position p - 1 scores prompt token p."""
+        spans: list[tuple[str, int, int]] = []
+        rows: list[int] = []
+        targets: list[int] = []
+        widths: list[int] = []
+        for i, item in enumerate(work):
+            req = item.request
+            if req.sampling.prompt_logprobs is None:
+                continue
+            begin = req.num_computed_tokens
+            start, count = prompt_entry_span(begin, item.num_new_tokens, req.num_prompt_tokens)
+            if count == 0:
+                continue
+            first_row = meta.query_start_loc[i]
+            spans.append((req.request_id, start, count))
+            rows.extend(range(first_row, first_row + count))
+            targets.extend(req.token_ids[start : start + count])
+            widths.extend([req.sampling.prompt_logprobs] * count)
+        if not rows:
+            return None
+        row_index = to_device(rows, torch.int64, self.device)
+        target_ids = to_device(targets, torch.int64, self.device)
+        step = max(1, PROMPT_LOGITS_CHUNK // self.model.config.vocab_size)
+        parts = [
+            raw_logprobs(
+                self.model.compute_logits(hidden[row_index[at : at + step]]),
+                target_ids[at : at + step],
+                widths[at : at + step],
+                width=max(widths),
+            )
+            for at in range(0, len(rows), step)
+        ]
+        return _PromptScores(tuple(spans), concat(parts))

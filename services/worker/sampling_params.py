@@ -23,7 +23,8 @@ class Sampling:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Argmax of the processed logits (temperature 0; a negative one is treated alike)."""
+        return self.temperature <= 0.0
 
     @property
     def has_penalties(self) -> bool:
@@ -32,3 +33,8 @@ class Sampling:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether anything changes the logits before temperature (bias, min_tokens, penalties)."""
+        return bool(self.logit_bias) or self.min_tokens > 0 or self.has_penalties

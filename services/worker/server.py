@@ -14,6 +14,8 @@ from services.worker.batch import (
     Sampling,
 )
 from services.worker.kv_transfer import KvTransferError
+from services.worker.logprobs import TokenLogprobs
+from services.worker.runner import StepOutput
 from services.worker.worker import KV_LAYOUT, Worker
 
 log = get_logger(__name__)
@@ -25,8 +27,57 @@ ROLE_TO_PB = {
 }
 
 
-def _sampling(pb: types_pb2.SamplingParams) -> Sampling:
-    return Sampling(temperature=pb.temperature, top_p=pb.top_p or 1.0, top_k=pb.top_k)
+def sampling_from_pb(pb: types_pb2.SamplingParams) -> Sampling:
+    """Resolved params as sent by the scheduler; 0 means 1 for top_p and repetition_penalty."""
+    return Sampling(
+        temperature=pb.temperature,
+        top_p=pb.top_p or 1.0,
+        top_k=pb.top_k,
+        min_p=pb.min_p,
+        repetition_penalty=pb.repetition_penalty or 1.0,
+        presence_penalty=pb.presence_penalty,
+        frequency_penalty=pb.frequency_penalty,
+        logit_bias=tuple(sorted(pb.logit_bias.items())),
+        seed=pb.seed if pb.HasField("seed") else None,
+        min_tokens=pb.min_tokens,
+        stop_token_ids=tuple(pb.stop_token_ids),
+        logprobs=pb.logprobs if pb.HasField("logprobs") else None,
+        prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
+    )
+
+
+def _logprob_pb(entry: TokenLogprobs) -> types_pb2.TokenLogprob:
+    return types_pb2.TokenLogprob(
+        token_id=entry.token_id,
+        logprob=entry.logprob,
+        top_logprobs=[types_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in entry.top],
+    )
+
+
+def step_response_pb(step_id: int, output: StepOutput) -> worker_pb2.StepResponse:
+    sampled = []
+    for request_id, token in output.sampled.items():
+        entry = output.logprobs.get(request_id)
+        sampled.append(
+            worker_pb2.SampledToken(
+                request_id=request_id,
+                token_id=token,
+                logprob=None if entry is None else _logprob_pb(entry),
+            )
+        )
+    return worker_pb2.StepResponse(
+        step_id=step_id,
+        sampled_tokens=sampled,
+        execute_seconds=output.execute_seconds,
+        prompt_logprobs=[
+            worker_pb2.PromptLogprobs(
+                request_id=request_id,
+                start=scored.start,
+                entries=[_logprob_pb(e) for e in scored.entries],
+            )
+            for request_id, scored in output.prompt_logprobs.items()
+        ],
+    )
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -84,7 +135,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     block_ids=r.block_ids,
                     num_computed_tokens=r.num_computed_tokens,
                     num_scheduled_tokens=r.num_scheduled_tokens,
-                    sampling=_sampling(r.sampling),
+                    sampling=sampling_from_pb(r.sampling),
+                    num_prompt_tokens=r.num_prompt_tokens,
                 )
                 for r in plan.new_requests
             ]
@@ -106,14 +158,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             except PlanError as exc:
                 log.error("bad_step_plan", step_id=plan.step_id, error=str(exc))
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            yield worker_pb2.StepResponse(
-                step_id=plan.step_id,
-                sampled_tokens=[
-                    worker_pb2.SampledToken(request_id=rid, token_id=tok)
-                    for rid, tok in output.sampled.items()
-                ],
-                execute_seconds=output.execute_seconds,
-            )
+            yield step_response_pb(plan.step_id, output)
         log.info("step_stream_closed", stream=stream_id)
 
     async def SendKv(self, request, context):

@@ -1,0 +1,177 @@
+"""Seeded sampling: the same (seed, output position) gives the same token whatever the other
+rows, their order, the batch size and the worker's generator; a generation resumed from its
+tokens so far (another worker, or a recompute after preemption) continues identically. And
+the counter-based noise behind it is uniform and uncorrelated."""
+
+import random
+
+import pytest
+import torch
+
+from services.worker.sampler import SamplingRow, sample
+from services.worker.sampling_params import Sampling
+from services.worker.seeded_noise import (
+    U_MAX,
+    U_MIN,
+    exponential,
+    mix32,
+    random_keys,
+    row_streams,
+    split_key,
+    uniform,
+)
+from tests.test_sampler_stats import fits
+
+VOCAB = 1000
+TARGETS = [  # seeded rows under test, drawn at output position 7
+    Sampling(temperature=1.0, seed=1234),  # dense race
+    Sampling(temperature=0.9, top_k=40, seed=99),  # top-k candidates
+    Sampling(temperature=1.1, top_p=0.9, seed=2**63 + 5),  # full sort, 64-bit seed
+    Sampling(temperature=0.8, top_k=200, top_p=0.95, min_p=0.01, seed=0, repetition_penalty=1.2),
+]
+
+
+def target_row(params: Sampling, position: int = 7) -> SamplingRow:
+    prompt = list(range(10, 20))
+    return SamplingRow(params, prompt + list(range(30, 30 + position)), len(prompt))
+
+
+def neighbours(count: int, rng: random.Random) -> list[SamplingRow]:
+    choices = [
+        Sampling(),
+        Sampling(temperature=1.0),
+        Sampling(temperature=0.5, top_k=3),
+        Sampling(temperature=1.0, top_k=900, seed=7),
+        Sampling(temperature=2.0, top_p=0.5, seed=8, presence_penalty=1.0),
+        Sampling(temperature=1.0, min_p=0.2, logprobs=3),
+    ]
+    return [SamplingRow(rng.choice(choices), [1, 2, 3, 4], 2) for _ in range(count)]
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=range(len(TARGETS)))
+def test_same_seed_and_position_give_the_same_token_in_any_batch(target):
+    logits_row = torch.randn(VOCAB, generator=torch.Generator().manual_seed(1))
+    alone = sample(logits_row[None], [target_row(target)]).token_ids[0]
+    rng = random.Random(0)
+    for size in (2, 9, 64):
+        others = neighbours(size - 1, rng)
+        rows = [*others, target_row(target)]
+        rng.shuffle(rows)
+        at = next(i for i, r in enumerate(rows) if r.sampling is target)
+        logits = torch.randn(size, VOCAB, generator=torch.Generator().manual_seed(size))
+        logits[at] = logits_row
+        generator = torch.Generator().manual_seed(size)  # the worker's generator differs too
+        assert sample(logits, rows, generator).token_ids[at] == alone
+
+
+@pytest.mark.parametrize("target", TARGETS, ids=range(len(TARGETS)))
+def test_different_seeds_and_positions_give_different_tokens(target):
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(2))
+    batch = logits.expand(64, -1).contiguous()
+    by_seed = [
+        SamplingRow(
+            Sampling(**{**target.__dict__, "seed": 1000 + i}), target_row(target).token_ids, 10
+        )
+        for i in range(64)
+    ]
+    by_position = [target_row(target, position=p) for p in range(64)]
+    assert len(set(sample(batch, by_seed).token_ids)) > 8
+    assert len(set(sample(batch, by_position).token_ids)) > 8
+
+
+def toy_logits(tokens: list[int]) -> torch.Tensor:
+    """A deterministic 'model': next-token logits from the tokens so far."""
+    seed = hash(tuple(tokens)) % 2**31
+    return torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def generate(params: Sampling, prompt: list[int], tokens: list[int], steps: int, seed: int):
+    """Continue a seeded generation for `steps` tokens, each step in a batch of unseeded
+    strangers whose count and order change."""
+    tokens = list(tokens)
+    first_new = len(tokens)
+    rng = random.Random(seed)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        rows = [*neighbours(rng.randrange(0, 6), rng), SamplingRow(params, tokens, len(prompt))]
+        rng.shuffle(rows)
+        at = next(i for i, r in enumerate(rows) if r.sampling is params)
+        logits = torch.randn(len(rows), VOCAB, generator=generator)
+        logits[at] = toy_logits(tokens)
+        tokens.append(sample(logits, rows, generator).token_ids[at])
+    return tokens[first_new:]
+
+
+def test_a_resumed_generation_continues_identically():
+    params = Sampling(temperature=1.0, top_k=50, top_p=0.9, seed=42, frequency_penalty=0.3)
+    prompt = [5, 6, 7, 8]
+    straight = generate(params, prompt, prompt, steps=24, seed=0)
+    # The first token on a "prefill worker", the rest on a "decode worker"; then a recompute
+    # after preemption at token 11 that replays prompt + output.
+    first = generate(params, prompt, prompt, steps=1, seed=1)
+    decoded = generate(params, prompt, prompt + first, steps=10, seed=2)
+    resumed = generate(params, prompt, prompt + first + decoded, steps=13, seed=3)
+    assert first + decoded + resumed == straight
+    assert len(set(straight)) > 10  # really sampled, not a fixed point
+    other_seed = Sampling(**{**params.__dict__, "seed": 43})
+    assert generate(other_seed, prompt, prompt, steps=24, seed=0) != straight
+
+
+def test_unseeded_rows_depend_on_the_worker_generator():
+    logits = torch.randn(256, VOCAB, generator=torch.Generator().manual_seed(3))
+    rows = [SamplingRow(Sampling(temperature=1.0))] * 256
+    a = sample(logits, rows, torch.Generator().manual_seed(0)).token_ids
+    b = sample(logits, rows, torch.Generator().manual_seed(0)).token_ids
+    c = sample(logits, rows, torch.Generator().manual_seed(1)).token_ids
+    assert a == b and a != c
+
+
+def streams_grid(num_keys: int, num_positions: int) -> torch.Tensor:
+    keys = torch.tensor([split_key(k * 0x9E3779B97F4A7C15) for k in range(num_keys)])
+    keys = keys.repeat_interleave(num_positions, dim=0)
+    positions = torch.arange(num_positions).repeat(num_keys)
+    return row_streams(keys, positions)
+
+
+def test_noise_is_uniform_in_range_and_every_bit_is_fair():
+    streams = streams_grid(num_keys=32, num_positions=16)  # 512 rows
+    u = uniform(streams, torch.arange(4096).unsqueeze(0))  # 2M values
+    assert u.min() >= U_MIN and u.max() <= U_MAX
+    counts = torch.histc(u, bins=256, min=0.0, max=1.0)
+    assert fits(counts, torch.ones(256))
+    bits = (u.double() * 2**24).long() >> 1  # the 23 random bits
+    n = bits.numel()
+    for bit in range(23):
+        ones = int(((bits >> bit) & 1).sum())
+        assert abs(ones - n / 2) < 5 * (n / 4) ** 0.5, f"bit {bit}"
+    q = exponential(streams, torch.arange(4096).unsqueeze(0)).double()
+    assert torch.isfinite(q).all() and (q > 0).all()
+    assert abs(float(q.mean()) - 1.0) < 0.005 and abs(float(q.var()) - 1.0) < 0.01
+
+
+def pairs_fit(a: torch.Tensor, b: torch.Tensor, bins: int = 16) -> bool:
+    """Joint uniformity of (a, b) on a bins x bins grid: pairwise independence."""
+    cells = (a * bins).long().flatten() * bins + (b * bins).long().flatten()
+    return fits(torch.bincount(cells, minlength=bins * bins), torch.ones(bins * bins))
+
+
+def test_noise_of_neighbouring_tokens_positions_and_seeds_is_independent():
+    grid = uniform(streams_grid(num_keys=64, num_positions=64), torch.arange(512).unsqueeze(0))
+    grid = grid.reshape(64, 64, 512)  # key, position, token
+    assert pairs_fit(grid[:, :, 1:], grid[:, :, :-1])  # adjacent tokens
+    assert pairs_fit(grid[:, 1:], grid[:, :-1])  # adjacent positions
+    assert pairs_fit(grid[1:], grid[:-1])  # adjacent keys
+    # Consecutive seeds (n samples use seed + i) are as unrelated as any others.
+    consecutive = torch.tensor([split_key(s) for s in range(256)])
+    positions = torch.zeros(256, dtype=torch.long)
+    near = uniform(row_streams(consecutive, positions), torch.arange(512).unsqueeze(0))
+    assert pairs_fit(near[1:], near[:-1])
+    assert not pairs_fit(near[1:], near[1:].sqrt())  # the check has power
+
+
+def test_hash_is_a_bijection_and_streams_differ():
+    x = torch.randperm(1 << 20, generator=torch.Generator().manual_seed(0)) * 4093
+    assert mix32(x).unique().numel() == x.numel()
+    streams = row_streams(random_keys(4096, torch.device("cpu")), torch.zeros(4096).long())
+    assert streams.unique(dim=0).shape[0] == 4096
+    assert bool((streams[:, 1] % 2 == 1).all())  # odd multipliers: a full-period sequence

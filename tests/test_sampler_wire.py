@@ -1,0 +1,69 @@
+"""The worker's protobuf edges for sampling: every SamplingParams field resolved into
+`Sampling` (unset optionals -> None, zero top_p / repetition_penalty -> 1), and step results
+with logprobs only where a request asked."""
+
+from common.pb.tandem.internal.v1 import types_pb2
+from services.worker.logprobs import PromptLogprobs, TokenLogprobs
+from services.worker.runner import StepOutput
+from services.worker.sampling_params import Sampling
+from services.worker.server import sampling_from_pb, step_response_pb
+
+
+def test_every_field_is_parsed():
+    pb = types_pb2.SamplingParams(
+        temperature=0.5,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.05,
+        repetition_penalty=1.2,
+        presence_penalty=-0.5,
+        frequency_penalty=0.25,
+        logit_bias={7: 2.0, 3: -1.5},
+        seed=2**64 - 1,
+        min_tokens=4,
+        stop_token_ids=[2, 9],
+        logprobs=0,
+        prompt_logprobs=5,
+    )
+    assert sampling_from_pb(pb) == Sampling(
+        temperature=0.5,
+        top_p=0.8999999761581421,  # float32 on the wire
+        top_k=40,
+        min_p=0.05000000074505806,
+        repetition_penalty=1.2000000476837158,
+        presence_penalty=-0.5,
+        frequency_penalty=0.25,
+        logit_bias=((3, -1.5), (7, 2.0)),
+        seed=2**64 - 1,
+        min_tokens=4,
+        stop_token_ids=(2, 9),
+        logprobs=0,
+        prompt_logprobs=5,
+    )
+
+
+def test_unset_and_zero_fields_resolve_to_off():
+    parsed = sampling_from_pb(types_pb2.SamplingParams())
+    assert parsed == Sampling(top_p=1.0, repetition_penalty=1.0)
+    assert parsed.seed is None and parsed.logprobs is None and parsed.prompt_logprobs is None
+    assert sampling_from_pb(types_pb2.SamplingParams(seed=0)).seed == 0  # set, even if 0
+
+
+def test_step_response_carries_logprobs_only_where_asked():
+    entry = TokenLogprobs(11, -0.25, ((11, -0.25), (4, -1.5)))
+    output = StepOutput(
+        sampled={"a": 11, "b": 3},
+        execute_seconds=0.01,
+        logprobs={"a": entry},
+        prompt_logprobs={"c": PromptLogprobs(14, (TokenLogprobs(8, -2.0), entry))},
+    )
+    pb = step_response_pb(9, output)
+    a, b = pb.sampled_tokens
+    assert (a.request_id, a.token_id, b.request_id, b.token_id) == ("a", 11, "b", 3)
+    assert a.HasField("logprob") and not b.HasField("logprob")
+    assert a.logprob.logprob == -0.25
+    assert [(t.token_id, t.logprob) for t in a.logprob.top_logprobs] == [(11, -0.25), (4, -1.5)]
+    (prompt,) = pb.prompt_logprobs
+    assert (prompt.request_id, prompt.start) == ("c", 14)
+    assert [e.token_id for e in prompt.entries] == [8, 11]
+    assert pb.step_id == 9
