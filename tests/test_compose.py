@@ -21,7 +21,7 @@ CONFIGS = {
     "services.openai_api": OpenAIApiConfig,
 }
 # How each service's healthcheck probes it: gRPC health, or the HTTP front's GET /health.
-PROBES = {"services.openai_api": "services.openai_api.healthcheck"}
+PROBE_FLAGS = {"services.openai_api": ["--http"]}
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,8 @@ def test_healthchecks_probe_each_service_own_port(compose):
             "CMD",
             "python",
             "-m",
-            PROBES.get(module, "common.healthcheck"),
+            "common.healthcheck",
+            *PROBE_FLAGS.get(module, []),
             f"127.0.0.1:{config.port}",
         ]
 

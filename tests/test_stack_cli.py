@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.openai_api.healthcheck import http_health_status
+from common.healthcheck import http_health_status
 from services.stack.launcher import _distinct_free_ports
 from tests.hf_reference import hf_greedy, hf_tokenizer
 from tests.stack_client import generate, greedy_request

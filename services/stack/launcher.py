@@ -20,8 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from common.healthcheck import health_status
-from services.openai_api.healthcheck import http_health_status
+from common.healthcheck import health_status, http_health_status
 
 ROOT = Path(__file__).resolve().parents[2]
 STATE_FILE = "stack.json"
