@@ -55,6 +55,25 @@ def prefix_cache_comparison(on: dict, off: dict) -> dict:
     }
 
 
+def sampling_comparison(greedy: dict, full: dict) -> dict:
+    """Throughput and latency with every sampling feature on, against greedy (full / greedy;
+    < 1 for throughput: what the features cost)."""
+    keys = ("mean", "p50", "p99")
+    return {
+        "output_tokens_per_s_greedy": greedy["output_tokens_per_s"],
+        "output_tokens_per_s_full": full["output_tokens_per_s"],
+        "throughput_ratio_full_over_greedy": _ratio(
+            full["output_tokens_per_s"], greedy["output_tokens_per_s"]
+        ),
+        "tpot_ratio_full_over_greedy": {
+            k: _ratio(full["tpot_ms"][k], greedy["tpot_ms"][k]) for k in keys
+        },
+        "ttft_ratio_full_over_greedy": {
+            k: _ratio(full["ttft_ms"][k], greedy["ttft_ms"][k]) for k in keys
+        },
+    }
+
+
 def hf_ratios(tandem: dict, hf: dict) -> dict:
     return {
         key: _ratio(tandem[key], hf[key])
@@ -122,6 +141,14 @@ def summary_lines(report: dict) -> list[str]:
             f"TTFT prefix cache on: mean {_fmt(on['mean'], 2)} ms, p50 {_fmt(on['p50'], 2)} ms;"
             f" off: mean {_fmt(off['mean'], 2)} ms, p50 {_fmt(off['p50'], 2)} ms;"
             f" off/on x{_fmt(ratio['mean'], 2)} (mean), x{_fmt(ratio['p50'], 2)} (p50)"
+        )
+    sampling = report.get("sampling_comparison")
+    if sampling:
+        lines.append(
+            f"Full sampling / greedy: output tokens/s "
+            f"x{_fmt(sampling['throughput_ratio_full_over_greedy'], 2)}, TPOT p50 "
+            f"x{_fmt(sampling['tpot_ratio_full_over_greedy']['p50'], 2)}, TTFT p50 "
+            f"x{_fmt(sampling['ttft_ratio_full_over_greedy']['p50'], 2)}"
         )
     return lines
 

@@ -45,10 +45,11 @@ from bench.report import (
     load_average,
     machine_info,
     prefix_cache_comparison,
+    sampling_comparison,
     summary_lines,
     write_plot,
 )
-from bench.serve_client import model_info, run_client, warm_up
+from bench.serve_client import SAMPLING_MODES, model_info, run_client, warm_up
 from bench.workloads import (
     WORKLOADS,
     BenchRequest,
@@ -68,6 +69,7 @@ DEFAULT_MODEL_DIR = ROOT / ".tandem" / "models" / "tandem-tiny-llama"
 DEFAULT_CONCURRENCY = 8
 HF_BATCH_WITH_RATE = 8
 COMPARE_RUNS = (("prefix_cache_on", "true"), ("prefix_cache_off", "false"))
+COMPARE_SAMPLING_RUNS = (("greedy", "greedy"), ("full_sampling", "full"))
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,9 @@ class BenchConfig:
     both: int = 0
     seed: int = 0
     compare_prefix_cache: bool = False
+    # "greedy", or "full": every sampling feature on (bench/serve_client.py FULL_SAMPLING).
+    sampling: str = "greedy"
+    compare_sampling: bool = False  # run greedy and full sampling, each on its own stack
     hf_baseline: bool = True
     plot: str = ""
     out: str = ""
@@ -111,6 +116,10 @@ class BenchConfig:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
         if self.num_requests is not None and self.num_requests < 1:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+        if self.sampling not in SAMPLING_MODES:
+            raise ValueError(f"sampling must be one of {SAMPLING_MODES}, got {self.sampling!r}")
+        if self.compare_sampling and self.compare_prefix_cache:
+            raise ValueError("compare either sampling or prefix caching, not both")
         if self.compare_prefix_cache and self.address:
             raise ValueError(
                 "compare_prefix_cache starts its own stacks (prefix caching on and off); "
@@ -199,11 +208,15 @@ def target(
         stack.stop()
 
 
-def tandem_runs(config: BenchConfig) -> list[tuple[str, list[str]]]:
-    """(label, scheduler flags) of every Tandem run."""
+def tandem_runs(config: BenchConfig) -> list[tuple[str, list[str], str]]:
+    """(label, scheduler flags, sampling mode) of every Tandem run."""
     if config.compare_prefix_cache:
-        return [(label, ["--enable-prefix-caching", on]) for label, on in COMPARE_RUNS]
-    return [("tandem", [])]
+        return [
+            (label, ["--enable-prefix-caching", on], config.sampling) for label, on in COMPARE_RUNS
+        ]
+    if config.compare_sampling:
+        return [(label, [], mode) for label, mode in COMPARE_SAMPLING_RUNS]
+    return [("tandem", [], config.sampling)]
 
 
 # -- HF baseline ---------------------------------------------------------------------------
@@ -268,7 +281,7 @@ def run_tandem(
     summaries: dict[str, dict] = {}
     records_by_run: dict[str, list[RequestRecord]] = {}
     info = None
-    for label, scheduler_args in tandem_runs(config):
+    for label, scheduler_args, sampling in tandem_runs(config):
         with target(config, model, label, scheduler_args) as address:
             info = model_info(address)
             vocab = usable_token_ids(tokenizer, info.vocab_size)
@@ -288,6 +301,7 @@ def run_tandem(
                 config.request_timeout_s,
                 label,
                 config.progress,
+                sampling,
             )
         records_by_run[label] = records
         summaries[label] = {
@@ -378,6 +392,10 @@ def run_benchmark(config: BenchConfig) -> dict:
         report["prefix_cache_comparison"] = prefix_cache_comparison(
             tandem.summaries["prefix_cache_on"], tandem.summaries["prefix_cache_off"]
         )
+    if config.compare_sampling:
+        report["sampling_comparison"] = sampling_comparison(
+            tandem.summaries["greedy"], tandem.summaries["full_sampling"]
+        )
     if config.hf_baseline:
         report["hf_baseline"] = run_hf(config, model, tokenizer, tandem, primary)
         report["ratio_tandem_over_hf"] = hf_ratios(tandem.summaries[primary], report["hf_baseline"])
@@ -427,6 +445,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run on a stack with prefix caching on and on one with it off; compare TTFT",
     )
+    add("--sampling", default="greedy", choices=SAMPLING_MODES, help="per-request settings")
+    add(
+        "--compare-sampling",
+        action="store_true",
+        help="run greedy and full sampling (penalties, top-k/p, min-p, seed, logprobs, stop "
+        "string) on fresh stacks; compare throughput and latency",
+    )
     add(
         "--hf-baseline",
         action=argparse.BooleanOptionalAction,
@@ -469,6 +494,8 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
             both=args.both,
             seed=args.seed,
             compare_prefix_cache=args.compare_prefix_cache,
+            sampling=args.sampling,
+            compare_sampling=args.compare_sampling,
             hf_baseline=args.hf_baseline,
             plot=args.plot,
             out=args.out,

@@ -18,11 +18,35 @@ from bench.metrics import RequestRecord
 from bench.workloads import BenchRequest
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
 
+SAMPLING_MODES = ("greedy", "full")
+# "full": every per-token feature of the generation API at once (seeded by request index).
+FULL_SAMPLING = {
+    "temperature": 0.8,
+    "top_k": 50,
+    "top_p": 0.95,
+    "min_p": 0.02,
+    "repetition_penalty": 1.1,
+    "presence_penalty": 0.2,
+    "frequency_penalty": 0.2,
+}
+FULL_LOGPROBS = 2
+FULL_STOP = "\u2603\u2603\u2603"  # never produced: the matcher runs on every token
 
-def make_request(request: BenchRequest, cache_salt: str) -> generate_pb2.GenerateRequest:
+
+def make_request(
+    request: BenchRequest, cache_salt: str, sampling: str = "greedy"
+) -> generate_pb2.GenerateRequest:
     message = generate_pb2.GenerateRequest(max_tokens=request.max_tokens)
     message.token_ids.ids.extend(request.prompt_ids)
-    message.sampling.temperature = 0.0
+    if sampling == "full":
+        for field, value in FULL_SAMPLING.items():
+            setattr(message.sampling, field, value)
+        message.sampling.seed = request.index
+        message.sampling.logit_bias[request.prompt_ids[0]] = -1.0
+        message.logprobs = FULL_LOGPROBS
+        message.stopping.stop.append(FULL_STOP)
+    else:
+        message.sampling.temperature = 0.0
     if cache_salt and "cache_salt" in generate_pb2.GenerateRequest.DESCRIPTOR.fields_by_name:
         message.cache_salt = cache_salt
     return message
@@ -63,6 +87,7 @@ async def _drive(
     cache_salt: str,
     timeout_s: float,
     progress: tqdm | None,
+    sampling: str = "greedy",
 ) -> tuple[list[RequestRecord], float]:
     records = [RequestRecord(r.index, len(r.prompt_ids), r.max_tokens) for r in requests]
     limit = asyncio.Semaphore(concurrency) if concurrency else None
@@ -73,7 +98,7 @@ async def _drive(
         async def one(i: int) -> None:
             if offsets is not None:
                 await asyncio.sleep(max(0.0, start + offsets[i] - time.perf_counter()))
-            message = make_request(requests[i], cache_salt)
+            message = make_request(requests[i], cache_salt, sampling)
             if limit is None:
                 await _stream_one(stub, message, records[i], start, timeout_s)
             else:
@@ -96,6 +121,7 @@ def run_client(
     timeout_s: float = 600.0,
     label: str = "",
     show_progress: bool = True,
+    sampling: str = "greedy",
 ) -> tuple[list[RequestRecord], float]:
     """Send every request (at `offsets`, or keeping `concurrency` in flight) and record what
     came back; returns the records and the wall time from the start to the last stream end."""
@@ -103,7 +129,7 @@ def run_client(
         total=len(requests), desc=label, unit="req", disable=not show_progress, file=sys.stderr
     ) as bar:
         return asyncio.run(
-            _drive(address, requests, offsets, concurrency, cache_salt, timeout_s, bar)
+            _drive(address, requests, offsets, concurrency, cache_salt, timeout_s, bar, sampling)
         )
 
 

@@ -22,7 +22,8 @@ from bench.metrics import (
     ttft_s,
 )
 from bench.report import format_table
-from bench.serve import BenchConfig, parse_args, run_benchmark
+from bench.serve import BenchConfig, parse_args, run_benchmark, tandem_runs
+from bench.serve_client import FULL_LOGPROBS, FULL_STOP, make_request
 from bench.workloads import (
     BenchRequest,
     MixedParams,
@@ -33,6 +34,7 @@ from bench.workloads import (
     shared_prefix,
     usable_token_ids,
 )
+from services.gateway.validation import ModelLimits, validate_sampling, validate_stopping
 
 SPECIAL = (0, 1, 2)
 VOCAB = list(range(3, 300))
@@ -205,9 +207,32 @@ def test_cli_parses_load_options():
         ["--request-rate", "0"],
         ["--address", "127.0.0.1:1", "--compare-prefix-cache"],
         ["--both", "1", "--prefill", "2"],
+        ["--sampling", "beam"],
+        ["--compare-sampling", "--compare-prefix-cache"],
     ):
         with pytest.raises(SystemExit):
             parse_args(bad)
+    config = parse_args(["--compare-sampling"])
+    assert config.compare_sampling and config.sampling == "greedy"
+    assert [(label, mode) for label, _, mode in tandem_runs(config)] == [
+        ("greedy", "greedy"),
+        ("full_sampling", "full"),
+    ]
+    assert [mode for _, _, mode in tandem_runs(parse_args(["--sampling", "full"]))] == ["full"]
+
+
+def test_full_sampling_requests_use_every_feature_and_pass_the_gateways_validation():
+    request = BenchRequest(3, (17, 18, 19), 12)
+    greedy = make_request(request, "", "greedy")
+    assert greedy.sampling.temperature == 0 and not greedy.HasField("logprobs")
+    full = make_request(request, "salt", "full")
+    limits = ModelLimits(vocab_size=64, max_model_len=64, default_max_tokens=16)
+    sampling = validate_sampling(full.sampling, limits)
+    assert sampling.seed == 3 and sampling.logit_bias == ((17, -1.0),)
+    assert sampling.top_k and sampling.top_p < 1 and sampling.min_p > 0
+    assert sampling.repetition_penalty != 1 and sampling.presence_penalty != 0
+    assert validate_stopping(full.stopping, limits, full.max_tokens).stop == (FULL_STOP,)
+    assert full.logprobs == FULL_LOGPROBS and full.cache_salt == "salt"
 
 
 def test_hf_row_tokens_stop_at_eos():
