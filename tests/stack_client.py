@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -61,9 +62,12 @@ def pool_stats(stack: Stack) -> scheduler_pb2.GetPoolStatsResponse:
     return stats
 
 
-def worker_active_requests(stack: Stack) -> dict[str, int]:
+def worker_active_requests(stack: Stack, skip: tuple[str, ...] = ()) -> dict[str, int]:
+    """Requests each worker holds in its batch (workers named in `skip` are not asked)."""
     out = {}
     for port in stack.spec.worker_ports:
+        if any(name.endswith(f"-{port}") for name in skip):
+            continue
         with grpc.insecure_channel(f"{stack.spec.host}:{port}") as channel:
             d = worker_pb2_grpc.WorkerServiceStub(channel).DescribeWorker(
                 worker_pb2.DescribeWorkerRequest(), timeout=10
@@ -72,19 +76,79 @@ def worker_active_requests(stack: Stack) -> dict[str, int]:
     return out
 
 
-def wait_until_idle(stack: Stack, timeout_s: float = 20.0) -> scheduler_pb2.GetPoolStatsResponse:
-    """Wait until every pool is back to all-free and no worker holds a request."""
+def wait_until_idle(
+    stack: Stack, timeout_s: float = 20.0, skip: tuple[str, ...] = ()
+) -> scheduler_pb2.GetPoolStatsResponse:
+    """Wait until every pool is back to all-free and no worker holds a request (workers
+    named in `skip`, e.g. killed ones, are not asked)."""
     deadline = time.monotonic() + timeout_s
     while True:
         stats = pool_stats(stack)
         idle = stats.num_requests == 0 and all(
             p.num_free_blocks == p.num_blocks and p.num_requests == 0 for p in stats.pools
         )
-        if idle and not any(worker_active_requests(stack).values()):
+        if idle and not any(worker_active_requests(stack, skip).values()):
             return stats
         if time.monotonic() > deadline:
             raise AssertionError(
                 f"stack not idle after {timeout_s}s: {stats} "
-                f"workers={worker_active_requests(stack)}"
+                f"workers={worker_active_requests(stack, skip)}"
             )
         time.sleep(0.1)
+
+
+@dataclass
+class BackgroundStream:
+    """One Generate stream read on a thread: tokens as they arrive, then how it ended."""
+
+    address: str
+    request: generate_pb2.GenerateRequest
+    timeout: float = 120.0
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: int | None = None
+    code: grpc.StatusCode | None = None  # None while running; OK when it finished
+    details: str = ""
+    ended_at: float | None = None
+
+    def __post_init__(self) -> None:
+        self._progress = threading.Condition()
+        self._call = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with grpc.insecure_channel(self.address) as channel:
+            stub = generate_pb2_grpc.GenerateServiceStub(channel)
+            self._call = stub.Generate(self.request, timeout=self.timeout)
+            try:
+                for response in self._call:
+                    with self._progress:
+                        self.token_ids.extend(response.token_ids)
+                        if response.finish_reason:
+                            self.finish_reason = response.finish_reason
+                        self._progress.notify_all()
+                code, details = grpc.StatusCode.OK, ""
+            except grpc.RpcError as exc:
+                code, details = exc.code(), exc.details() or ""
+        with self._progress:
+            self.code, self.details, self.ended_at = code, details, time.monotonic()
+            self._progress.notify_all()
+
+    def wait_tokens(self, count: int, timeout_s: float = 60.0) -> None:
+        """Block until `count` tokens arrived (fails if the stream ended or time ran out)."""
+        with self._progress:
+            if not self._progress.wait_for(
+                lambda: len(self.token_ids) >= count or self.code is not None, timeout_s
+            ):
+                raise AssertionError(f"fewer than {count} tokens after {timeout_s}s")
+        assert len(self.token_ids) >= count, (self.code, self.details, self.token_ids)
+
+    def cancel(self) -> None:
+        while self._call is None:
+            time.sleep(0.01)
+        self._call.cancel()
+
+    def result(self, timeout_s: float = 120.0) -> BackgroundStream:
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), f"stream still open after {timeout_s}s"
+        return self

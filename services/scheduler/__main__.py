@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from common.grpc_server import ServiceHost
 from common.lifecycle import run_service, wait_for_shutdown_signal
 from common.log import get_logger, setup_logging
@@ -19,8 +21,17 @@ async def serve(config: SchedulerConfig) -> None:
     host = ServiceHost([SERVICE_NAME])
     servicer = SchedulerServicer()
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, host.server)
+    health_updates: set[asyncio.Task] = set()
+
+    def on_serving_change(serving: bool) -> None:
+        if servicer.draining:
+            return
+        task = asyncio.get_running_loop().create_task(host.set_serving(serving))
+        health_updates.add(task)
+        task.add_done_callback(health_updates.discard)
+
     async with host.running(config.host, config.port, log, grace=2.0):
-        engine, model = await bootstrap.connect(config)
+        engine, model = await bootstrap.connect(config, on_serving_change)
         servicer.engine, servicer.model = engine, model
         engine.start()
         try:
@@ -32,6 +43,11 @@ async def serve(config: SchedulerConfig) -> None:
                 workers=list(config.workers),
             )
             log.info("shutting_down", signal=await wait_for_shutdown_signal())
+            # Drain: refuse new requests, let the running ones finish.
+            servicer.draining = True
+            await host.set_serving(False)
+            drained = await engine.drain(config.drain_timeout_s)
+            log.info("drained" if drained else "drain_timed_out", requests=engine.num_requests)
         finally:
             await engine.close()
 

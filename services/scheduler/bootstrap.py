@@ -4,14 +4,16 @@ the same model with compatible KV geometry, and build one pool per worker."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import secrets
+from collections.abc import Callable
 
 from common.lifecycle import StartupError
 from common.log import get_logger
 from common.pb.tandem.internal.v1 import types_pb2
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.engine import Engine
+from services.scheduler.engine import Engine, Resilience
 from services.scheduler.pool import Pool
 from services.scheduler.pool_scheduler import PoolScheduler
 from services.scheduler.worker_client import WorkerClient, WorkerInfo, WorkerUnavailableError
@@ -73,8 +75,21 @@ def model_description(infos: list[WorkerInfo]) -> types_pb2.ModelDescription:
     return model
 
 
-async def connect(config: SchedulerConfig) -> tuple[Engine, types_pb2.ModelDescription]:
-    clients = [WorkerClient(address) for address in config.workers]
+def resilience(config: SchedulerConfig) -> Resilience:
+    return Resilience(
+        max_waiting_requests=config.max_waiting_requests,
+        max_waiting_tokens=config.max_waiting_tokens,
+        max_restarts=config.max_restarts,
+        health_interval_s=config.worker_health_interval_s,
+        health_timeout_s=config.worker_health_timeout_s,
+        health_max_misses=config.worker_health_max_misses,
+    )
+
+
+async def connect(
+    config: SchedulerConfig, on_serving_change: Callable[[bool], None] | None = None
+) -> tuple[Engine, types_pb2.ModelDescription]:
+    clients = [WorkerClient(address, config.step_timeout_s) for address in config.workers]
     try:
         infos = list(
             await asyncio.gather(*(c.wait_ready(config.worker_ready_timeout_s) for c in clients))
@@ -102,5 +117,8 @@ async def connect(config: SchedulerConfig) -> tuple[Engine, types_pb2.ModelDescr
         deployment_salt=config.prefix_cache_salt.encode() or secrets.token_bytes(16),
         kv_transfer_timeout_s=config.kv_transfer_timeout_s,
         async_scheduling=config.async_scheduling,
+        resilience=resilience(config),
+        make_scheduler=functools.partial(pool_scheduler, config),
+        on_serving_change=on_serving_change,
     )
     return engine, model

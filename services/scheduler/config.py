@@ -61,6 +61,42 @@ class SchedulerConfig:
         "reuse the KV of prompt prefixes already in a pool (automatic prefix caching)",
         env="TANDEM_ENABLE_PREFIX_CACHING",
     )
+    max_waiting_requests: int = setting(
+        1024,
+        "requests that may wait for a worker; more get RESOURCE_EXHAUSTED",
+        env="TANDEM_MAX_WAITING_REQUESTS",
+    )
+    max_waiting_tokens: int = setting(
+        1 << 20,
+        "prompt tokens that may wait for a worker; more get RESOURCE_EXHAUSTED",
+        env="TANDEM_MAX_WAITING_TOKENS",
+    )
+    max_restarts: int = setting(
+        3,
+        "times a request starts over after worker or transfer failures before it fails",
+        env="TANDEM_MAX_RESTARTS",
+    )
+    worker_health_interval_s: float = setting(
+        1.0, "seconds between health checks of each worker", env="TANDEM_WORKER_HEALTH_INTERVAL_S"
+    )
+    worker_health_timeout_s: float = setting(
+        2.0, "seconds a worker health check may take", env="TANDEM_WORKER_HEALTH_TIMEOUT_S"
+    )
+    worker_health_max_misses: int = setting(
+        3,
+        "unanswered health checks in a row after which a worker counts as failed",
+        env="TANDEM_WORKER_HEALTH_MAX_MISSES",
+    )
+    step_timeout_s: float = setting(
+        600.0,
+        "seconds a worker may take to answer one step before it counts as failed",
+        env="TANDEM_STEP_TIMEOUT_S",
+    )
+    drain_timeout_s: float = setting(
+        30.0,
+        "on SIGTERM: seconds to let running requests finish (new ones are refused)",
+        env="TANDEM_DRAIN_TIMEOUT_S",
+    )
     log_level: str = setting("info", "debug, info, warning or error", env="TANDEM_LOG_LEVEL")
 
     def __post_init__(self) -> None:
@@ -84,6 +120,20 @@ class SchedulerConfig:
             raise ValueError(
                 f"kv_transfer_timeout_s must be positive, got {self.kv_transfer_timeout_s}"
             )
+        for name in ("max_waiting_requests", "max_waiting_tokens", "worker_health_max_misses"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        for name in (
+            "worker_health_interval_s",
+            "worker_health_timeout_s",
+            "step_timeout_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if not self.worker_ready_timeout_s > 0:
             raise ValueError(
                 f"worker_ready_timeout_s must be positive, got {self.worker_ready_timeout_s}"

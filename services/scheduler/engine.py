@@ -17,22 +17,47 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from common.log import bind_request, get_logger
 from services.scheduler.handle import Finished, RequestHandle, Stage, Tokens
 from services.scheduler.handoff import KvHandoff
 from services.scheduler.placement import PrefillCandidate, choose_prefill
 from services.scheduler.pool import Pool
+from services.scheduler.pool_monitor import PoolMonitor
+from services.scheduler.pool_scheduler import PoolScheduler
 from services.scheduler.prefix_hash import root_hash
 from services.scheduler.request import FinishReason, Request
-from services.scheduler.worker_client import StepResult, WorkerUnavailableError
+from services.scheduler.worker_client import StepResult, WorkerInfo, WorkerUnavailableError
 
 log = get_logger(__name__)
 
 
 class InvalidRequestError(ValueError):
     """The request breaks a limit; the message names the field and the limit."""
+
+
+class OverloadedError(RuntimeError):
+    """The waiting queue is full; the client should retry later (RESOURCE_EXHAUSTED)."""
+
+
+@dataclass(frozen=True)
+class Resilience:
+    """Queue bounds and failure handling (see SchedulerConfig for what each means)."""
+
+    max_waiting_requests: int = 1024
+    max_waiting_tokens: int = 1 << 20
+    max_restarts: int = 3
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 2.0
+    health_max_misses: int = 3
+
+    def __post_init__(self) -> None:
+        if self.max_waiting_requests < 1 or self.max_waiting_tokens < 1:
+            raise ValueError("max_waiting_requests and max_waiting_tokens must be >= 1")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
 
 
 class Engine:
@@ -45,7 +70,13 @@ class Engine:
         deployment_salt: bytes,
         kv_transfer_timeout_s: float = 60.0,
         async_scheduling: bool = True,
+        resilience: Resilience | None = None,
+        make_scheduler: Callable[[WorkerInfo], PoolScheduler] | None = None,
+        on_serving_change: Callable[[bool], None] | None = None,
     ) -> None:
+        """`make_scheduler` builds the fresh pool of a worker that rejoins after a failure
+        (None: failed workers stay out); `on_serving_change` hears when the engine can or
+        can no longer serve."""
         roles = {p.info.role for p in pools}
         if not pools:
             raise ValueError("the scheduler needs at least one worker")
@@ -60,8 +91,13 @@ class Engine:
         self.vocab_size = vocab_size
         self.deployment_salt = deployment_salt
         self.max_steps_in_flight = 2 if async_scheduling else 1
+        self.resilience = resilience or Resilience()
+        self._make_scheduler = make_scheduler
+        self._on_serving_change = on_serving_change
+        self.serving = True
         self._handles: dict[str, RequestHandle] = {}
         self._tasks: set[asyncio.Task] = set()
+        self._loops: dict[int, asyncio.Task] = {}
         self.handoff = KvHandoff(
             [p for p in self.pools if p.info.role == "decode"],
             kv_transfer_timeout_s,
@@ -69,21 +105,44 @@ class Engine:
             fail=lambda handle, message: self._finish(
                 handle, FinishReason.ABORT, ("UNAVAILABLE", message)
             ),
+            transfer_failed=self._transfer_failed,
         )
+        r = self.resilience
+        self.monitor = PoolMonitor(
+            r.health_interval_s,
+            r.health_timeout_s,
+            r.health_max_misses,
+            fail=self._fail_pool,
+            set_draining=self._set_draining,
+            rejoin=self._rejoin,
+        )
+        self.num_worker_failures = 0
+        self.num_restarted_requests = 0
+        self.num_rejected_requests = 0
 
     # -- public --------------------------------------------------------------------------
     def start(self) -> None:
         for pool in self.pools:
-            self._spawn(self._run_pool(pool), f"pool-{pool.info.worker_id}")
+            self._start_loop(pool)
+            self._spawn(self.monitor.watch(pool), f"watch-{pool.info.address}")
+
+    def _start_loop(self, pool: Pool) -> None:
+        self._loops[id(pool)] = self._spawn(self._run_pool(pool), f"pool-{pool.info.worker_id}")
 
     def submit(self, samples: Sequence[Request]) -> list[RequestHandle]:
         """Validate and queue the n samples of one client request (separate requests with
         the same prompt, queued together on one prefill pool so they share its cached
-        prompt blocks); their events go to one queue. Raises InvalidRequestError."""
+        prompt blocks); their events go to one queue. Raises InvalidRequestError,
+        OverloadedError (queue full) or WorkerUnavailableError."""
         for request in samples:
             self._validate(request)
             request.hash_root = root_hash(self.deployment_salt, request.cache_salt)
             request.update_block_hashes(self.pools[0].blocks.block_size)
+        if not self.serving:
+            raise WorkerUnavailableError(
+                "no healthy worker can serve: every prefill or every decode worker is down"
+            )
+        self._check_queue_room(samples)
         pool = self._pick_prefill_pool(samples[0])
         if pool is None:
             raise WorkerUnavailableError("no healthy worker can run prompts")
@@ -108,6 +167,29 @@ class Engine:
     def num_requests(self) -> int:
         return len(self._handles)
 
+    @property
+    def num_waiting(self) -> tuple[int, int]:
+        """(requests, tokens) queued in the pools and not yet running."""
+        waiting = [r for p in self.pools for r in p.scheduler.waiting]
+        return len(waiting), sum(r.num_uncomputed_tokens for r in waiting)
+
+    def _check_queue_room(self, samples: Sequence[Request]) -> None:
+        requests, tokens = self.num_waiting
+        r = self.resilience
+        new_tokens = sum(s.num_known_tokens for s in samples)
+        if requests + len(samples) > r.max_waiting_requests:
+            self.num_rejected_requests += 1
+            raise OverloadedError(
+                f"server overloaded: {requests} requests waiting, the queue holds "
+                f"max_waiting_requests={r.max_waiting_requests}; retry later"
+            )
+        if requests and tokens + new_tokens > r.max_waiting_tokens:
+            self.num_rejected_requests += 1
+            raise OverloadedError(
+                f"server overloaded: {tokens} prompt tokens waiting + {new_tokens} new exceed "
+                f"max_waiting_tokens={r.max_waiting_tokens}; retry later"
+            )
+
     def check_integrity(self) -> list[str]:
         """Every pool's invariants; returns the violations found (empty = sound)."""
         errors = []
@@ -117,6 +199,13 @@ class Engine:
             except AssertionError as exc:
                 errors.append(f"{pool.info.worker_id}: {exc}")
         return errors
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until every request has finished (True) or timeout_s passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        while self._handles and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self._handles
 
     async def close(self) -> None:
         for task in list(self._tasks):
@@ -144,8 +233,10 @@ class Engine:
                 f"length max_model_len={self.max_model_len}"
             )
 
-    def _pick_prefill_pool(self, request: Request) -> Pool | None:
-        candidates = [p for p in self.pools if p.healthy and p.runs_prompts]
+    def _pick_prefill_pool(self, request: Request, allow_draining: bool = False) -> Pool | None:
+        candidates = [p for p in self.pools if p.accepting and p.runs_prompts]
+        if not candidates and allow_draining:  # requeues may still go to a draining pool
+            candidates = [p for p in self.pools if p.healthy and p.runs_prompts]
         scores = []
         for pool in candidates:
             hits = pool.blocks.cached_prefix(
@@ -167,7 +258,8 @@ class Engine:
             try:
                 await self._advance(pool)
             except WorkerUnavailableError as exc:
-                self._fail_pool(pool, exc)
+                self._loops.pop(id(pool), None)  # this task ends here: nothing to cancel
+                self._fail_pool(pool, str(exc))
                 return
             except Exception as exc:  # a bug must fail requests, not stop the service
                 log.exception("step_failed", worker_id=pool.info.worker_id)
@@ -183,7 +275,8 @@ class Engine:
             for victim in plan.preempted:
                 self._requeue(self._handles[victim.request_id])
             if not plan.is_empty:
-                await pool.client.send_step(plan)
+                tags, pool.cancelled_transfer_tags = pool.cancelled_transfer_tags, []
+                await pool.client.send_step(plan, tags)
                 pool.steps_in_flight += 1
                 return
         if pool.steps_in_flight:
@@ -245,13 +338,128 @@ class Engine:
 
     def _requeue(self, handle: RequestHandle) -> None:
         """A preempted request recomputes from its prompt + tokens so far in a prefill pool."""
-        target = self._pick_prefill_pool(handle.request)
+        target = self._pick_prefill_pool(handle.request, allow_draining=True)
         if target is None:
             self._finish(handle, FinishReason.ABORT, ("UNAVAILABLE", "no prefill worker left"))
             return
         handle.stage, handle.pool = Stage.PREFILL, target
         target.scheduler.add(handle.request, front=True)
         target.wakeup.set()
+
+    # -- failures ---------------------------------------------------------------------------------
+    def _restart(self, handle: RequestHandle, why: str) -> None:
+        """Start a request over from its prompt + tokens so far (its KV is lost): the
+        tokens already streamed stay, the next one is computed again, none is repeated."""
+        if handle.done:
+            return
+        self._release(handle)
+        handle.num_restarts += 1
+        if handle.num_restarts > self.resilience.max_restarts:
+            self._finish(
+                handle,
+                FinishReason.ABORT,
+                ("UNAVAILABLE", f"gave up after {handle.num_restarts - 1} restarts: {why}"),
+            )
+            return
+        request = handle.request
+        request.num_computed_tokens = 0
+        request.num_pending_tokens = 0  # a dead worker's steps in flight never answer
+        self.num_restarted_requests += 1
+        with bind_request(request.request_id):
+            log.warning("request_restarted", reason=why, restarts=handle.num_restarts)
+        self._requeue(handle)
+
+    def _fail_pool(self, pool: Pool, why: str) -> None:
+        """The worker is gone or hung: stop using it; its requests start over elsewhere."""
+        if not pool.healthy:
+            return
+        pool.healthy = False
+        self.num_worker_failures += 1
+        log.error("worker_failed", worker_id=pool.info.worker_id, error=why)
+        loop = self._loops.pop(id(pool), None)
+        if loop is not None:
+            loop.cancel()
+        pool.client.close_step_stream()
+        pool.steps_in_flight = 0
+        pool.cancelled_transfer_tags.clear()  # the worker forgets everything anyway
+        affected = [
+            h
+            for h in self._handles.values()
+            if (h.transfer is not None and pool in (h.transfer.src, h.transfer.dst))
+            or (h.transfer is None and h.pool is pool and h.stage is not Stage.RECOVERING)
+        ]
+        for handle in affected:
+            self._restart(handle, f"worker {pool.info.worker_id} failed: {why}")
+        self._update_serving()
+        if self.handoff.queue:
+            self.handoff.pump()
+
+    def _transfer_failed(self, handle: RequestHandle, src: Pool, dst: Pool, error) -> None:
+        """Both sides' blocks are already free. Find out which worker broke (it does not
+        answer a health check), fail it, then start the request over."""
+        handle.stage = Stage.RECOVERING
+        with bind_request(handle.request.request_id):
+            log.warning(
+                "kv_transfer_failed",
+                src=src.info.worker_id,
+                dst=dst.info.worker_id,
+                error=str(error),
+            )
+        self._spawn(self._recover_transfer(handle, src, dst, str(error)), "kv-recover")
+
+    async def _recover_transfer(self, handle: RequestHandle, src: Pool, dst: Pool, why: str):
+        statuses = await asyncio.gather(
+            *(p.client.health(self.resilience.health_timeout_s) for p in (src, dst))
+        )
+        for pool, status in zip((src, dst), statuses, strict=True):
+            if status == "UNREACHABLE":
+                self._fail_pool(pool, f"unreachable after a failed KV transfer ({why})")
+        self._restart(handle, f"KV transfer failed: {why}")
+
+    def _set_draining(self, pool: Pool, draining: bool) -> None:
+        pool.draining = draining
+        log.info("worker_draining" if draining else "worker_serving", worker_id=pool.info.worker_id)
+        self._update_serving()
+        if not draining and self.handoff.queue:
+            self.handoff.pump()
+
+    async def _rejoin(self, pool: Pool) -> None:
+        """A failed worker answers again: start it over with an empty pool."""
+        if self._make_scheduler is None:
+            return
+        info = await pool.client.wait_ready(timeout_s=self.resilience.health_timeout_s)
+        reference = next((p.info for p in self.pools if p is not pool), pool.info)
+        if (info.model.num_layers, info.block_bytes, info.block_size) != (
+            reference.model.num_layers,
+            reference.block_bytes,
+            reference.block_size,
+        ) or info.role != pool.info.role:
+            raise ValueError(f"worker at {info.address} came back with another model or role")
+        await pool.client.open_step_stream()
+        pool.info = info
+        pool.scheduler = self._make_scheduler(info)
+        pool.steps_in_flight = 0
+        pool.idle_since_last_result = True
+        pool.draining = False
+        pool.healthy = True
+        log.info("worker_rejoined", worker_id=info.worker_id, address=info.address)
+        self._start_loop(pool)
+        self._update_serving()
+        if self.handoff.queue:
+            self.handoff.pump()
+
+    def _update_serving(self) -> None:
+        """SERVING needs a worker that runs prompts and, disaggregated, one that decodes."""
+        prompts = any(p.accepting and p.runs_prompts for p in self.pools)
+        decodes = not self.handoff.decode_pools or any(
+            p.accepting for p in self.handoff.decode_pools
+        )
+        serving = prompts and decodes
+        if serving != self.serving:
+            self.serving = serving
+            log.warning("engine_serving" if serving else "engine_not_serving")
+            if self._on_serving_change is not None:
+                self._on_serving_change(serving)
 
     # -- finishing ------------------------------------------------------------------------------
     def _finish(
@@ -260,8 +468,15 @@ class Engine:
         """Release whatever the request holds and end its stream."""
         if handle.done:
             return
-        request = handle.request
-        stage, handle.stage = handle.stage, Stage.DONE
+        self._release(handle)
+        handle.stage = Stage.DONE
+        self._emit_finish(handle, reason, error)
+
+    def _release(self, handle: RequestHandle) -> None:
+        """Free what the request holds wherever it is (queues, blocks, a transfer in
+        flight); it is left RECOVERING, holding nothing."""
+        request, stage = handle.request, handle.stage
+        handle.stage = Stage.RECOVERING
         if stage in (Stage.PREFILL, Stage.DECODE):
             handle.pool.scheduler.release(request)
             handle.pool.wakeup.set()
@@ -269,9 +484,9 @@ class Engine:
             self.handoff.remove(handle)
             handle.pool.blocks.free(request.request_id)
             handle.pool.wakeup.set()
-        # Stage.TRANSFER: the transfer task frees both sides when it returns.
-        self._emit_finish(handle, reason, error)
-        if stage is Stage.DECODE and self.handoff.queue:
+        elif stage is Stage.TRANSFER:
+            self.handoff.cancel(handle)  # both sides freed now; the task stops
+        if stage in (Stage.DECODE, Stage.TRANSFER) and self.handoff.queue:
             self.handoff.pump()  # decode blocks were freed
 
     def _emit_finish(
@@ -310,16 +525,11 @@ class Engine:
                 error=error[1] if error else None,
             )
 
-    def _fail_pool(self, pool: Pool, exc: Exception) -> None:
-        pool.healthy = False
-        log.error("worker_failed", worker_id=pool.info.worker_id, error=str(exc))
-        for handle in [h for h in self._handles.values() if h.pool is pool]:
-            self._finish(handle, FinishReason.ABORT, ("UNAVAILABLE", f"worker failed: {exc}"))
-
-    def _spawn(self, coro, name: str) -> None:
+    def _spawn(self, coro, name: str) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+        return task
 
     def _task_done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)

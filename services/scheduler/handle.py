@@ -15,6 +15,7 @@ class Stage(enum.Enum):
     HANDOFF = "handoff"  # prompt done; holds prefill blocks until a decode pool has room
     TRANSFER = "transfer"  # KV moving over UCX; holds blocks in both pools
     DECODE = "decode"  # in a decode pool
+    RECOVERING = "recovering"  # holds nothing; about to start over after a failure
     DONE = "done"
 
 
@@ -44,6 +45,16 @@ class Finished:
 
 
 @dataclass(eq=False)
+class Transfer:
+    """A KV transfer in flight: its task, both pools and its UCX tag."""
+
+    task: asyncio.Task
+    src: Pool
+    dst: Pool
+    tag: int
+
+
+@dataclass(eq=False)
 class RequestHandle:
     request: Request
     pool: Pool
@@ -51,6 +62,9 @@ class RequestHandle:
     # Tokens events, then one Finished; shared by the n samples of one client request.
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     prompt_logprobs_sent: bool = False
+    transfer: Transfer | None = None
+    # Times the request started over after a worker or a transfer failed.
+    num_restarts: int = 0
 
     @property
     def done(self) -> bool:

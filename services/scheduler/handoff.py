@@ -7,6 +7,10 @@ only the blocks that pool lacks are allocated and sent (`ReceiveKv` on the decod
 and `SendKv` on the prefill worker, same UCX tag, issued together). The receive is applied
 only after the decode worker has run every step planned before its blocks were allocated
 (`after_step_id`), so a step still in flight can never write into freshly received KV.
+
+A transfer that is cancelled (the request ended) or fails (a peer died, a timeout) releases
+both sides' blocks at once; its tag goes to the decode worker with the next step, so a
+receive still under way there can no longer write into blocks given to someone else.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 
 from common.log import bind_request, get_logger
-from services.scheduler.handle import RequestHandle, Stage
+from services.scheduler.handle import RequestHandle, Stage, Transfer
 from services.scheduler.placement import DecodeCandidate, choose_decode
 from services.scheduler.pool import Pool
 
@@ -30,13 +34,17 @@ class KvHandoff:
         self,
         decode_pools: Sequence[Pool],
         timeout_s: float,
-        spawn: Callable[[Coroutine, str], None],
+        spawn: Callable[[Coroutine, str], asyncio.Task],
         fail: Callable[[RequestHandle, str], None],
+        transfer_failed: Callable[[RequestHandle, Pool, Pool, BaseException], None],
     ) -> None:
+        """`fail` ends a request no decode pool can take; `transfer_failed` is told about a
+        transfer that failed (both sides' blocks already released)."""
         self.decode_pools = list(decode_pools)
         self.timeout_s = timeout_s
         self._spawn = spawn
         self._fail = fail
+        self._transfer_failed = transfer_failed
         self.queue: deque[RequestHandle] = deque()
         self._tag_base = secrets.randbits(31) << 32
         self._tag_counter = 0
@@ -48,14 +56,32 @@ class KvHandoff:
     def remove(self, handle: RequestHandle) -> None:
         self.queue.remove(handle)
 
+    def cancel(self, handle: RequestHandle) -> None:
+        """Give up the handle's transfer now: stop both calls and release both sides."""
+        transfer = handle.transfer
+        if transfer is not None:
+            transfer.task.cancel()
+            self._release(handle)
+
+    def _release(self, handle: RequestHandle) -> None:
+        """Free the transfer's blocks in both pools. The decode worker learns the tag is
+        dead with its next step, before any step can reuse the blocks."""
+        transfer, handle.transfer = handle.transfer, None
+        rid = handle.request.request_id
+        transfer.src.blocks.free(rid)
+        transfer.dst.blocks.free(rid)
+        transfer.dst.cancelled_transfer_tags.append(transfer.tag)
+        transfer.src.wakeup.set()
+        transfer.dst.wakeup.set()
+
     def pump(self) -> None:
         """Start every queued handoff that some decode pool has room for, in order."""
         while self.queue:
-            healthy = [p for p in self.decode_pools if p.healthy]
-            if not healthy:
+            if not any(p.healthy for p in self.decode_pools):
                 for stranded in list(self.queue):
                     self._fail(stranded, "no decode worker left")
                 return
+            healthy = [p for p in self.decode_pools if p.accepting]  # draining ones: no
             handle = self.queue[0]
             request = handle.request
             computed = request.num_computed_tokens
@@ -95,10 +121,11 @@ class KvHandoff:
         self._tag_counter += 1
         tag = self._tag_base | self._tag_counter
         after_step = dst.client.last_sent_step_id
-        self._spawn(
+        task = self._spawn(
             self._transfer(handle, src, dst, tag, src_blocks, dst_blocks, after_step),
             f"kv-{rid}",
         )
+        handle.transfer = Transfer(task, src, dst, tag)
 
     async def _transfer(
         self,
@@ -110,22 +137,28 @@ class KvHandoff:
         dst_blocks: list[int],
         after_step: int,
     ) -> None:
+        """Receive and send together; the first failure stops the other call. Cancelled
+        (the request ended) it stops both; `cancel` has released the blocks."""
         rid = handle.request.request_id
         started = time.perf_counter()
-        received, sent = await asyncio.gather(
-            dst.client.receive_kv(tag, dst_blocks, self.timeout_s, after_step),
-            src.client.send_kv(tag, dst.info, src_blocks, self.timeout_s),
-            return_exceptions=True,
-        )
-        error = next((r for r in (received, sent) if isinstance(r, BaseException)), None)
-        if handle.done or error is not None:
-            src.blocks.free(rid)
-            dst.blocks.free(rid)
-            src.wakeup.set()
-            if error is not None and not handle.done:
-                self._fail(handle, f"KV transfer failed: {error}")
+        calls = [
+            asyncio.ensure_future(
+                dst.client.receive_kv(tag, dst_blocks, self.timeout_s, after_step)
+            ),
+            asyncio.ensure_future(src.client.send_kv(tag, dst.info, src_blocks, self.timeout_s)),
+        ]
+        try:
+            done, _ = await asyncio.wait(calls, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for call in calls:
+                call.cancel()
+        error = next((c.exception() for c in done if c.exception() is not None), None)
+        if error is not None:
+            self._release(handle)
+            self._transfer_failed(handle, src, dst, error)
             self.pump()
             return
+        handle.transfer = None
         dst.counters.kv_blocks_received += len(dst_blocks)
         with bind_request(rid):
             log.debug(
@@ -133,7 +166,7 @@ class KvHandoff:
                 src=src.info.worker_id,
                 dst=dst.info.worker_id,
                 blocks=len(dst_blocks),
-                bytes=received.num_bytes,
+                bytes=calls[0].result().num_bytes,
                 seconds=round(time.perf_counter() - started, 5),
             )
         self._arrive(handle, src, dst)

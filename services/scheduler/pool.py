@@ -48,9 +48,18 @@ class Pool:
     scheduler: PoolScheduler
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     healthy: bool = True
+    # The worker reports NOT_SERVING (it is draining): no new requests go to it.
+    draining: bool = False
     steps_in_flight: int = 0
+    # Tags of KV receives given up on, sent with the next step (see the Step contract).
+    cancelled_transfer_tags: list[int] = field(default_factory=list)
     idle_since_last_result: bool = True
     counters: PoolCounters = field(default_factory=PoolCounters)
+
+    @property
+    def accepting(self) -> bool:
+        """Healthy and not draining: new requests may be placed here."""
+        return self.healthy and not self.draining
 
     @property
     def runs_prompts(self) -> bool:

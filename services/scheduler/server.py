@@ -7,7 +7,7 @@ import grpc
 
 from common.log import bind_request
 from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
-from services.scheduler.engine import Engine, InvalidRequestError
+from services.scheduler.engine import Engine, InvalidRequestError, OverloadedError
 from services.scheduler.handle import Tokens
 from services.scheduler.pool import Pool
 from services.scheduler.request import FinishReason, Logprob, Request, SamplingParams
@@ -28,6 +28,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.model: types_pb2.ModelDescription | None = None
         # Client request id -> its samples' request ids, while its Submit stream is open.
         self._groups: dict[str, list[str]] = {}
+        # Set on SIGTERM: running requests finish, new ones get UNAVAILABLE.
+        self.draining = False
 
     async def _ready(self, context) -> Engine:
         if self.engine is None:
@@ -36,12 +38,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     async def Submit(self, request, context):
         engine = await self._ready(context)
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler is shutting down")
         with bind_request(request.request_id):
             try:
                 samples = samples_from_pb(request, engine.max_model_len)
                 handles = engine.submit(samples)
             except (InvalidRequestError, ValueError) as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except OverloadedError as exc:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             except WorkerUnavailableError as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             self._groups[request.request_id] = [s.request_id for s in samples]
@@ -77,10 +83,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     async def GetPoolStats(self, request, context):
         engine = await self._ready(context)
+        waiting_requests, waiting_tokens = engine.num_waiting
         return scheduler_pb2.GetPoolStatsResponse(
             pools=[pool_stats(p) for p in engine.pools],
             num_requests=engine.num_requests,
             integrity_errors=engine.check_integrity() if request.check_integrity else [],
+            num_waiting_requests=waiting_requests,
+            num_waiting_tokens=waiting_tokens,
+            rejected_requests=engine.num_rejected_requests,
+            worker_failures=engine.num_worker_failures,
+            restarted_requests=engine.num_restarted_requests,
         )
 
 
@@ -98,6 +110,8 @@ def pool_stats(pool: Pool) -> scheduler_pb2.PoolStats:
         evictions=blocks.pool.num_evictions,
         preemptions=pool.scheduler.num_preemptions,
         swap_outs=pool.scheduler.num_swap_outs,
+        healthy=pool.healthy,
+        draining=pool.draining,
         kv_blocks_received=counters.kv_blocks_received,
         kv_blocks_reused=counters.kv_blocks_reused,
         steps=counters.steps,

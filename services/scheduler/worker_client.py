@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.grpc_server import insecure_channel
 from common.pb.tandem.internal.v1 import types_pb2, worker_pb2, worker_pb2_grpc
@@ -82,9 +84,12 @@ def _copies(pairs: list[tuple[int, int]]) -> list[worker_pb2.BlockCopy]:
     return [worker_pb2.BlockCopy(src=src, dst=dst) for src, dst in pairs]
 
 
-def plan_to_pb(step_id: int, plan: PoolStepPlan) -> worker_pb2.StepRequest:
+def plan_to_pb(
+    step_id: int, plan: PoolStepPlan, cancelled_transfer_tags: Sequence[int] = ()
+) -> worker_pb2.StepRequest:
     message = worker_pb2.StepRequest(
         step_id=step_id,
+        cancelled_transfer_tags=cancelled_transfer_tags,
         finished_request_ids=plan.dropped_request_ids,
         swap_out=_copies(plan.swap_out),
         swap_in=_copies(plan.swap_in),
@@ -117,12 +122,25 @@ def plan_to_pb(step_id: int, plan: PoolStepPlan) -> worker_pb2.StepRequest:
 
 
 class WorkerClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, step_timeout_s: float | None = None) -> None:
         self.address = address
+        self.step_timeout_s = step_timeout_s
         self._channel = insecure_channel(address)
         self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
         self._step_call = None
         self._step_id = 0
+
+    async def health(self, timeout_s: float) -> str:
+        """The worker's grpc.health.v1 status name, or 'UNREACHABLE' (down, hung, or not
+        answering within timeout_s)."""
+        try:
+            reply = await self._health.Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError:
+            return "UNREACHABLE"
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     async def describe(self, timeout_s: float = 10.0) -> worker_pb2.DescribeWorkerResponse:
         return await self._stub.DescribeWorker(
@@ -155,17 +173,27 @@ class WorkerClient:
                 await asyncio.sleep(0.25)
 
     async def open_step_stream(self) -> None:
+        """A new Step stream (the worker forgets every request it held); step ids restart."""
+        self.close_step_stream()
+        self._step_id = 0
         self._step_call = self._stub.Step()
+
+    def close_step_stream(self) -> None:
+        if self._step_call is not None:
+            self._step_call.cancel()
+            self._step_call = None
 
     @property
     def last_sent_step_id(self) -> int:
         return self._step_id
 
-    async def send_step(self, plan: PoolStepPlan) -> int:
+    async def send_step(
+        self, plan: PoolStepPlan, cancelled_transfer_tags: Sequence[int] = ()
+    ) -> int:
         """Write a plan on the Step stream without waiting for its result; returns its id."""
         self._step_id += 1
         try:
-            await self._step_call.write(plan_to_pb(self._step_id, plan))
+            await self._step_call.write(plan_to_pb(self._step_id, plan, cancelled_transfer_tags))
         except grpc.aio.AioRpcError as exc:
             raise WorkerUnavailableError(
                 f"worker {self.address} step failed: {exc.code().name} {exc.details()}"
@@ -175,10 +203,14 @@ class WorkerClient:
     async def receive_step(self) -> StepResult:
         """The result of the oldest step sent and not yet answered."""
         try:
-            response = await self._step_call.read()
+            response = await asyncio.wait_for(self._step_call.read(), self.step_timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise WorkerUnavailableError(
                 f"worker {self.address} step failed: {exc.code().name} {exc.details()}"
+            ) from exc
+        except TimeoutError as exc:
+            raise WorkerUnavailableError(
+                f"worker {self.address} did not answer a step within {self.step_timeout_s}s"
             ) from exc
         if response is grpc.aio.EOF:
             raise WorkerUnavailableError(f"worker {self.address} closed its step stream")
@@ -231,6 +263,5 @@ class WorkerClient:
             ) from exc
 
     async def close(self) -> None:
-        if self._step_call is not None:
-            self._step_call.cancel()
+        self.close_step_stream()
         await self._channel.close()

@@ -206,10 +206,76 @@ def _commands(spec: StackSpec) -> list[tuple[str, str, list[str]]]:
 
 
 class Stack:
-    def __init__(self, spec: StackSpec, run_dir: Path, processes: list[Process]) -> None:
+    def __init__(
+        self,
+        spec: StackSpec,
+        run_dir: Path,
+        processes: list[Process],
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.spec = spec
         self.run_dir = run_dir
         self.processes = processes
+        self._env = dict(env) if env is not None else None
+
+    def _launch(self, name: str, address: str, argv: list[str]) -> Process:
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        with open(log_path, "ab") as log_file:
+            proc = subprocess.Popen(
+                argv,
+                cwd=ROOT,
+                env=self._env,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        probe = "http" if name == "http" else "grpc"
+        return Process(name, address, proc.pid, str(log_path), probe)
+
+    def process(self, name: str) -> Process:
+        """The service called `name` ("gateway", "scheduler", "decode-50071", ...)."""
+        for process in self.processes:
+            if process.name == name:
+                return process
+        raise KeyError(f"no process {name!r}; have {[p.name for p in self.processes]}")
+
+    def signal(self, name: str, sig: signal.Signals) -> None:
+        """Send `sig` to one service (fault injection: SIGKILL, SIGSTOP, SIGCONT, SIGTERM)."""
+        self._signal(self.process(name), sig)
+
+    def wait_exit(self, name: str, timeout_s: float = 30.0) -> int | None:
+        """Wait until the service has exited; its exit code when it was our child."""
+        process, deadline = self.process(name), time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                pid, status = os.waitpid(process.pid, os.WNOHANG)
+            except ChildProcessError:  # not our child: poll whether it still exists
+                if not self.alive(process):
+                    return None
+            else:
+                if pid:
+                    return os.waitstatus_to_exitcode(status)
+            time.sleep(0.05)
+        raise TimeoutError(f"{name} still running after {timeout_s}s")
+
+    def restart(self, name: str, ready_timeout_s: float = 120.0) -> Process:
+        """Start a stopped or killed service again with its original command line."""
+        old = self.process(name)
+        if self.alive(old):
+            raise RuntimeError(f"{name} is still running (pid {old.pid})")
+        argv = next(argv for n, _, argv in _commands(self.spec) if n == name)
+        new = self._launch(name, old.address, argv)
+        self.processes[self.processes.index(old)] = new
+        self.save()
+        deadline = time.monotonic() + ready_timeout_s
+        while process_health(new) != "SERVING":
+            if not self.alive(new):
+                raise RuntimeError(f"{name} exited on restart:\n{self.log_tail(new)}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} not SERVING {ready_timeout_s}s after restart")
+            time.sleep(0.1)
+        return new
 
     @classmethod
     def start(
@@ -234,21 +300,9 @@ class Stack:
         child_env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(ROOT), child_env.get("PYTHONPATH", "")) if p
         )
-        stack = cls(spec, run_dir, [])
+        stack = cls(spec, run_dir, [], child_env)
         for name, address, argv in _commands(spec):
-            log_path = log_dir / f"{name}.log"
-            with open(log_path, "ab") as log_file:
-                proc = subprocess.Popen(
-                    argv,
-                    cwd=ROOT,
-                    env=child_env,
-                    stdout=log_file,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                )
-            probe = "http" if name == "http" else "grpc"
-            stack.processes.append(Process(name, address, proc.pid, str(log_path), probe))
+            stack.processes.append(stack._launch(name, address, argv))
         stack.save()
         try:
             stack.wait_serving(ready_timeout_s)

@@ -26,6 +26,11 @@ async def serve(config: WorkerConfig) -> None:
             await host.set_serving(True)
             log.info("serving", worker_id=worker_id)
             log.info("shutting_down", signal=await wait_for_shutdown_signal())
+            # Drain: NOT_SERVING tells the scheduler to place nothing new here; the
+            # requests this worker holds run to the end.
+            await host.set_serving(False)
+            drained = await servicer.drain(config.drain_timeout_s)
+            log.info("drained" if drained else "drain_timed_out")
         finally:
             await servicer.worker.close()
 

@@ -90,9 +90,16 @@ class WorkerConfig:
         "off = shared memory between same-host workers, dead peers time out",
         env="TANDEM_KV_TRANSFER_ERROR_HANDLING",
     )
+    drain_timeout_s: float = setting(
+        30.0,
+        "on SIGTERM: seconds to let the requests this worker holds finish",
+        env="TANDEM_DRAIN_TIMEOUT_S",
+    )
     log_level: str = setting("info", "debug, info, warning or error", env="TANDEM_LOG_LEVEL")
 
     def __post_init__(self) -> None:
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if not self.model:
             raise ValueError("model is required: --model FOLDER or TANDEM_MODEL")
         if self.role not in ROLES:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from common.log import get_logger
@@ -84,6 +86,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self) -> None:
         self.worker: Worker | None = None
         self._step_stream_id = 0
+        self._open_streams = 0
+
+    async def drain(self, timeout_s: float, settle_s: float = 1.0) -> bool:
+        """Wait until no scheduler drives this worker, or it has held no request and no
+        transfer for settle_s (the scheduler has seen NOT_SERVING by then); False if
+        timeout_s ran out first."""
+        loop = asyncio.get_running_loop()
+        deadline, idle_since = loop.time() + timeout_s, None
+        while loop.time() < deadline:
+            if not self._open_streams:
+                return True
+            if self.worker.is_idle:
+                idle_since = idle_since or loop.time()
+                if loop.time() - idle_since >= settle_s:
+                    return True
+            else:
+                idle_since = None
+            await asyncio.sleep(0.05)
+        return False
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> Worker:
         if self.worker is None:
@@ -125,9 +146,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         stream_id = self._step_stream_id
         worker.reset()  # a new stream means a new (or restarted) scheduler
         log.info("step_stream_opened", stream=stream_id)
+        self._open_streams += 1
+        try:
+            async for response in self._steps(worker, stream_id, request_iterator, context):
+                yield response
+        finally:
+            self._open_streams -= 1
+            if stream_id == self._step_stream_id:  # the scheduler went away: free it all
+                worker.reset()
+            log.info("step_stream_closed", stream=stream_id)
+
+    async def _steps(self, worker: Worker, stream_id: int, request_iterator, context):
         async for plan in request_iterator:
             if stream_id != self._step_stream_id:
                 await context.abort(grpc.StatusCode.ABORTED, "a newer Step stream took over")
+            worker.cancel_transfers(plan.cancelled_transfer_tags)
             new = [
                 NewRequestData(
                     request_id=r.request_id,
@@ -159,7 +192,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 log.error("bad_step_plan", step_id=plan.step_id, error=str(exc))
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             yield step_response_pb(plan.step_id, output)
-        log.info("step_stream_closed", stream=stream_id)
 
     async def SendKv(self, request, context):
         worker = await self._ready(context)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -33,6 +34,8 @@ log = get_logger(__name__)
 
 KV_LAYOUT = "block,layer,kv,slot,head,dim"
 NO_MOVES = BlockMoves()
+# Cancelled transfer tags remembered (a cancel may arrive before its receive does).
+MAX_CANCELLED_TAGS = 65536
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,8 @@ class Worker:
         self.staging = StagingBuffers()
         self.executed_step_id = 0
         self._step_done = asyncio.Condition()
+        self._cancelled_tags: OrderedDict[int, None] = OrderedDict()
+        self._receives: dict[int, asyncio.Task] = {}
 
     @classmethod
     async def load(cls, config: WorkerConfig, worker_id: str) -> Worker:
@@ -111,10 +116,29 @@ class Worker:
             self.kv_cache.copy_blocks(moves.swap_in, source=self.swap_cache)
         self.kv_cache.copy_blocks(moves.copies)
 
+    @property
+    def is_idle(self) -> bool:
+        """No request in the batch and no KV receive under way."""
+        return not len(self.batch) and not self._receives
+
     def reset(self) -> None:
-        """Forget every request (a new scheduler took over); step ids restart."""
+        """Forget every request (its scheduler went away or a new one took over); step ids
+        restart and receives still waiting are abandoned."""
         self.batch.clear()
         self.executed_step_id = 0
+        self.cancel_transfers(list(self._receives))
+
+    def cancel_transfers(self, tags: Iterable[int]) -> None:
+        """The scheduler gave up on these receives: none of them may write into the pool
+        from now on (their blocks may already belong to another request)."""
+        for tag in tags:
+            self._cancelled_tags[tag] = None
+            self._cancelled_tags.move_to_end(tag)
+            task = self._receives.get(tag)
+            if task is not None:
+                task.cancel()
+        while len(self._cancelled_tags) > MAX_CANCELLED_TAGS:
+            self._cancelled_tags.popitem(last=False)
 
     async def wait_for_step(self, step_id: int) -> None:
         """Return once step `step_id` (or a later one) has executed."""
@@ -144,10 +168,21 @@ class Worker:
     ) -> TransferResult:
         started = time.perf_counter()
         self._check_blocks(block_ids)
+        if tag in self._cancelled_tags:
+            raise KvTransferError(f"transfer {tag:#x} was cancelled")
         nbytes = len(block_ids) * self.kv_cache.block_bytes
-        buffer = self.staging.acquire(nbytes)
-        await self.transport.receive(tag, nbytes, out=buffer)
-        await self.wait_for_step(after_step_id)
+        self._receives[tag] = asyncio.current_task()
+        try:
+            # A cancelled or failed receive's buffer is not reused: UCX may still write it.
+            buffer = self.staging.acquire(nbytes)
+            await self.transport.receive(tag, nbytes, out=buffer)
+            await self.wait_for_step(after_step_id)
+        finally:
+            self._receives.pop(tag, None)
+        # Checked and queued in one go (no await between): a cancel that reaches this
+        # worker later comes with a step queued behind this scatter on the tensor thread.
+        if tag in self._cancelled_tags:
+            raise KvTransferError(f"transfer {tag:#x} was cancelled")
         payload = torch.from_numpy(buffer).view(len(block_ids), self.kv_cache.block_bytes)
         await self._on_tensor_thread(
             self.kv_cache.scatter_blocks, list(block_ids), payload.to(self.device)

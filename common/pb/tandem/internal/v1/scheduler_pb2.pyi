@@ -74,17 +74,27 @@ class GetPoolStatsRequest(_message.Message):
     def __init__(self, check_integrity: _Optional[bool] = ...) -> None: ...
 
 class GetPoolStatsResponse(_message.Message):
-    __slots__ = ("pools", "num_requests", "integrity_errors")
+    __slots__ = ("pools", "num_requests", "integrity_errors", "num_waiting_requests", "num_waiting_tokens", "rejected_requests", "worker_failures", "restarted_requests")
     POOLS_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     INTEGRITY_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    RESTARTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
     num_requests: int
     integrity_errors: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., num_requests: _Optional[int] = ..., integrity_errors: _Optional[_Iterable[str]] = ...) -> None: ...
+    num_waiting_requests: int
+    num_waiting_tokens: int
+    rejected_requests: int
+    worker_failures: int
+    restarted_requests: int
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., num_requests: _Optional[int] = ..., integrity_errors: _Optional[_Iterable[str]] = ..., num_waiting_requests: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., worker_failures: _Optional[int] = ..., restarted_requests: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "num_blocks", "num_free_blocks", "num_requests", "num_cached_blocks", "prefix_hit_tokens", "evictions", "preemptions", "kv_blocks_received", "kv_blocks_reused", "steps", "mean_execute_ms", "mean_step_interval_ms", "num_swap_blocks", "num_free_swap_blocks", "swap_outs")
+    __slots__ = ("worker_id", "role", "address", "num_blocks", "num_free_blocks", "num_requests", "num_cached_blocks", "prefix_hit_tokens", "evictions", "preemptions", "kv_blocks_received", "kv_blocks_reused", "steps", "mean_execute_ms", "mean_step_interval_ms", "num_swap_blocks", "num_free_swap_blocks", "swap_outs", "healthy", "draining")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +113,8 @@ class PoolStats(_message.Message):
     NUM_SWAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_SWAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SWAP_OUTS_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _types_pb2.WorkerRole
     address: str
@@ -121,4 +133,6 @@ class PoolStats(_message.Message):
     num_swap_blocks: int
     num_free_swap_blocks: int
     swap_outs: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., kv_blocks_reused: _Optional[int] = ..., steps: _Optional[int] = ..., mean_execute_ms: _Optional[float] = ..., mean_step_interval_ms: _Optional[float] = ..., num_swap_blocks: _Optional[int] = ..., num_free_swap_blocks: _Optional[int] = ..., swap_outs: _Optional[int] = ...) -> None: ...
+    healthy: bool
+    draining: bool
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., kv_blocks_reused: _Optional[int] = ..., steps: _Optional[int] = ..., mean_execute_ms: _Optional[float] = ..., mean_step_interval_ms: _Optional[float] = ..., num_swap_blocks: _Optional[int] = ..., num_free_swap_blocks: _Optional[int] = ..., swap_outs: _Optional[int] = ..., healthy: _Optional[bool] = ..., draining: _Optional[bool] = ...) -> None: ...

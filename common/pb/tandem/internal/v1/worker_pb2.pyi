@@ -30,7 +30,7 @@ class DescribeWorkerResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.WorkerRole, str]] = ..., model: _Optional[_Union[_types_pb2.ModelDescription, _Mapping]] = ..., kv_cache: _Optional[_Union[_types_pb2.KvCacheDescription, _Mapping]] = ..., ucx_address: _Optional[bytes] = ..., num_active_requests: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "finished_request_ids", "swap_out", "swap_in", "block_copies")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "finished_request_ids", "swap_out", "swap_in", "block_copies", "cancelled_transfer_tags")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class StepRequest(_message.Message):
     SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_TRANSFER_TAGS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
@@ -45,7 +46,8 @@ class StepRequest(_message.Message):
     swap_out: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     swap_in: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     block_copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+    cancelled_transfer_tags: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., cancelled_transfer_tags: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("src", "dst")

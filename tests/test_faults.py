@@ -1,0 +1,350 @@
+"""Fault injection on a real disaggregated stack (2 prefill + 2 decode workers, scheduler,
+gateway, each its own process): workers and services are SIGKILLed, frozen with SIGSTOP
+(a hung peer: its UCX endpoint and gRPC port stay open but nothing answers) and SIGTERMed
+mid-request.
+
+After every scenario: each request either finished with exactly HF's greedy tokens or got
+a clear status, the pools are back at baseline with sound invariants, and no process
+exited except the one the test killed (which is then restarted and rejoins).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from common.healthcheck import health_status
+from common.pb.tandem.internal.v1 import types_pb2
+from services.stack.launcher import Stack, StackSpec
+from tests.hf_reference import hf_greedy, hf_tokenizer
+from tests.stack_client import (
+    BackgroundStream,
+    generate,
+    greedy_request,
+    pool_stats,
+    wait_until_idle,
+    worker_active_requests,
+)
+
+PROMPTS = [
+    "Once upon a time",
+    "The scheduler keeps every worker busy",
+    "naïve café 中文字符 🚀",
+    "KV blocks move between workers",
+    "In the beginning",
+    "Paged attention stores keys and values",
+    "Continuous batching",
+    "Ελληνικά και русский",
+]
+LONG_OUTPUT = 96
+# A frozen worker is declared failed after 3 missed health checks, each one interval plus
+# one timeout: about 3 s here. Freezes shorter than that must not fail anyone.
+HEALTH_FLAGS = ["--worker-health-interval-s", "0.5", "--worker-health-timeout-s", "0.5"]
+DETECTION_BOUND_S = 3 * (0.5 + 0.5)
+PREFILL = types_pb2.WORKER_ROLE_PREFILL
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama_dir, tmp_path_factory):
+    spec = StackSpec.on_free_ports(
+        str(tiny_llama_dir),
+        prefill=2,
+        decode=2,
+        extra_args={
+            "scheduler": [*HEALTH_FLAGS, "--max-num-batched-tokens", "64"],
+            "prefill": ["--kv-transfer-timeout-s", "10", "--drain-timeout-s", "20"],
+            "decode": ["--kv-transfer-timeout-s", "10", "--drain-timeout-s", "20"],
+        },
+    )
+    stack = Stack.start(
+        spec, tmp_path_factory.mktemp("faults"), ready_timeout_s=240, exit_with_parent=True
+    )
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    """HF greedy ids for every prompt, LONG_OUTPUT tokens (shorter runs are prefixes)."""
+    tokenizer = hf_tokenizer(str(tiny_llama_dir))
+    return {
+        prompt: hf_greedy(tiny_llama_dir, tokenizer.encode(prompt), LONG_OUTPUT)
+        for prompt in PROMPTS
+    }
+
+
+def names(stack: Stack, role: str) -> list[str]:
+    return [p.name for p in stack.processes if p.name.startswith(f"{role}-")]
+
+
+def pools_by_name(stack: Stack) -> dict[str, object]:
+    return {p.worker_id: p for p in pool_stats(stack).pools}
+
+
+def assert_all_alive(stack: Stack) -> None:
+    dead = [p.name for p in stack.processes if not stack.alive(p)]
+    assert not dead, f"processes exited: {dead}"
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.05):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"{what} not true after {timeout_s}s")
+
+
+def wait_healthy_pools(stack: Stack, timeout_s: float = 30.0) -> None:
+    """Every worker is back in the scheduler's pools and the scheduler serves."""
+    wait_for(
+        lambda: (
+            all(p.healthy and not p.draining for p in pool_stats(stack).pools)
+            and health_status(stack.spec.scheduler_address) == "SERVING"
+        ),
+        timeout_s,
+        "every pool healthy",
+    )
+
+
+def start_streams(stack: Stack, max_tokens: int = LONG_OUTPUT, timeout: float = 120.0):
+    return [
+        BackgroundStream(stack.spec.gateway_address, greedy_request(p, max_tokens), timeout)
+        for p in PROMPTS
+    ]
+
+
+def assert_exact(streams, reference) -> None:
+    for prompt, stream in zip(PROMPTS, streams, strict=True):
+        stream.result()
+        assert stream.code == grpc.StatusCode.OK, (prompt, stream.code, stream.details)
+        expected = reference[prompt][: len(stream.token_ids)]
+        assert stream.token_ids == expected, prompt
+        assert len(stream.token_ids) == len(reference[prompt]), prompt
+
+
+def kill_busiest(stack: Stack, role: str) -> str:
+    """Freeze every worker of `role`, SIGKILL the one holding most requests, thaw the
+    rest; returns the killed one's name. The freeze makes 'mid-request' certain."""
+    workers = names(stack, role)
+    for name in workers:
+        stack.signal(name, signal.SIGSTOP)
+    try:
+        pools = pools_by_name(stack)
+        victim = max(workers, key=lambda n: pools[n].num_requests)
+        assert pools[victim].num_requests > 0, "no request in flight on any worker"
+        stack.signal(victim, signal.SIGKILL)
+    finally:
+        for name in workers:
+            stack.signal(name, signal.SIGCONT)
+    stack.wait_exit(victim)
+    return victim
+
+
+def test_decode_worker_killed_mid_generation_requests_finish_exactly_elsewhere(stack, reference):
+    before = pool_stats(stack)
+    streams = start_streams(stack)
+    for stream in streams:
+        stream.wait_tokens(2)
+    victim = kill_busiest(stack, "decode")
+    assert_exact(streams, reference)  # no token lost, none repeated
+
+    after = pool_stats(stack)
+    assert after.worker_failures == before.worker_failures + 1
+    assert after.restarted_requests > before.restarted_requests
+    assert not pools_by_name(stack)[victim].healthy
+    wait_until_idle(stack, skip=(victim,))
+    assert_all_alive_but(stack, victim)
+
+    # The last decode worker goes too: nothing can finish, so requests are refused.
+    survivor = next(n for n in names(stack, "decode") if n != victim)
+    stack.signal(survivor, signal.SIGKILL)
+    stack.wait_exit(survivor)
+    wait_for(
+        lambda: health_status(stack.spec.scheduler_address) == "NOT_SERVING",
+        DETECTION_BOUND_S + 5,
+        "scheduler NOT_SERVING with no decode worker",
+    )
+    with pytest.raises(grpc.RpcError) as refused:
+        generate(stack.spec.gateway_address, greedy_request(PROMPTS[0], 4), timeout=20)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "decode" in refused.value.details()
+
+    # Restarted, both rejoin with empty pools and serve exactly again.
+    for name in (victim, survivor):
+        stack.restart(name)
+    wait_healthy_pools(stack)
+    completion = generate(stack.spec.gateway_address, greedy_request(PROMPTS[1], 24))
+    assert completion.token_ids == reference[PROMPTS[1]][:24]
+    wait_until_idle(stack)
+    assert_all_alive(stack)
+
+
+def assert_all_alive_but(stack: Stack, killed: str) -> None:
+    dead = [p.name for p in stack.processes if not stack.alive(p)]
+    assert dead == [killed], f"exited: {dead}, expected only {killed}"
+
+
+def test_prefill_worker_killed_mid_prompt_requests_recompute_on_the_other(stack, reference):
+    wait_healthy_pools(stack)
+    before = pool_stats(stack)
+    # Long prompts in 64-token chunks keep both prefill workers busy for many steps.
+    long_prompts = [" ".join([p] * 12) for p in PROMPTS]
+    streams = [
+        BackgroundStream(stack.spec.gateway_address, greedy_request(p, 8)) for p in long_prompts
+    ]
+    wait_for(
+        lambda: sum(p.num_requests for p in pool_stats(stack).pools if p.role == PREFILL) >= 4,
+        30,
+        "prompts running on the prefill workers",
+        interval_s=0.01,
+    )
+    victim = kill_busiest(stack, "prefill")
+    tokenizer = hf_tokenizer(stack.spec.model)
+    for prompt, stream in zip(long_prompts, streams, strict=True):
+        stream.result()
+        assert stream.code == grpc.StatusCode.OK, (stream.code, stream.details)
+        assert stream.token_ids == hf_greedy(Path(stack.spec.model), tokenizer.encode(prompt), 8)
+    assert pool_stats(stack).worker_failures == before.worker_failures + 1
+    wait_until_idle(stack, skip=(victim,))
+    assert_all_alive_but(stack, victim)
+    stack.restart(victim)
+    wait_healthy_pools(stack)
+
+
+def test_cancel_and_deadline_release_a_transfer_to_a_frozen_decode_worker(stack):
+    """With both decode workers frozen, a request's KV transfer hangs. A client cancel and
+    an expired deadline must each release the prefill blocks and the decode reservation
+    at once, without any answer from the frozen workers."""
+    wait_healthy_pools(stack)
+    decodes = names(stack, "decode")
+    for name in decodes:
+        stack.signal(name, signal.SIGSTOP)
+    try:
+        frozen_at = time.monotonic()
+        cancelled = BackgroundStream(stack.spec.gateway_address, greedy_request(PROMPTS[2], 32))
+        cancelled.wait_tokens(1)  # the prompt ran; its transfer to a frozen worker starts
+        reserved = pools_by_name(stack)
+        assert sum(reserved[n].num_requests for n in decodes) == 1  # the decode reservation
+        cancelled.cancel()
+        idle = wait_for(
+            lambda: (
+                (s := pool_stats(stack)).num_requests == 0
+                and all(p.num_free_blocks == p.num_blocks for p in s.pools)
+            ),
+            0.5,
+            "blocks released after the cancel",
+        )
+        assert idle
+        expiring = BackgroundStream(
+            stack.spec.gateway_address, greedy_request(PROMPTS[3], 32), timeout=0.6
+        )
+        expiring.result()
+        assert expiring.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_for(
+            lambda: (
+                (s := pool_stats(stack)).num_requests == 0
+                and all(p.num_free_blocks == p.num_blocks for p in s.pools)
+            ),
+            0.5,
+            "blocks released after the deadline",
+        )
+        assert time.monotonic() - frozen_at < DETECTION_BOUND_S  # nobody was declared dead
+    finally:
+        for name in decodes:
+            stack.signal(name, signal.SIGCONT)
+    assert all(p.healthy for p in pool_stats(stack).pools)
+    wait_until_idle(stack)
+    assert_all_alive(stack)
+
+
+def test_frozen_decode_peer_mid_transfer_is_failed_and_its_requests_recomputed(stack, reference):
+    """A UCX peer that stops answering mid-transfer: its reservations are released once
+    the health checks give up on it (bounded), and the requests finish on the other."""
+    wait_healthy_pools(stack)
+    before = pool_stats(stack)
+    frozen, other = names(stack, "decode")
+    for name in (frozen, other):
+        stack.signal(name, signal.SIGSTOP)
+    try:
+        streams = start_streams(stack, max_tokens=24)
+        wait_for(
+            lambda: pools_by_name(stack)[frozen].num_requests > 0,
+            10,
+            "a transfer to the frozen worker",
+            interval_s=0.01,
+        )
+    finally:
+        stack.signal(other, signal.SIGCONT)
+    cut_at = time.monotonic()
+    wait_for(lambda: not pools_by_name(stack)[frozen].healthy, DETECTION_BOUND_S + 3, "failed")
+    released_after = time.monotonic() - cut_at
+    assert pools_by_name(stack)[frozen].num_requests == 0
+    assert released_after < DETECTION_BOUND_S + 3
+    for prompt, stream in zip(PROMPTS, streams, strict=True):
+        stream.result()
+        assert stream.code == grpc.StatusCode.OK, (stream.code, stream.details)
+        assert stream.token_ids == reference[prompt][:24], prompt
+    assert pool_stats(stack).worker_failures == before.worker_failures + 1
+    stack.signal(frozen, signal.SIGKILL)
+    stack.wait_exit(frozen)
+    wait_until_idle(stack, skip=(frozen,))
+    assert_all_alive_but(stack, frozen)
+    stack.restart(frozen)
+    wait_healthy_pools(stack)
+
+
+def test_scheduler_killed_mid_stream_gives_unavailable_and_workers_free_everything(
+    stack, reference
+):
+    wait_healthy_pools(stack)
+    streams = start_streams(stack)
+    for stream in streams:
+        stream.wait_tokens(2)
+    stack.signal("scheduler", signal.SIGKILL)
+    killed_at = time.monotonic()
+    stack.wait_exit("scheduler")
+    for stream in streams:
+        stream.result(timeout_s=10)
+        assert stream.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.OK), stream.code
+        assert stream.ended_at - killed_at < 5
+        # What arrived before the failure is still exactly HF's.
+        prompt = PROMPTS[streams.index(stream)]
+        assert stream.token_ids == reference[prompt][: len(stream.token_ids)]
+    assert any(s.code == grpc.StatusCode.UNAVAILABLE for s in streams)
+    wait_for(
+        lambda: not any(worker_active_requests(stack).values()),
+        5,
+        "workers dropped the dead scheduler's requests",
+    )
+    with pytest.raises(grpc.RpcError) as refused:
+        generate(stack.spec.gateway_address, greedy_request(PROMPTS[0], 4), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    stack.restart("scheduler")
+    wait_for(lambda: health_status(stack.spec.gateway_address) == "SERVING", 30, "gateway SERVING")
+    completion = generate(stack.spec.gateway_address, greedy_request(PROMPTS[4], 24))
+    assert completion.token_ids == reference[PROMPTS[4]][:24]
+    wait_until_idle(stack)
+    assert_all_alive(stack)
+
+
+def test_gateway_killed_mid_stream_aborts_its_requests_everywhere(stack, reference):
+    wait_healthy_pools(stack)
+    streams = start_streams(stack)
+    for stream in streams:
+        stream.wait_tokens(2)
+    stack.signal("gateway", signal.SIGKILL)
+    stack.wait_exit("gateway")
+    for stream in streams:
+        stream.result(timeout_s=10)
+        assert stream.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.OK), stream.code
+    wait_until_idle(stack)  # the scheduler aborted every orphaned request
+    assert_all_alive_but(stack, "gateway")
+    stack.restart("gateway")
+    completion = generate(stack.spec.gateway_address, greedy_request(PROMPTS[5], 24))
+    assert completion.token_ids == reference[PROMPTS[5]][:24]
