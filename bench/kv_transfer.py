@@ -42,12 +42,12 @@ def receiver(conn, num_blocks: int, dtype_name: str, rounds: int, per_round: int
     async def run() -> None:
         cache = make_cache(num_blocks, getattr(torch, dtype_name))
         transport = UcxTransport()
-        conn.send(transport.address)
+        conn.send_bytes(transport.address)  # raw bytes and JSON: never pickle
         dst = list(range(num_blocks - per_round, num_blocks))
         staging = StagingBuffers()
         timings = []
         for r in range(rounds):
-            conn.send("ready")
+            conn.send_bytes(b"ready")
             buffer = staging.acquire(per_round * cache.block_bytes)
             start = time.perf_counter()
             await transport.receive(tag=r + 1, nbytes=buffer.nbytes, out=buffer)
@@ -57,7 +57,7 @@ def receiver(conn, num_blocks: int, dtype_name: str, rounds: int, per_round: int
             timings.append((received - start, time.perf_counter() - start))
             staging.release(buffer)
         checksum = float(cache.data[dst].float().sum())
-        conn.send((timings, checksum))
+        conn.send_bytes(json.dumps([timings, checksum]).encode())
         await transport.close()
 
     asyncio.run(run())
@@ -70,12 +70,12 @@ async def sender(conn, num_blocks: int, dtype: torch.dtype, rounds: int, per_rou
     cache = make_cache(num_blocks, dtype)
     cache.data.copy_(torch.randn(cache.data.shape, dtype=torch.float32).to(dtype))
     transport = UcxTransport()
-    address = conn.recv()
+    address = conn.recv_bytes()
     src = list(range(0, 2 * per_round, 2))  # scattered source blocks
     staging = StagingBuffers()
     sends = []
     for r in range(rounds):
-        assert conn.recv() == "ready"
+        assert conn.recv_bytes() == b"ready"
         buffer = staging.acquire(per_round * cache.block_bytes)
         start = time.perf_counter()
         cache.gather_blocks(src, out=torch.from_numpy(buffer).view(per_round, -1))
@@ -83,7 +83,7 @@ async def sender(conn, num_blocks: int, dtype: torch.dtype, rounds: int, per_rou
         await transport.send("bench-peer", address, tag=r + 1, payload=buffer)
         sends.append((gathered - start, time.perf_counter() - gathered))
         staging.release(buffer)
-    timings, checksum = conn.recv()
+    timings, checksum = json.loads(conn.recv_bytes())
     expected = float(cache.data[src].float().sum())
     await transport.close()
     return sends, timings, checksum == expected
