@@ -2,7 +2,8 @@
 
 Health is the standard `grpc.health.v1.Health` (so probes and `grpcurl` work); a service
 reports SERVING only once it can actually serve. Reflection lists every service. Requests
-that do not parse fail with INVALID_ARGUMENT (`malformed_requests.py`).
+that do not parse fail with INVALID_ARGUMENT (`malformed_requests.py`). Ports and channels
+use TLS / mutual TLS when the `TANDEM_TLS_*` environment asks for it (`tls.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.malformed_requests import MalformedRequestInterceptor
+from common.tls import TlsSettings, tls_from_env
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -32,11 +34,21 @@ CHANNEL_OPTIONS = (
 
 
 class ServiceHost:
-    """A grpc.aio server with health and reflection for the named services."""
+    """A grpc.aio server with health and reflection for the named services.
 
-    def __init__(self, service_names: Sequence[str]) -> None:
+    `interceptors` run after the malformed-request check; `tls` defaults to the
+    process's `TANDEM_TLS_*` environment (read here, so a bad setting fails at startup)."""
+
+    def __init__(
+        self,
+        service_names: Sequence[str],
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        tls: TlsSettings | None = None,
+    ) -> None:
+        self.tls = tls_from_env() if tls is None else tls
         self.server = grpc.aio.server(
-            options=SERVER_OPTIONS, interceptors=[MalformedRequestInterceptor()]
+            options=SERVER_OPTIONS,
+            interceptors=[MalformedRequestInterceptor(), *interceptors],
         )
         self.service_names = tuple(service_names)
         self.health = health.aio.HealthServicer()
@@ -46,8 +58,13 @@ class ServiceHost:
         )
 
     def bind(self, host: str, port: int) -> int:
-        """Listen on host:port (0 picks a free port); returns the bound port."""
-        bound = self.server.add_insecure_port(f"{host}:{port}")
+        """Listen on host:port (0 picks a free port), with TLS when configured; returns the
+        bound port."""
+        address = f"{host}:{port}"
+        if self.tls.enabled:
+            bound = self.server.add_secure_port(address, self.tls.server_credentials())
+        else:
+            bound = self.server.add_insecure_port(address)
         if bound == 0:
             raise OSError(f"could not listen on {host}:{port} (in use?)")
         return bound
@@ -69,18 +86,38 @@ class ServiceHost:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
 
+    def _tls_mode(self) -> str:
+        if not self.tls.enabled:
+            return "off"
+        return "mutual" if self.tls.client_auth else "on"
+
     @asynccontextmanager
     async def running(self, host: str, port: int, log, grace: float = 5.0) -> AsyncIterator[int]:
         """Listen (health NOT_SERVING until the caller says otherwise) and always stop on
         exit, also when startup fails; yields the bound port."""
         bound = self.bind(host, port)
         await self.start()
-        log.info("listening", address=f"{host}:{bound}")
+        log.info("listening", address=f"{host}:{bound}", tls=self._tls_mode())
         try:
             yield bound
         finally:
             await self.stop(grace)
 
 
-def insecure_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def open_channel(address: str, tls: TlsSettings | None = None) -> grpc.aio.Channel:
+    """A grpc.aio channel to a Tandem service: TLS per `tls` (default: the environment)."""
+    tls = tls_from_env() if tls is None else tls
+    if not tls.enabled:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    options = CHANNEL_OPTIONS + tls.channel_options()
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
+
+
+def open_sync_channel(address: str, tls: TlsSettings | None = None) -> grpc.Channel:
+    """`open_channel` for blocking clients (CLI, probes, tests, benchmarks)."""
+    tls = tls_from_env() if tls is None else tls
+    if not tls.enabled:
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    options = CHANNEL_OPTIONS + tls.channel_options()
+    return grpc.secure_channel(address, tls.channel_credentials(), options=options)
+

@@ -3,17 +3,24 @@
 Text goes to stdout as it arrives (with `--n` > 1, each sample is printed whole at the end,
 under a header); a summary (tokens, finish reason, time to first token, tokens/s) goes to
 stderr. Exit status 1 with the gRPC status on failure.
+
+TLS follows the `TANDEM_TLS_*` environment like the services (`common/tls.py`); `--api-key`
+(default: `TANDEM_API_KEY`) is sent as `authorization: Bearer KEY`.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 import grpc
 
+from common.auth import bearer_metadata
+from common.grpc_server import open_sync_channel
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
+from common.tls import tls_from_env
 
 
 def build_request(args: argparse.Namespace) -> generate_pb2.GenerateRequest:
@@ -63,6 +70,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user message")
     parser.add_argument("--system", help="system message (with --chat)")
     parser.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("TANDEM_API_KEY") or None,
+        help="bearer token for a gateway that requires one [env TANDEM_API_KEY]",
+    )
     return parser.parse_args(argv)
 
 
@@ -73,10 +85,17 @@ def main(argv: list[str] | None = None) -> int:
     first_token_at = None
     last = None
     samples: dict[int, list[str]] = {}
-    with grpc.insecure_channel(args.address) as channel:
+    try:
+        tls = tls_from_env()
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    metadata = bearer_metadata(args.api_key)
+    with open_sync_channel(args.address, tls) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
         try:
-            for response in stub.Generate(build_request(args), timeout=args.timeout):
+            request = build_request(args)
+            for response in stub.Generate(request, timeout=args.timeout, metadata=metadata):
                 if first_token_at is None and response.token_ids:
                     first_token_at = time.perf_counter()
                 if streaming:

@@ -7,7 +7,8 @@ import time
 
 import grpc
 
-from common.grpc_server import ServiceHost, insecure_channel
+from common.auth import BearerTokenInterceptor
+from common.grpc_server import ServiceHost, open_channel
 from common.hf_checkpoint import load_tokenizer
 from common.lifecycle import StartupError, run_service, wait_for_shutdown_signal
 from common.log import get_logger, setup_logging
@@ -38,16 +39,23 @@ async def fetch_model(stub: scheduler_pb2_grpc.SchedulerServiceStub, timeout_s: 
 async def serve(config: GatewayConfig) -> None:
     setup_logging("gateway", config.log_level)
     tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
-    channel = insecure_channel(config.scheduler)
+    api_key = config.resolved_api_key
+    interceptors = [BearerTokenInterceptor(api_key)] if api_key else []
+    host = ServiceHost([SERVICE_NAME], interceptors=interceptors)
+    channel = open_channel(config.scheduler, host.tls)
     stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
-    host = ServiceHost([SERVICE_NAME])
     servicer = GenerateServicer(tokenizer, stub, config.default_max_tokens)
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, host.server)
     try:
         async with host.running(config.host, config.port, log, grace=5.0):
             servicer.set_model(await fetch_model(stub, config.scheduler_ready_timeout_s))
             await host.set_serving(True)
-            log.info("serving", model=servicer.model.name, scheduler=config.scheduler)
+            log.info(
+                "serving",
+                model=servicer.model.name,
+                scheduler=config.scheduler,
+                auth="bearer" if api_key else "off",
+            )
             log.info("shutting_down", signal=await wait_for_shutdown_signal())
     finally:
         await channel.close()

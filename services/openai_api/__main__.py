@@ -1,21 +1,31 @@
-"""`python -m services.openai_api`: the OpenAI-compatible HTTP front of a running gateway."""
+"""`python -m services.openai_api`: the OpenAI-compatible HTTP front of a running gateway.
+
+Under the `TANDEM_TLS_*` environment (`common/tls.py`) it serves HTTPS with the same
+certificate and key as the gRPC services (requiring client certificates under
+`TANDEM_TLS_CLIENT_AUTH`) and reaches the gateway over TLS."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import socket
+import ssl
+from typing import Any
 
 import uvicorn
 
-from common.grpc_server import insecure_channel
+from common.grpc_server import open_channel
 from common.lifecycle import StartupError, run_service, wait_for_shutdown_signal
 from common.log import get_logger, setup_logging
+from common.tls import TlsSettings, tls_from_env
 from services.openai_api.app import create_app
 from services.openai_api.config import OpenAIApiConfig
 from services.openai_api.gateway_client import GatewayClient
 
 log = get_logger("services.openai_api")
+# Seconds a shutdown waits for open connections (as the gateway's grace): an idle HTTPS
+# keep-alive client that never answers the TLS close would otherwise hold it up.
+SHUTDOWN_GRACE_S = 5.0
 
 
 class _Server(uvicorn.Server):
@@ -42,19 +52,49 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def https_options(tls: TlsSettings) -> dict[str, Any]:
+    """uvicorn's ssl settings: none for plaintext, else this process's certificate and,
+    under client auth, a required client certificate signed by the CA."""
+    if not tls.enabled:
+        return {}
+    if not tls.can_serve:
+        raise ValueError(
+            "TLS is on (TANDEM_TLS_CA is set) but TANDEM_TLS_CERT/TANDEM_TLS_KEY are not: "
+            "the HTTPS front needs its own certificate and key"
+        )
+    options: dict[str, Any] = {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file}
+    if tls.client_auth:
+        options.update(ssl_ca_certs=tls.ca_file, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return options
+
+
 async def serve(config: OpenAIApiConfig) -> None:
     setup_logging("openai_api", config.log_level)
+    tls = tls_from_env()
+    ssl_options = https_options(tls)
     sock = listen(config.host, config.port)
-    channel = insecure_channel(config.gateway)
+    channel = open_channel(config.gateway, tls)
     app = create_app(GatewayClient(channel), config.max_body_bytes)
     server = _Server(
-        uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", http="h11")
+        uvicorn.Config(
+            app,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            http="h11",
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+            **ssl_options,
+        )
     )
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     shutdown = asyncio.create_task(wait_for_shutdown_signal())
     try:
         log.info(
-            "listening", address=f"{config.host}:{sock.getsockname()[1]}", gateway=config.gateway
+            "listening",
+            address=f"{config.host}:{sock.getsockname()[1]}",
+            scheme="https" if ssl_options else "http",
+            client_certificates=tls.client_auth,
+            gateway=config.gateway,
         )
         await asyncio.wait({serving, shutdown}, return_when=asyncio.FIRST_COMPLETED)
         if shutdown.done():

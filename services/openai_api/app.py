@@ -1,6 +1,9 @@
 """The Starlette application: thin route handlers that read the JSON body (size-limited),
 translate it (`*_request.py`), call the gateway (`gateway_client.py`) and translate the
-answer back (`*_response.py`, `sse.py`). Every error leaves as OpenAI-shaped JSON."""
+answer back (`*_response.py`, `sse.py`). Every error leaves as OpenAI-shaped JSON.
+
+The client's `Authorization` header goes to the gateway as call metadata; the gateway checks
+it (UNAUTHENTICATED becomes a 401). `/health` needs none."""
 
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from services.openai_api.collect import Collector, Meta
 from services.openai_api.completion_request import CompletionRequest, parse_completion
 from services.openai_api.completion_response import CompletionChunks, completion_body
 from services.openai_api.errors import ApiError
-from services.openai_api.gateway_client import GatewayClient, GenerateStreams
+from services.openai_api.gateway_client import GatewayClient, GenerateStreams, Metadata
 from services.openai_api.sse import EventStreamResponse, chat_chunks, completion_chunks, events
 
 log = get_logger("services.openai_api")
@@ -39,6 +42,15 @@ class ClientDisconnected(Exception):
 
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
+
+
+def credentials(request: Request) -> Metadata:
+    """The client's `Authorization` header as gRPC metadata. A value gRPC cannot carry
+    (not printable ASCII) is dropped: the gateway then sees no credentials."""
+    value = request.headers.get("authorization", "").strip()
+    if not value or not value.isascii() or not value.isprintable():
+        return ()
+    return (("authorization", value),)
 
 
 async def read_json(request: Request, limit: int) -> Any:
@@ -106,17 +118,21 @@ def _stream_response(streams: GenerateStreams, chunks) -> EventStreamResponse:
     return EventStreamResponse(events(chunks, on_end), on_close=on_close)
 
 
-async def _echo_texts(gateway: GatewayClient, parsed: CompletionRequest) -> list[str] | None:
+async def _echo_texts(
+    gateway: GatewayClient, parsed: CompletionRequest, metadata: Metadata
+) -> list[str] | None:
     if not parsed.echo:
         return None
-    return [p if isinstance(p, str) else await gateway.detokenize(p) for p in parsed.prompts]
+    return [
+        p if isinstance(p, str) else await gateway.detokenize(p, metadata) for p in parsed.prompts
+    ]
 
 
 def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
     started = int(time.time())
 
     async def open_streams(request: Request, requests) -> GenerateStreams:
-        streams = gateway.generate(requests)
+        streams = gateway.generate(requests, credentials(request))
         await until_disconnect(request, streams.start())
         structlog.contextvars.bind_contextvars(request_id=streams.request_ids[0])
         return streams
@@ -125,8 +141,8 @@ def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
         created = int(time.time())
         parsed = parse_completion(await read_json(request, max_body_bytes))
         options = parsed.options
-        model = await gateway.resolve_model(options.model)
-        echo_texts = await _echo_texts(gateway, parsed)
+        model = await gateway.resolve_model(options.model, credentials(request))
+        echo_texts = await _echo_texts(gateway, parsed, credentials(request))
         streams = await open_streams(request, parsed.requests)
         meta = Meta(f"cmpl-{streams.request_ids[0]}", created, model)
         logprobs = parsed.logprobs is not None
@@ -143,7 +159,7 @@ def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
         created = int(time.time())
         parsed = parse_chat(await read_json(request, max_body_bytes))
         options = parsed.options
-        model = await gateway.resolve_model(options.model)
+        model = await gateway.resolve_model(options.model, credentials(request))
         streams = await open_streams(request, [parsed.request])
         meta = Meta(f"chatcmpl-{streams.request_ids[0]}", created, model)
         if options.stream:
@@ -165,13 +181,13 @@ def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
         }
 
     async def list_models(request: Request) -> Response:
-        models = await gateway.list_models()
+        models = await gateway.list_models(credentials(request))
         return JSONResponse({"object": "list", "data": [model_card(m) for m in models]})
 
     async def get_model(request: Request) -> Response:
         name = request.path_params["model"]
-        await gateway.resolve_model(name)
-        models = await gateway.list_models()
+        await gateway.resolve_model(name, credentials(request))
+        models = await gateway.list_models(credentials(request))
         return JSONResponse(next(model_card(m) for m in models if m.model_name == name))
 
     async def health(request: Request) -> Response:
@@ -199,7 +215,9 @@ def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
 
 async def on_api_error(request: Request, exc: ApiError) -> Response:
     log.info("request_failed", path=request.url.path, status=exc.status, error=exc.message)
-    return JSONResponse(exc.body(), status_code=exc.status)
+    # RFC 6750: a 401 names the scheme the client must use.
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
 async def on_client_disconnected(request: Request, exc: ClientDisconnected) -> Response:

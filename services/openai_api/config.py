@@ -10,7 +10,9 @@ from common.config import check_port, parse_address, parse_size, setting
 @dataclass(frozen=True)
 class OpenAIApiConfig:
     """The Tandem OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
-    /v1/models), a translation to the gateway's gRPC API."""
+    /v1/models), a translation to the gateway's gRPC API. HTTPS, client certificates and
+    TLS to the gateway follow TANDEM_TLS_* (docs/security.md); the client's Authorization
+    header is passed on to the gateway."""
 
     host: str = setting("127.0.0.1", "listen address of the HTTP API", env="TANDEM_HTTP_HOST")
     port: int = setting(

@@ -1,6 +1,10 @@
 """The gateway's public gRPC API as the HTTP layer uses it (grpc.aio on the server's event
 loop): served models (cached briefly), detokenization for `echo`, health, and concurrent
-`Generate` streams merged into one. gRPC errors come out as `ApiError`s."""
+`Generate` streams merged into one. gRPC errors come out as `ApiError`s.
+
+Every call but health carries the HTTP client's credentials as gRPC metadata
+(`Metadata`, from its `Authorization` header): the gateway decides, and the model list is
+cached per credential so it never answers a client the gateway would refuse."""
 
 from __future__ import annotations
 
@@ -16,6 +20,10 @@ from services.openai_api.errors import ApiError, from_rpc_error
 
 UNARY_TIMEOUT_S = 10.0
 MODELS_TTL_S = 5.0
+MODELS_CACHE_ENTRIES = 64
+
+# gRPC call metadata: (key, value) pairs.
+Metadata = tuple[tuple[str, str], ...]
 
 
 def api_error(exc: grpc.aio.AioRpcError) -> ApiError:
@@ -32,8 +40,9 @@ class GenerateStreams:
         self,
         stub: generate_pb2_grpc.GenerateServiceStub,
         requests: Sequence[generate_pb2.GenerateRequest],
+        metadata: Metadata = (),
     ) -> None:
-        self._calls = [stub.Generate(request) for request in requests]
+        self._calls = [stub.Generate(request, metadata=metadata) for request in requests]
         self._tasks: list[asyncio.Task] = []
         self._first: list[generate_pb2.GenerateResponse] = []
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -99,23 +108,28 @@ class GatewayClient:
     def __init__(self, channel: grpc.aio.Channel) -> None:
         self.stub = generate_pb2_grpc.GenerateServiceStub(channel)
         self.health = health_pb2_grpc.HealthStub(channel)
-        self._models: list[generate_pb2.GetModelInfoResponse] = []
-        self._models_at = float("-inf")
+        # credentials -> (fetched at, models): only answers the gateway gave them.
+        self._models: dict[Metadata, tuple[float, list[generate_pb2.GetModelInfoResponse]]] = {}
 
-    async def list_models(self) -> list[generate_pb2.GetModelInfoResponse]:
-        if time.monotonic() - self._models_at > MODELS_TTL_S:
+    async def list_models(self, metadata: Metadata = ()) -> list[generate_pb2.GetModelInfoResponse]:
+        fetched_at, models = self._models.get(metadata, (float("-inf"), []))
+        if time.monotonic() - fetched_at > MODELS_TTL_S:
             try:
                 reply = await self.stub.ListModels(
-                    generate_pb2.ListModelsRequest(), timeout=UNARY_TIMEOUT_S
+                    generate_pb2.ListModelsRequest(), timeout=UNARY_TIMEOUT_S, metadata=metadata
                 )
             except grpc.aio.AioRpcError as exc:
+                self._models.pop(metadata, None)
                 raise api_error(exc) from None
-            self._models, self._models_at = list(reply.models), time.monotonic()
-        return self._models
+            if len(self._models) >= MODELS_CACHE_ENTRIES:
+                self._models.clear()
+            models = list(reply.models)
+            self._models[metadata] = (time.monotonic(), models)
+        return models
 
-    async def resolve_model(self, name: str | None) -> str:
+    async def resolve_model(self, name: str | None, metadata: Metadata = ()) -> str:
         """The served model's id: `name` when served (404 otherwise), the first one if None."""
-        models = await self.list_models()
+        models = await self.list_models(metadata)
         if not models:
             raise ApiError("the gateway serves no model yet", 503)
         if name is None:
@@ -130,10 +144,10 @@ class GatewayClient:
             "model_not_found",
         )
 
-    async def detokenize(self, token_ids: Sequence[int]) -> str:
+    async def detokenize(self, token_ids: Sequence[int], metadata: Metadata = ()) -> str:
         request = generate_pb2.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=False)
         try:
-            reply = await self.stub.Detokenize(request, timeout=UNARY_TIMEOUT_S)
+            reply = await self.stub.Detokenize(request, timeout=UNARY_TIMEOUT_S, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             raise api_error(exc) from None
         return reply.text
@@ -145,5 +159,7 @@ class GatewayClient:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
-    def generate(self, requests: Sequence[generate_pb2.GenerateRequest]) -> GenerateStreams:
-        return GenerateStreams(self.stub, requests)
+    def generate(
+        self, requests: Sequence[generate_pb2.GenerateRequest], metadata: Metadata = ()
+    ) -> GenerateStreams:
+        return GenerateStreams(self.stub, requests, metadata)

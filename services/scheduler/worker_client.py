@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.grpc_server import insecure_channel
+from common.grpc_server import open_channel
 from common.pb.tandem.internal.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from services.scheduler.pool_scheduler import PoolStepPlan
 from services.scheduler.request import Logprob, Request
@@ -125,7 +125,7 @@ class WorkerClient:
     def __init__(self, address: str, step_timeout_s: float | None = None) -> None:
         self.address = address
         self.step_timeout_s = step_timeout_s
-        self._channel = insecure_channel(address)
+        self._channel = open_channel(address)
         self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._step_call = None
