@@ -120,4 +120,3 @@ def open_sync_channel(address: str, tls: TlsSettings | None = None) -> grpc.Chan
         return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     options = CHANNEL_OPTIONS + tls.channel_options()
     return grpc.secure_channel(address, tls.channel_credentials(), options=options)
-
