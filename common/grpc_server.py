@@ -37,17 +37,21 @@ class ServiceHost:
     """A grpc.aio server with health and reflection for the named services.
 
     `interceptors` run after the malformed-request check; `tls` defaults to the
-    process's `TANDEM_TLS_*` environment (read here, so a bad setting fails at startup)."""
+    process's `TANDEM_TLS_*` environment (read here, so a bad setting fails at startup);
+    `max_receive_bytes` caps one request message."""
 
     def __init__(
         self,
         service_names: Sequence[str],
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         tls: TlsSettings | None = None,
+        max_receive_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
         self.tls = tls_from_env() if tls is None else tls
+        # A larger request is refused by grpc with RESOURCE_EXHAUSTED before it is parsed.
+        options = (*SERVER_OPTIONS, ("grpc.max_receive_message_length", max_receive_bytes))
         self.server = grpc.aio.server(
-            options=SERVER_OPTIONS,
+            options=options,
             interceptors=[MalformedRequestInterceptor(), *interceptors],
         )
         self.service_names = tuple(service_names)

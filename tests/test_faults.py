@@ -177,6 +177,9 @@ def test_decode_worker_killed_mid_generation_requests_finish_exactly_elsewhere(s
         DETECTION_BOUND_S + 5,
         "scheduler NOT_SERVING with no decode worker",
     )
+    wait_for(  # the gateway mirrors the scheduler's health
+        lambda: health_status(stack.spec.gateway_address) == "NOT_SERVING", 5, "gateway"
+    )
     with pytest.raises(grpc.RpcError) as refused:
         generate(stack.spec.gateway_address, greedy_request(PROMPTS[0], 4), timeout=20)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -316,6 +319,9 @@ def test_scheduler_killed_mid_stream_gives_unavailable_and_workers_free_everythi
     stack.signal("scheduler", signal.SIGKILL)
     killed_at = time.monotonic()
     stack.wait_exit("scheduler")
+    wait_for(
+        lambda: health_status(stack.spec.gateway_address) == "NOT_SERVING", 5, "gateway health"
+    )
     for stream in streams:
         stream.result(timeout_s=10)
         assert stream.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.OK), stream.code
@@ -355,3 +361,55 @@ def test_gateway_killed_mid_stream_aborts_its_requests_everywhere(stack, referen
     stack.restart("gateway")
     completion = generate(stack.spec.gateway_address, greedy_request(PROMPTS[5], 24))
     assert completion.token_ids == reference[PROMPTS[5]][:24]
+
+
+def test_gateway_drains_on_sigterm(stack, reference):
+    """SIGTERM: health NOT_SERVING, new requests UNAVAILABLE, the open stream finishes
+    exactly, then a clean exit."""
+    wait_healthy_pools(stack)
+    stream = BackgroundStream(stack.spec.gateway_address, greedy_request(PROMPTS[6], 64))
+    stream.wait_tokens(2)
+    decodes = names(stack, "decode")
+    for name in decodes:  # hold the stream open while the gateway drains
+        stack.signal(name, signal.SIGSTOP)
+    try:
+        stack.signal("gateway", signal.SIGTERM)
+        wait_for(lambda: health_status(stack.spec.gateway_address) == "NOT_SERVING", 2, "draining")
+        with pytest.raises(grpc.RpcError) as refused:
+            generate(stack.spec.gateway_address, greedy_request(PROMPTS[0], 4), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "shutting down" in refused.value.details()
+    finally:
+        for name in decodes:
+            stack.signal(name, signal.SIGCONT)
+    stream.result()
+    assert stream.code == grpc.StatusCode.OK, (stream.code, stream.details)
+    assert stream.token_ids == reference[PROMPTS[6]][:64]
+    assert stack.wait_exit("gateway") == 0
+    wait_until_idle(stack)
+    stack.restart("gateway")
+    assert_all_alive(stack)
+
+
+def test_decode_worker_drains_on_sigterm_without_losing_a_request(stack, reference):
+    """A SIGTERMed worker finishes what it holds (no request starts over), takes nothing
+    new, exits cleanly, and rejoins when started again."""
+    wait_healthy_pools(stack)
+    before = pool_stats(stack)
+    streams = start_streams(stack)
+    for stream in streams:
+        stream.wait_tokens(2)
+    pools = pools_by_name(stack)
+    draining = max(names(stack, "decode"), key=lambda n: pools[n].num_requests)
+    stack.signal(draining, signal.SIGTERM)
+    wait_for(lambda: pools_by_name(stack)[draining].draining, 5, "scheduler sees the drain")
+    late = generate(stack.spec.gateway_address, greedy_request(PROMPTS[7], 24))
+    assert late.token_ids == reference[PROMPTS[7]][:24]
+    assert_exact(streams, reference)
+    assert stack.wait_exit(draining) == 0
+    after = pool_stats(stack)
+    assert after.restarted_requests == before.restarted_requests  # nothing recomputed
+    wait_until_idle(stack, skip=(draining,))
+    stack.restart(draining)
+    wait_healthy_pools(stack)
+    assert_all_alive(stack)

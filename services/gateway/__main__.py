@@ -6,8 +6,10 @@ import asyncio
 import time
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.auth import BearerTokenInterceptor
+from common.config import parse_size
 from common.grpc_server import ServiceHost, open_channel
 from common.hf_checkpoint import load_tokenizer
 from common.lifecycle import StartupError, run_service, wait_for_shutdown_signal
@@ -41,15 +43,23 @@ async def serve(config: GatewayConfig) -> None:
     tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
     api_key = config.resolved_api_key
     interceptors = [BearerTokenInterceptor(api_key)] if api_key else []
-    host = ServiceHost([SERVICE_NAME], interceptors=interceptors)
+    host = ServiceHost(
+        [SERVICE_NAME],
+        interceptors=interceptors,
+        max_receive_bytes=parse_size(config.max_request_bytes),
+    )
     channel = open_channel(config.scheduler, host.tls)
     stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
     servicer = GenerateServicer(tokenizer, stub, config.default_max_tokens)
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, host.server)
+    watcher = None
     try:
         async with host.running(config.host, config.port, log, grace=5.0):
             servicer.set_model(await fetch_model(stub, config.scheduler_ready_timeout_s))
             await host.set_serving(True)
+            watcher = asyncio.create_task(
+                mirror_scheduler_health(channel, host, config.scheduler_health_interval_s)
+            )
             log.info(
                 "serving",
                 model=servicer.model.name,
@@ -57,8 +67,34 @@ async def serve(config: GatewayConfig) -> None:
                 auth="bearer" if api_key else "off",
             )
             log.info("shutting_down", signal=await wait_for_shutdown_signal())
+            # Drain: NOT_SERVING, new requests refused, open streams run to the end.
+            watcher.cancel()
+            servicer.draining = True
+            await host.set_serving(False)
+            drained = await servicer.drain(config.drain_timeout_s)
+            log.info("drained" if drained else "drain_timed_out", open=servicer.num_open)
     finally:
+        if watcher is not None:
+            watcher.cancel()
         await channel.close()
+
+
+async def mirror_scheduler_health(channel, host: ServiceHost, interval_s: float) -> None:
+    """The gateway can serve only while the scheduler can: report what the scheduler's
+    health says (NOT_SERVING also when it is down or does not answer)."""
+    stub = health_pb2_grpc.HealthStub(channel)
+    serving = True
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=interval_s * 2)
+            ok = reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            ok = False
+        if ok != serving:
+            serving = ok
+            log.warning("scheduler_serving" if ok else "scheduler_not_serving")
+            await host.set_serving(ok)
 
 
 def main() -> None:

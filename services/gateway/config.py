@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import check_port, parse_address, setting
+from common.config import check_port, parse_address, parse_size, setting
 
 
 def _secret_setting(help: str, env: str):
@@ -62,6 +62,21 @@ class GatewayConfig:
     api_key_file: str = setting(
         "", "read the API key from this file instead of --api-key", env="TANDEM_API_KEY_FILE"
     )
+    max_request_bytes: str = setting(
+        "16MiB",
+        "largest request message the public API accepts (larger: RESOURCE_EXHAUSTED)",
+        env="TANDEM_GATEWAY_MAX_REQUEST_BYTES",
+    )
+    drain_timeout_s: float = setting(
+        30.0,
+        "on SIGTERM: seconds to let open streams finish (new requests get UNAVAILABLE)",
+        env="TANDEM_DRAIN_TIMEOUT_S",
+    )
+    scheduler_health_interval_s: float = setting(
+        1.0,
+        "seconds between checks of the scheduler's health (the gateway mirrors it)",
+        env="TANDEM_SCHEDULER_HEALTH_INTERVAL_S",
+    )
     log_level: str = setting("info", "debug, info, warning or error", env="TANDEM_LOG_LEVEL")
 
     def __post_init__(self) -> None:
@@ -69,6 +84,17 @@ class GatewayConfig:
             raise ValueError("model is required: --model FOLDER or TANDEM_MODEL")
         check_port(self.port, "port")
         parse_address(self.scheduler, "scheduler")
+        if not 1024 <= parse_size(self.max_request_bytes) <= 1 << 30:
+            raise ValueError(
+                f"max_request_bytes must be in 1KiB..1GiB, got {self.max_request_bytes!r}"
+            )
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if not self.scheduler_health_interval_s > 0:
+            raise ValueError(
+                "scheduler_health_interval_s must be positive, "
+                f"got {self.scheduler_health_interval_s}"
+            )
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if not self.scheduler_ready_timeout_s > 0:

@@ -96,6 +96,17 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.default_max_tokens = default_max_tokens
         self.model: types_pb2.ModelDescription | None = None
         self.limits: ModelLimits | None = None
+        # Set on SIGTERM: new requests get UNAVAILABLE, open streams run to the end.
+        self.draining = False
+        self.num_open = 0
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until no Generate stream is open (True) or timeout_s passed (False)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.num_open and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.num_open
 
     def set_model(self, model: types_pb2.ModelDescription) -> None:
         """Start serving `model` (its limits come from the scheduler)."""
@@ -114,6 +125,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def _ready(self, context) -> types_pb2.ModelDescription:
         if self.model is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "waiting for the scheduler")
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "gateway is shutting down")
         return self.model
 
     async def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -180,6 +193,15 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def Generate(self, request, context):
         arrival = time.monotonic()
         await self._ready(context)
+        self.num_open += 1
+        try:
+            async for message in self._generate(request, context, arrival):
+                yield message
+        finally:
+            self.num_open -= 1
+
+    async def _generate(self, request, context, arrival: float):
+        # Server-made, opaque: never taken from the client, never parsed.
         request_id = uuid.uuid4().hex
         with bind_request(request_id):
             try:

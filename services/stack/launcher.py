@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from common.healthcheck import health_status, http_health_status
+from common.tls import TlsSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 STATE_FILE = "stack.json"
@@ -116,11 +117,12 @@ class Process:
     probe: str = "grpc"  # how its health is read: grpc.health.v1, or "http" GET /health
 
 
-def process_health(process: Process) -> str:
-    """'SERVING', 'NOT_SERVING' or 'UNREACHABLE', whichever kind of service it is."""
+def process_health(process: Process, tls: TlsSettings | None = None) -> str:
+    """'SERVING', 'NOT_SERVING' or 'UNREACHABLE', whichever kind of service it is (`tls`:
+    the settings the services were started with; default this process's environment)."""
     if process.probe == "http":
-        return http_health_status(process.address)
-    return health_status(process.address)
+        return http_health_status(process.address, tls=tls)
+    return health_status(process.address, tls=tls)
 
 
 def _commands(spec: StackSpec) -> list[tuple[str, str, list[str]]]:
@@ -217,6 +219,8 @@ class Stack:
         self.run_dir = run_dir
         self.processes = processes
         self._env = dict(env) if env is not None else None
+        # The probes speak TLS exactly when the services were started with it.
+        self.tls = TlsSettings.from_env(self._env) if env is not None else None
 
     def _launch(self, name: str, address: str, argv: list[str]) -> Process:
         log_path = self.run_dir / "logs" / f"{name}.log"
@@ -269,7 +273,7 @@ class Stack:
         self.processes[self.processes.index(old)] = new
         self.save()
         deadline = time.monotonic() + ready_timeout_s
-        while process_health(new) != "SERVING":
+        while process_health(new, self.tls) != "SERVING":
             if not self.alive(new):
                 raise RuntimeError(f"{name} exited on restart:\n{self.log_tail(new)}")
             if time.monotonic() > deadline:
@@ -353,7 +357,7 @@ class Stack:
                         f"{process.name} exited during startup; last log lines:\n"
                         + self.log_tail(process)
                     )
-                if process_health(process) == "SERVING":
+                if process_health(process, self.tls) == "SERVING":
                     pending.remove(process)
             if pending and time.monotonic() > deadline:
                 names = ", ".join(p.name for p in pending)
