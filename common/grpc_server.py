@@ -49,7 +49,8 @@ class ServiceHost:
     ) -> None:
         self.tls = tls_from_env() if tls is None else tls
         # A larger request is refused by grpc with RESOURCE_EXHAUSTED before it is parsed.
-        options = (*SERVER_OPTIONS, ("grpc.max_receive_message_length", max_receive_bytes))
+        options = tuple(o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length")
+        options += (("grpc.max_receive_message_length", max_receive_bytes),)
         self.server = grpc.aio.server(
             options=options,
             interceptors=[MalformedRequestInterceptor(), *interceptors],

@@ -6,6 +6,7 @@ import pytest
 
 from common.config import load_config, parse_size
 from services.gateway.config import GatewayConfig
+from services.openai_api.config import OpenAIApiConfig
 from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
 
@@ -76,3 +77,9 @@ def test_role_choices_are_enforced():
 )
 def test_parse_size(text, value):
     assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("cls", [GatewayConfig, SchedulerConfig, WorkerConfig, OpenAIApiConfig])
+def test_every_service_listens_on_loopback_unless_told_otherwise(cls):
+    host = {f.name: f for f in dataclasses.fields(cls)}["host"]
+    assert host.default == "127.0.0.1"

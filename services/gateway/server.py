@@ -142,13 +142,17 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         elif which == "token_ids":
             ids, field = list(request.token_ids.ids), "prompt.token_ids.ids"
         else:
-            ids, field = self._render_chat(request.chat, "prompt.chat"), "prompt.chat (rendered)"
+            ids = await self._render_chat(request.chat, "prompt.chat")
+            field = "prompt.chat (rendered)"
         validate_prompt_ids(ids, self.limits, field)
         return ids
 
-    def _render_chat(self, chat: generate_pb2.ChatMessages, field: str) -> list[int]:
+    async def _render_chat(self, chat: generate_pb2.ChatMessages, field: str) -> list[int]:
         messages = validate_chat(chat, field)
         add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        if sum(len(m["content"]) for m in messages) > LARGE_INPUT_CHARS:
+            # Rendering and tokenizing megabytes would stall every other call on the loop.
+            return await asyncio.to_thread(self.prompts.render_chat, messages, add_prompt, field)
         return self.prompts.render_chat(messages, add_prompt, field)
 
     async def _prepare(self, request: generate_pb2.GenerateRequest, request_id: str):
@@ -244,7 +248,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 )
                 ids = await self._encode(request.text, add_special)
             else:
-                ids = self._render_chat(request.chat, "chat")
+                ids = await self._render_chat(request.chat, "chat")
         except InvalidArgumentError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return generate_pb2.TokenizeResponse(

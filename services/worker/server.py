@@ -21,6 +21,7 @@ from services.worker.runner import StepOutput
 from services.worker.worker import KV_LAYOUT, Worker
 
 log = get_logger(__name__)
+SLOW_STEP_S = 2.0  # a step this slow is logged with what it ran
 
 ROLE_TO_PB = {
     "prefill": types_pb2.WORKER_ROLE_PREFILL,
@@ -191,6 +192,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             except PlanError as exc:
                 log.error("bad_step_plan", step_id=plan.step_id, error=str(exc))
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            if output.execute_seconds > SLOW_STEP_S:
+                log.warning(
+                    "slow_step",
+                    step_id=plan.step_id,
+                    seconds=round(output.execute_seconds, 3),
+                    requests=len(worker.batch),
+                    new=[(r.request_id, len(r.token_ids), str(r.sampling)) for r in new][:8],
+                )
             yield step_response_pb(plan.step_id, output)
 
     async def SendKv(self, request, context):
