@@ -80,10 +80,10 @@ class SchedulerConfig:
         1.0, "seconds between health checks of each worker", env="TANDEM_WORKER_HEALTH_INTERVAL_S"
     )
     worker_health_timeout_s: float = setting(
-        2.0, "seconds a worker health check may take", env="TANDEM_WORKER_HEALTH_TIMEOUT_S"
+        5.0, "seconds a worker health check may take", env="TANDEM_WORKER_HEALTH_TIMEOUT_S"
     )
     worker_health_max_misses: int = setting(
-        3,
+        5,
         "unanswered health checks in a row after which a worker counts as failed",
         env="TANDEM_WORKER_HEALTH_MAX_MISSES",
     )

@@ -50,8 +50,8 @@ class Resilience:
     max_waiting_tokens: int = 1 << 20
     max_restarts: int = 3
     health_interval_s: float = 1.0
-    health_timeout_s: float = 2.0
-    health_max_misses: int = 3
+    health_timeout_s: float = 5.0
+    health_max_misses: int = 5
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests < 1 or self.max_waiting_tokens < 1:

@@ -2,7 +2,8 @@
 
 Every `interval_s` the worker's grpc.health.v1 status is read (with `timeout_s`):
 - a worker that does not answer `max_misses` times in a row (killed, hung, stopped,
-  partitioned) is failed: its requests start over elsewhere;
+  partitioned) while no step result arrives from it either is failed: its requests start
+  over elsewhere (a busy worker whose health answer is late is not);
 - a worker that answers NOT_SERVING is draining: no new requests go to it, the ones it has
   finish;
 - a failed worker that answers SERVING again (restarted) rejoins with an empty pool.
@@ -40,10 +41,15 @@ class PoolMonitor:
         self._rejoin = rejoin
 
     async def watch(self, pool: Pool) -> None:
-        misses = 0
+        misses, steps_seen = 0, pool.counters.steps
         while True:
             await asyncio.sleep(self.interval_s)
             status = await pool.client.health(self.timeout_s)
+            if pool.counters.steps != steps_seen:  # step results arrived: it is alive
+                steps_seen = pool.counters.steps
+                if status == "UNREACHABLE":
+                    misses = 0
+                    continue
             if not pool.healthy:
                 misses = 0
                 if status == "SERVING":
