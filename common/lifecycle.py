@@ -4,6 +4,7 @@ SIGTERM/SIGINT end `serve` gracefully."""
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import os
 import signal
 import sys
@@ -48,6 +49,7 @@ def run_service(
     config_cls: type[C], serve: Callable[[C], Coroutine[Any, Any, None]], prog: str
 ) -> None:
     """Parse the service's config (flags and TANDEM_* env) and run `serve` until a signal."""
+    faulthandler.enable()  # a native crash (UCX, torch) leaves its stack in the log
     try:
         config = load_config(config_cls, prog=prog)
     except ValueError as exc:

@@ -273,6 +273,38 @@ def test_cancel_and_deadline_release_a_transfer_to_a_frozen_decode_worker(stack)
     assert_all_alive(stack)
 
 
+def test_prefill_worker_killed_mid_transfer_releases_the_decode_reservations(stack, reference):
+    """The sending side of a KV transfer dies: the decode reservations are released at
+    once (the failed SendKv ends the transfer) and the requests recompute on the other
+    prefill worker, exactly."""
+    wait_healthy_pools(stack)
+    decodes, prefills = names(stack, "decode"), names(stack, "prefill")
+    for name in decodes:  # transfers cannot complete while the receivers are frozen
+        stack.signal(name, signal.SIGSTOP)
+    try:
+        streams = start_streams(stack, max_tokens=24)
+        for stream in streams:
+            stream.wait_tokens(1)  # every prompt ran; its transfer is under way
+        pools = pools_by_name(stack)
+        assert sum(pools[n].num_requests for n in decodes) == len(PROMPTS)
+        victim = max(prefills, key=lambda n: pools[n].num_requests)
+        assert pools[victim].num_requests > 0
+        stack.signal(victim, signal.SIGKILL)
+    finally:
+        for name in decodes:
+            stack.signal(name, signal.SIGCONT)
+    stack.wait_exit(victim)
+    for prompt, stream in zip(PROMPTS, streams, strict=True):
+        stream.result()
+        assert stream.code == grpc.StatusCode.OK, (stream.code, stream.details)
+        assert stream.token_ids == reference[prompt][:24], prompt
+    assert not pools_by_name(stack)[victim].healthy
+    wait_until_idle(stack, skip=(victim,))
+    assert_all_alive_but(stack, victim)
+    stack.restart(victim)
+    wait_healthy_pools(stack)
+
+
 def test_frozen_decode_peer_mid_transfer_is_failed_and_its_requests_recomputed(stack, reference):
     """A UCX peer that stops answering mid-transfer: its reservations are released once
     the health checks give up on it (bounded), and the requests finish on the other."""

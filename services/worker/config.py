@@ -85,9 +85,11 @@ class WorkerConfig:
         60.0, "seconds before a KV send/receive fails", env="TANDEM_KV_TRANSFER_TIMEOUT_S"
     )
     kv_transfer_error_handling: bool = setting(
-        False,
-        "UCX peer-failure detection: on = dead peers fail fast but only TCP is used; "
-        "off = shared memory between same-host workers, dead peers time out",
+        True,
+        "UCX peer-failure detection: on = a peer that dies mid-transfer fails that transfer "
+        "only (UCX uses transports that detect it: TCP between hosts' CPUs, RDMA); off = "
+        "shared memory between same-host workers, several times faster, but a sender dying "
+        "mid-transfer can abort the receiving worker",
         env="TANDEM_KV_TRANSFER_ERROR_HANDLING",
     )
     drain_timeout_s: float = setting(

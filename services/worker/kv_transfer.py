@@ -32,10 +32,12 @@ class KvTransferError(RuntimeError):
 class UcxTransport:
     """This process's UCX worker: its address, cached endpoints to peers, tagged send/recv."""
 
-    def __init__(self, timeout_s: float = 60.0, error_handling: bool = False) -> None:
-        """`error_handling` makes a dead peer fail sends at once, but UCX then uses only
-        transports that can detect peer failure (TCP); off, same-host peers use shared
-        memory (several times faster here) and a dead peer shows as a send timeout."""
+    def __init__(self, timeout_s: float = 60.0, error_handling: bool = True) -> None:
+        """`error_handling` makes a dead peer fail only the transfers it was part of, but
+        UCX then uses only transports that can detect peer failure (TCP, RDMA); off,
+        same-host peers use shared memory (several times faster here), a dead receiver
+        shows as a send timeout, and a sender that dies mid-transfer can make UCX abort
+        the receiving process (seen in the fault tests)."""
         import ucxx  # imported here: loading UCX is slow and only workers need it
 
         self._ucxx = ucxx
