@@ -33,6 +33,18 @@ class _HTTPSConnection(http.client.HTTPSConnection):
         self.sock = self._context.wrap_socket(self.sock, server_hostname=self._server_name)
 
 
+async def channel_health_status(channel: grpc.aio.Channel, timeout_s: float) -> str:
+    """The status name behind an open grpc.aio channel, or 'UNREACHABLE' (down, hung, or
+    no answer within timeout_s). Services probe their peers with it."""
+    try:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+        )
+    except grpc.aio.AioRpcError:
+        return "UNREACHABLE"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
 def health_status(address: str, timeout_s: float = 1.0, tls: TlsSettings | None = None) -> str:
     """'SERVING', 'NOT_SERVING', ... or 'UNREACHABLE' (also when TLS fails). `tls`
     defaults to the environment's."""

@@ -20,6 +20,17 @@ class StartupError(RuntimeError):
     """The service cannot start (a peer never became ready, ...): exit 2 with the message."""
 
 
+async def wait_until(done: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:
+    """Poll `done` until it is true (True) or timeout_s passed (False): drains use it."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not done():
+        if loop.time() >= deadline:
+            return False
+        await asyncio.sleep(interval_s)
+    return True
+
+
 async def wait_for_shutdown_signal() -> str:
     """Return the name of the first SIGTERM/SIGINT received, or "parent-exited" when
     TANDEM_EXIT_WITH_PARENT=1 and the process that started this one is gone (test stacks

@@ -65,10 +65,12 @@ def pool_stats(stack: Stack) -> scheduler_pb2.GetPoolStatsResponse:
 def worker_active_requests(stack: Stack, skip: tuple[str, ...] = ()) -> dict[str, int]:
     """Requests each worker holds in its batch (workers named in `skip` are not asked)."""
     out = {}
+    skipped = {stack.process(name).address for name in skip}
     for port in stack.spec.worker_ports:
-        if any(name.endswith(f"-{port}") for name in skip):
+        address = f"{stack.spec.host}:{port}"
+        if address in skipped:
             continue
-        with grpc.insecure_channel(f"{stack.spec.host}:{port}") as channel:
+        with grpc.insecure_channel(address) as channel:
             d = worker_pb2_grpc.WorkerServiceStub(channel).DescribeWorker(
                 worker_pb2.DescribeWorkerRequest(), timeout=10
             )

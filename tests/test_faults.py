@@ -97,6 +97,11 @@ def assert_all_alive(stack: Stack) -> None:
     assert not dead, f"processes exited: {dead}"
 
 
+def assert_all_alive_but(stack: Stack, killed: str) -> None:
+    dead = [p.name for p in stack.processes if not stack.alive(p)]
+    assert dead == [killed], f"exited: {dead}, expected only {killed}"
+
+
 def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.05):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -193,11 +198,6 @@ def test_decode_worker_killed_mid_generation_requests_finish_exactly_elsewhere(s
     assert completion.token_ids == reference[PROMPTS[1]][:24]
     wait_until_idle(stack)
     assert_all_alive(stack)
-
-
-def assert_all_alive_but(stack: Stack, killed: str) -> None:
-    dead = [p.name for p in stack.processes if not stack.alive(p)]
-    assert dead == [killed], f"exited: {dead}, expected only {killed}"
 
 
 def test_prefill_worker_killed_mid_prompt_requests_recompute_on_the_other(stack, reference):

@@ -6,11 +6,11 @@ import asyncio
 import time
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.auth import BearerTokenInterceptor
 from common.config import parse_size
 from common.grpc_server import ServiceHost, open_channel
+from common.healthcheck import channel_health_status
 from common.hf_checkpoint import load_tokenizer
 from common.lifecycle import StartupError, run_service, wait_for_shutdown_signal
 from common.log import get_logger, setup_logging
@@ -82,15 +82,10 @@ async def serve(config: GatewayConfig) -> None:
 async def mirror_scheduler_health(channel, host: ServiceHost, interval_s: float) -> None:
     """The gateway can serve only while the scheduler can: report what the scheduler's
     health says (NOT_SERVING also when it is down or does not answer)."""
-    stub = health_pb2_grpc.HealthStub(channel)
     serving = True
     while True:
         await asyncio.sleep(interval_s)
-        try:
-            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=interval_s * 2)
-            ok = reply.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.aio.AioRpcError:
-            ok = False
+        ok = await channel_health_status(channel, timeout_s=interval_s * 2) == "SERVING"
         if ok != serving:
             serving = ok
             log.warning("scheduler_serving" if ok else "scheduler_not_serving")

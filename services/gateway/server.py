@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from common.lifecycle import wait_until
 from common.log import bind_request, get_logger
 from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
@@ -102,11 +103,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     async def drain(self, timeout_s: float) -> bool:
         """Wait until no Generate stream is open (True) or timeout_s passed (False)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while self.num_open and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        return not self.num_open
+        return await wait_until(lambda: not self.num_open, timeout_s)
 
     def set_model(self, model: types_pb2.ModelDescription) -> None:
         """Start serving `model` (its limits come from the scheduler)."""

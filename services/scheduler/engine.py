@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from common.lifecycle import wait_until
 from common.log import bind_request, get_logger
 from services.scheduler.handle import Finished, RequestHandle, Stage, Tokens
 from services.scheduler.handoff import KvHandoff
@@ -202,10 +203,7 @@ class Engine:
 
     async def drain(self, timeout_s: float) -> bool:
         """Wait until every request has finished (True) or timeout_s passed (False)."""
-        deadline = time.monotonic() + timeout_s
-        while self._handles and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        return not self._handles
+        return await wait_until(lambda: not self._handles, timeout_s)
 
     async def close(self) -> None:
         for task in list(self._tasks):

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.grpc_server import open_channel
+from common.healthcheck import channel_health_status
 from common.pb.tandem.internal.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from services.scheduler.pool_scheduler import PoolStepPlan
 from services.scheduler.request import Logprob, Request
@@ -127,20 +127,13 @@ class WorkerClient:
         self.step_timeout_s = step_timeout_s
         self._channel = open_channel(address)
         self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
         self._step_call = None
         self._step_id = 0
 
     async def health(self, timeout_s: float) -> str:
         """The worker's grpc.health.v1 status name, or 'UNREACHABLE' (down, hung, or not
         answering within timeout_s)."""
-        try:
-            reply = await self._health.Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
-            )
-        except grpc.aio.AioRpcError:
-            return "UNREACHABLE"
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        return await channel_health_status(self._channel, timeout_s)
 
     async def describe(self, timeout_s: float = 10.0) -> worker_pb2.DescribeWorkerResponse:
         return await self._stub.DescribeWorker(

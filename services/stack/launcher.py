@@ -272,13 +272,7 @@ class Stack:
         new = self._launch(name, old.address, argv)
         self.processes[self.processes.index(old)] = new
         self.save()
-        deadline = time.monotonic() + ready_timeout_s
-        while process_health(new, self.tls) != "SERVING":
-            if not self.alive(new):
-                raise RuntimeError(f"{name} exited on restart:\n{self.log_tail(new)}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{name} not SERVING {ready_timeout_s}s after restart")
-            time.sleep(0.1)
+        self.wait_serving(ready_timeout_s, [new])
         return new
 
     @classmethod
@@ -347,9 +341,10 @@ class Stack:
         except ChildProcessError:
             return True
 
-    def wait_serving(self, timeout_s: float) -> None:
+    def wait_serving(self, timeout_s: float, processes: list[Process] | None = None) -> None:
+        """Wait until every process (default: all of them) reports SERVING."""
         deadline = time.monotonic() + timeout_s
-        pending = list(self.processes)
+        pending = list(self.processes if processes is None else processes)
         while pending:
             for process in list(pending):
                 if not self.alive(process):

@@ -6,6 +6,7 @@ import asyncio
 
 import grpc
 
+from common.lifecycle import wait_until
 from common.log import get_logger
 from common.pb.tandem.internal.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from services.worker.batch import (
@@ -93,19 +94,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         """Wait until no scheduler drives this worker, or it has held no request and no
         transfer for settle_s (the scheduler has seen NOT_SERVING by then); False if
         timeout_s ran out first."""
-        loop = asyncio.get_running_loop()
-        deadline, idle_since = loop.time() + timeout_s, None
-        while loop.time() < deadline:
+        loop, idle_since = asyncio.get_running_loop(), None
+
+        def drained() -> bool:
+            nonlocal idle_since
             if not self._open_streams:
                 return True
-            if self.worker.is_idle:
-                idle_since = idle_since or loop.time()
-                if loop.time() - idle_since >= settle_s:
-                    return True
-            else:
+            if not self.worker.is_idle:
                 idle_since = None
-            await asyncio.sleep(0.05)
-        return False
+                return False
+            idle_since = idle_since or loop.time()
+            return loop.time() - idle_since >= settle_s
+
+        return await wait_until(drained, timeout_s)
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> Worker:
         if self.worker is None:
