@@ -1,0 +1,77 @@
+"""The benchmark models: random-weight Llama checkpoints of realistic small sizes, built on
+first use under `.tandem/models/<name>` (nothing is downloaded).
+
+`llama-32m` is the model of the performance issue (hidden 512, 8 layers, 8 heads / 4 KV
+heads, vocabulary 8192); `llama-150m` the larger one the same ratios must hold on (hidden
+1024, 12 layers). Both are float32, untied, with a BPE tokenizer trained on the bundled corpus.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS_DIR = ROOT / ".tandem" / "models"
+
+BENCH_MODELS: dict[str, dict[str, Any]] = {
+    "llama-32m": {
+        "hidden_size": 512,
+        "intermediate_size": 1376,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "vocab_size": 8192,
+        "tokenizer_vocab_size": 8192,
+        "max_position_embeddings": 2048,
+    },
+    "llama-150m": {
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "vocab_size": 8192,
+        "tokenizer_vocab_size": 8192,
+        "max_position_embeddings": 2048,
+    },
+}
+
+
+def num_parameters(name: str) -> int:
+    """Parameter count of a bench model (untied embeddings and LM head)."""
+    s = BENCH_MODELS[name]
+    h, inner, layers, vocab = (
+        s["hidden_size"],
+        s["intermediate_size"],
+        s["num_hidden_layers"],
+        s["vocab_size"],
+    )
+    head_dim = h // s["num_attention_heads"]
+    kv = s["num_key_value_heads"] * head_dim
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * inner + 2 * h
+    return 2 * vocab * h + layers * per_layer + h
+
+
+def bench_model(name: str, models_dir: Path = MODELS_DIR) -> Path:
+    """The folder of bench model `name`, built there first if it is not complete."""
+    from common.checkpoint_builder import build_checkpoint, is_complete_checkpoint
+
+    if name not in BENCH_MODELS:
+        raise ValueError(f"unknown bench model {name!r}; known: {', '.join(BENCH_MODELS)}")
+    out = models_dir / name
+    if not is_complete_checkpoint(out):
+        build_checkpoint(out, "llama", **BENCH_MODELS[name], seed=0)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.models", description=__doc__)
+    parser.add_argument("names", nargs="*", help=f"default: all of {', '.join(BENCH_MODELS)}")
+    for name in parser.parse_args(argv).names or list(BENCH_MODELS):
+        print(f"{bench_model(name)}  ({num_parameters(name) / 1e6:.1f}M parameters)")
+
+
+if __name__ == "__main__":
+    main()
