@@ -35,6 +35,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --quiet torch==2.13.0
 	$(PY) -m pip install --quiet --quiet -e ".[dev]"
+	$(PY) -m kernels.cpu_ops || echo "C++ CPU kernels unavailable: workers use the torch fallback"
 	touch $(STAMP)
 
 venv: $(STAMP)

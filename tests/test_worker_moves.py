@@ -68,3 +68,33 @@ def test_a_receive_waits_for_the_steps_planned_before_it(tiny_llama_dir):
         await worker.close()
 
     run(scenario())
+
+
+def test_loading_steps_and_moves_run_on_one_tensor_thread(tiny_llama_dir, monkeypatch):
+    """All of a worker's torch work shares one thread (one OpenMP team: a second team made
+    every CPU step ~2.5x slower), and holds the host's compute lock."""
+    import threading
+
+    import services.worker.worker as worker_module
+
+    threads: list[str] = []
+    real_load = worker_module.load_worker
+
+    def recording_load(config, worker_id):
+        threads.append(threading.current_thread().name)
+        return real_load(config, worker_id)
+
+    monkeypatch.setattr(worker_module, "load_worker", recording_load)
+
+    async def scenario():
+        worker = await loaded(tiny_llama_dir)
+        assert worker.compute_lock is not None  # CPU workers take turns by default
+        real_execute = worker.runner.execute
+        worker.runner.execute = lambda work: (
+            threads.append(threading.current_thread().name) or real_execute(work)
+        )
+        await worker.step(1, [], [], [], BlockMoves(copies=[(2, 7)]))
+        await worker.close()
+
+    run(scenario())
+    assert len(threads) == 2 and len(set(threads)) == 1 and threads[0].startswith("tensor")

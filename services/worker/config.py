@@ -37,7 +37,8 @@ class WorkerConfig:
     )
     attention_backend: str = setting(
         "auto",
-        "paged attention: auto (Triton on CUDA, torch elsewhere), torch or triton",
+        "paged attention: auto (Triton on CUDA, cpu elsewhere), cpu (C++ decode kernel + "
+        "SDPA), torch (the plain reference) or triton",
         choices=BACKENDS,
         env="TANDEM_ATTENTION_BACKEND",
     )
@@ -80,6 +81,20 @@ class WorkerConfig:
     )
     torch_threads: int = setting(
         0, "torch intra-op threads (0 = torch's default)", env="TANDEM_WORKER_TORCH_THREADS"
+    )
+    cpu_packed_weights: str = setting(
+        "auto",
+        "also keep MKL-packed float32 weights for decode-sized batches (up to 30% faster "
+        "decode steps, ~2.6x the weights' memory): auto (decode and both workers on CPU when "
+        "they fit in half the available memory), on, off",
+        choices=("auto", "on", "off"),
+        env="TANDEM_CPU_PACKED_WEIGHTS",
+    )
+    cpu_compute_lock: str = setting(
+        "auto",
+        "take turns computing with the other CPU workers on this host: auto (a host-wide lock "
+        "file for CPU workers, none on GPU), off, or the path of a lock file to share",
+        env="TANDEM_CPU_COMPUTE_LOCK",
     )
     kv_transfer_timeout_s: float = setting(
         60.0, "seconds before a KV send/receive fails", env="TANDEM_KV_TRANSFER_TIMEOUT_S"
@@ -135,6 +150,12 @@ class WorkerConfig:
             )
         if self.profile_num_tokens < 1:
             raise ValueError(f"profile_num_tokens must be >= 1, got {self.profile_num_tokens}")
+        if self.cpu_packed_weights not in ("auto", "on", "off"):
+            raise ValueError(
+                f"cpu_packed_weights must be auto, on or off, got {self.cpu_packed_weights!r}"
+            )
+        if not self.cpu_compute_lock:
+            raise ValueError("cpu_compute_lock must be auto, off or a file path")
         if self.torch_threads < 0:
             raise ValueError(f"torch_threads must be >= 0, got {self.torch_threads}")
         if not self.kv_transfer_timeout_s > 0:

@@ -23,6 +23,11 @@ log = get_logger(__name__)
 
 # ucxx sets UCX_MEMTYPE_CACHE itself; UCX then warns it is unused on CPU-only builds.
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+# Completed requests wake their awaiting coroutine through a notifier thread. Without it,
+# every pending send or receive polls with `asyncio.sleep(0)`: a receive posted before its
+# sender is ready kept the worker's event loop at 100% CPU (and fighting the tensor thread
+# for the GIL) for as long as it waited.
+os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
 
 
 class KvTransferError(RuntimeError):
@@ -95,3 +100,11 @@ class UcxTransport:
             except Exception:  # closing a dead peer's endpoint may fail; nothing to do
                 pass
         self._endpoints.clear()
+        # Shut UCX down: its notifier thread is not a daemon (the process could not exit
+        # while it runs) and serves the event loop it started on, so a later transport in
+        # this process (on another loop) needs a fresh context.
+        try:
+            self._ucxx.reset()
+        except Exception as exc:  # something still holds UCX: at least stop the thread
+            log.warning("ucx_reset_failed", error=repr(exc)[:500])
+            self._ucxx.stop_notifier_thread()

@@ -100,6 +100,27 @@ def measure_graph_bytes(model, geometry: dict, buckets, max_model_len: int, devi
     return max(0, used)
 
 
+# MKL's packed copy of a float32 weight takes about this many times the weight's bytes.
+PACKED_WEIGHT_FACTOR = 2.6
+
+
+def wants_packed_weights(config: WorkerConfig, model: torch.nn.Module, device) -> bool:
+    """Whether this worker keeps MKL-packed weights for small batches (`cpu_packed_weights`):
+    only CPU float32 models; `auto` = workers that decode, when the copies fit in half the
+    memory available now."""
+    setting = config.cpu_packed_weights
+    if setting == "off" or device.type != "cpu":
+        return False
+    if setting == "on":
+        return True
+    if config.role == "prefill" or next(model.parameters()).dtype != torch.float32:
+        return False
+    import psutil
+
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return PACKED_WEIGHT_FACTOR * weight_bytes <= psutil.virtual_memory().available / 2
+
+
 def load_worker(config: WorkerConfig, worker_id: str) -> LoadedWorker:
     """Everything `Worker` needs, loaded and sized (blocking; run off the event loop)."""
     if config.torch_threads:
@@ -111,6 +132,7 @@ def load_worker(config: WorkerConfig, worker_id: str) -> LoadedWorker:
     free_at_start = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
     backend = select_backend(config.attention_backend, device)
     model, model_config = load_model(config.model, dtype=dtype, device=device, attention=backend)
+    packed_bytes = model.pack_weights() if wants_packed_weights(config, model, device) else 0
     max_model_len = min(
         config.max_model_len or model_config.max_position_embeddings,
         model_config.max_position_embeddings,
@@ -176,6 +198,7 @@ def load_worker(config: WorkerConfig, worker_id: str) -> LoadedWorker:
         dtype=str(dtype).removeprefix("torch."),
         attention=backend.name,
         cuda_graphs=graphs.num_graphs if graphs else 0,
+        packed_weights_mib=round(packed_bytes / 2**20, 1),
         num_blocks=num_blocks,
         kv_pool_mib=round(num_blocks * kv_cache.block_bytes / 2**20, 1),
         swap_blocks=num_swap_blocks,

@@ -1,8 +1,11 @@
 """A loaded worker: model, KV pool, persistent batch, runner and UCX transport.
 
-All tensor work (forward passes, block gathers and scatters) runs on one executor thread,
-so KV transfers and steps never touch the pool at the same time; the event loop stays free
-for gRPC and UCX.
+All tensor work (loading, forward passes, block gathers and scatters) runs on one executor
+thread, so KV transfers and steps never touch the pool at the same time and the event loop
+stays free for gRPC and UCX. One thread matters for speed too: OpenMP keeps a team of
+threads per thread that runs parallel torch ops, and libgomp stops spin-waiting in every
+team once a process holds more OpenMP threads than the machine has cores; a second team
+(e.g. from loading on another thread) made every CPU step about 2.5x slower.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from services.worker.batch import (
     PersistentBatch,
     PlanError,
 )
+from services.worker.compute_lock import ComputeLock, make_compute_lock
 from services.worker.config import WorkerConfig
 from services.worker.kv_transfer import KvTransferError, UcxTransport
-from services.worker.loading import LoadedWorker, load_worker
+from services.worker.loading import LoadedWorker, load_worker, resolve_device
 from services.worker.runner import ModelRunner, StepOutput
 from services.worker.staging import StagingBuffers
 
@@ -38,6 +42,11 @@ NO_MOVES = BlockMoves()
 MAX_CANCELLED_TAGS = 65536
 
 
+def tensor_executor() -> ThreadPoolExecutor:
+    """The one thread that runs a worker's torch work."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensor")
+
+
 @dataclass(frozen=True)
 class TransferResult:
     num_bytes: int
@@ -45,7 +54,14 @@ class TransferResult:
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig, worker_id: str, loaded: LoadedWorker) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        worker_id: str,
+        loaded: LoadedWorker,
+        executor: ThreadPoolExecutor | None = None,
+        compute_lock: ComputeLock | None = None,
+    ) -> None:
         self.config = config
         self.worker_id = worker_id
         self.role = config.role
@@ -62,7 +78,8 @@ class Worker:
             timeout_s=config.kv_transfer_timeout_s,
             error_handling=config.kv_transfer_error_handling,
         )
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensor")
+        self._executor = executor or tensor_executor()
+        self.compute_lock = compute_lock
         self.staging = StagingBuffers()
         self.executed_step_id = 0
         self._step_done = asyncio.Condition()
@@ -71,10 +88,19 @@ class Worker:
 
     @classmethod
     async def load(cls, config: WorkerConfig, worker_id: str) -> Worker:
-        """Load weights and allocate the KV pool off the event loop; UCX starts on the loop."""
-        return cls(config, worker_id, await asyncio.to_thread(load_worker, config, worker_id))
+        """Load weights and allocate the KV pool on the tensor thread (off the event loop);
+        UCX starts on the loop."""
+        executor = tensor_executor()
+        lock = make_compute_lock(config.cpu_compute_lock, resolve_device(config.device).type)
+        loop = asyncio.get_running_loop()
+        load = (load_worker,) if lock is None else (lock.run, load_worker)
+        loaded = await loop.run_in_executor(executor, *load, config, worker_id)
+        return cls(config, worker_id, loaded, executor, lock)
 
     async def _on_tensor_thread(self, fn, *args):
+        """Run `fn` on the tensor thread (holding the host's compute lock, if any)."""
+        if self.compute_lock is not None:
+            fn, args = self.compute_lock.run, (fn, *args)
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def step(
@@ -202,3 +228,5 @@ class Worker:
     async def close(self) -> None:
         await self.transport.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.compute_lock is not None:
+            self.compute_lock.close()

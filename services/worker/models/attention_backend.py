@@ -1,38 +1,36 @@
-"""Which attention implementation the model runs: the plain-torch paged reference (CPU,
-and anywhere for checking) or the Triton kernels (CUDA). Chosen per worker by device and
-overridable (`--attention-backend`); passed to the model explicitly, never a global.
+"""Which attention implementation the model runs: the CPU path (a C++ decode kernel reading
+the paged cache in place, torch's fused SDPA for prompts; the CPU default), the plain-torch
+paged reference (for checking), or the Triton kernels (CUDA). Chosen per worker by device
+and overridable (`--attention-backend`); passed to the model explicitly, never a global.
 
-Both write the step's K/V into the paged cache, then attend: the Triton backend uses the
-decode kernel (split-KV) when every sequence has one new token — the shape CUDA graphs
-capture — and the prefill/extend kernel otherwise.
+A backend plans each forward pass once (`prepare`, returning the metadata with its plan
+attached), then each layer calls `forward`, which writes the step's K/V into the paged cache
+and attends. The Triton backend uses the decode kernel (split-KV) when every sequence has
+one new token — the shape CUDA graphs capture — and the prefill/extend kernel otherwise.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 import torch
 
 from services.worker.models.attention_metadata import AttentionMetadata
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "cpu", "torch", "triton")
 
 
 class AttentionBackend(Protocol):
     name: str
 
-    def write_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> None: ...
+    def prepare(self, meta: AttentionMetadata) -> AttentionMetadata: ...
 
-    def attend(
+    def forward(
         self,
         query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
@@ -40,7 +38,38 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
+class CpuAttention:
+    """`kernels/cpu_paged_attention.py`: one plan per pass, then per layer the C++ decode
+    kernel and SDPA for prompt chunks."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        from kernels import cpu_paged_attention
+
+        self._impl = cpu_paged_attention
+
+    def prepare(self, meta):
+        if meta.backend_plan is not None:
+            return meta
+        plan = self._impl.plan(
+            meta.slot_mapping,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_size,
+        )
+        return dataclasses.replace(meta, backend_plan=plan)
+
+    def forward(self, query, key, value, k_cache, v_cache, meta, scale):
+        plan = meta.backend_plan
+        self._impl.write(key, value, k_cache, v_cache, plan)
+        return self._impl.attend(query, key, value, k_cache, v_cache, plan, scale)
+
+
 class TorchAttention:
+    """`kernels/torch_paged.py`, the reference every other backend is tested against."""
+
     name = "torch"
 
     def __init__(self) -> None:
@@ -48,10 +77,11 @@ class TorchAttention:
 
         self._impl = torch_paged
 
-    def write_kv(self, key, value, k_cache, v_cache, meta):
-        self._impl.reshape_and_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+    def prepare(self, meta):
+        return meta
 
-    def attend(self, query, k_cache, v_cache, meta, scale):
+    def forward(self, query, key, value, k_cache, v_cache, meta, scale):
+        self._impl.reshape_and_cache(key, value, k_cache, v_cache, meta.slot_mapping)
         return self._impl.paged_attention(
             query,
             k_cache,
@@ -76,10 +106,11 @@ class TritonAttention:
         self._decode = paged_decode_attention
         self._prefill = paged_prefill_attention
 
-    def write_kv(self, key, value, k_cache, v_cache, meta):
-        self._write(key, value, k_cache, v_cache, meta.slot_mapping)
+    def prepare(self, meta):
+        return meta
 
-    def attend(self, query, k_cache, v_cache, meta, scale):
+    def forward(self, query, key, value, k_cache, v_cache, meta, scale):
+        self._write(key, value, k_cache, v_cache, meta.slot_mapping)
         if meta.is_pure_decode:
             return self._decode(
                 query,
@@ -104,9 +135,9 @@ class TritonAttention:
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto` is Triton on CUDA and torch elsewhere."""
+    """`auto` is Triton on CUDA and the CPU path elsewhere."""
     if name not in BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    return TritonAttention() if name == "triton" else TorchAttention()
+        name = "triton" if device.type == "cuda" else "cpu"
+    return {"cpu": CpuAttention, "torch": TorchAttention, "triton": TritonAttention}[name]()

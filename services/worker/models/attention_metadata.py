@@ -58,6 +58,8 @@ class AttentionMetadata:
     max_seq_len: int = 0
     # Split-KV partitions for the decode kernel (None = let the kernel choose).
     decode_num_splits: int | None = None
+    # What the attention backend planned for this pass (`AttentionBackend.prepare`).
+    backend_plan: object | None = None
 
     @property
     def num_tokens(self) -> int:

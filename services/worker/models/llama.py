@@ -7,7 +7,9 @@ parameter names equal Hugging Face's, so an HF state dict loads without renaming
 
 `forward` takes a flat varlen batch of new tokens; each attention layer writes their K/V into
 the cache and attends through the block tables with the `AttentionBackend` the model was
-built with (plain torch or Triton).
+built with (SDPA, the plain-torch reference, or Triton). After loading, `merge_projections`
+turns q/k/v and gate/up into one matrix product each (`linear.py`); `forward` does it first
+if the loader did not.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from torch import nn
 
 from common.model_config import ModelConfig
 from services.worker.kv_cache import KvCache
-from services.worker.models.attention_backend import AttentionBackend, TorchAttention
+from services.worker.models.attention_backend import AttentionBackend, CpuAttention
 from services.worker.models.attention_metadata import AttentionMetadata
-from services.worker.models.rope import RotaryEmbedding
+from services.worker.models.linear import MergedLinear
+from services.worker.models.rope import RotaryEmbedding, rotate
 
 
 class RMSNorm(nn.Module):
@@ -30,9 +33,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
         self.eps = eps
+        self.shape = (size,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
+        if input_dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.shape, self.weight, self.eps)  # one fused kernel
+        # Hugging Face's order: normalise in float32, cast back, then scale.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(input_dtype)
@@ -61,26 +68,31 @@ class Attention(nn.Module):
         else:
             self.q_norm = None
             self.k_norm = None
+        self.qkv_proj: MergedLinear | None = None
+
+    def merge_projections(self) -> None:
+        self.qkv_proj = MergedLinear.merge([self.q_proj, self.k_proj, self.v_proj])
+        self.o_proj = MergedLinear.merge([self.o_proj])
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
         self,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rope: tuple[torch.Tensor, ...],
         cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        num_tokens, heads, kv_heads = hidden.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(hidden).view(num_tokens, heads + 2 * kv_heads, self.head_dim)
+        v = qkv[:, heads + kv_heads :]
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = rotary(positions, q, k)
+            q = rotate(self.q_norm(qkv[:, :heads]), rope)
+            k = rotate(self.k_norm(qkv[:, heads : heads + kv_heads]), rope)
+        else:  # queries and keys are adjacent heads: one rotation for both
+            qk = rotate(qkv[:, : heads + kv_heads], rope)
+            q, k = qk[:, :heads], qk[:, heads:]
         k_cache, v_cache = cache
-        self.backend.write_kv(k, v, k_cache, v_cache, meta)
-        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale)
+        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -93,9 +105,16 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inner, bias=False, dtype=dtype)
         self.up_proj = nn.Linear(hidden, inner, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(inner, hidden, bias=False, dtype=dtype)
+        self.gate_up_proj: MergedLinear | None = None
+
+    def merge_projections(self) -> None:
+        self.gate_up_proj = MergedLinear.merge([self.gate_proj, self.up_proj])
+        self.down_proj = MergedLinear.merge([self.down_proj])
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj.split(x)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -109,14 +128,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rope: tuple[torch.Tensor, ...],
         cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(
-            self.input_layernorm(hidden), positions, rotary, cache, meta
-        )
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, cache, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -125,6 +141,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, backend: AttentionBackend) -> None:
         super().__init__()
+        self.backend = backend
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
             DecoderLayer(config, dtype, backend) for _ in range(config.num_hidden_layers)
@@ -144,9 +161,11 @@ class LlamaModel(nn.Module):
         kv_cache: KvCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        meta = self.backend.prepare(meta)
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.tables(positions, hidden.dtype)
         for index, layer in enumerate(self.layers):
-            hidden = layer(hidden, positions, self.rotary_emb, kv_cache.layer(index), meta)
+            hidden = layer(hidden, rope, kv_cache.layer(index), meta)
         return self.norm(hidden)
 
 
@@ -161,15 +180,34 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        self.attention = attention or TorchAttention()
+        self.attention = attention or CpuAttention()
         self.model = LlamaModel(config, dtype, self.attention)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.tie_weights()
+        self.merged = False
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head when the config asks for it."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def merge_projections(self) -> None:
+        """Merge q/k/v and gate/up and lay weights out for the device (after loading;
+        idempotent). A tied LM head stays the embedding matrix."""
+        if self.merged:
+            return
+        for layer in self.model.layers:
+            layer.self_attn.merge_projections()
+            layer.mlp.merge_projections()
+        if not self.config.tie_word_embeddings:
+            self.lm_head = MergedLinear.merge([self.lm_head])
+        self.merged = True
+
+    def pack_weights(self) -> int:
+        """Add MKL-packed copies of the merged weights for decode-sized batches (CPU,
+        float32; see `linear.py`); returns the bytes they take."""
+        self.merge_projections()
+        return sum(m.pack() for m in self.modules() if isinstance(m, MergedLinear))
 
     def forward(
         self,
@@ -179,6 +217,9 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Flat new tokens `[T]` at `positions` `[T]` -> final hidden states `[T, hidden]`."""
+        if not self.merged:
+            with torch.inference_mode(False), torch.no_grad():
+                self.merge_projections()
         self._check_cache(kv_cache, meta)
         if input_ids.shape != positions.shape or input_ids.dim() != 1:
             raise ValueError(

@@ -64,4 +64,5 @@ def load_model(
     model.to(device)
     model.eval()
     model.requires_grad_(False)
+    model.merge_projections()
     return model, config

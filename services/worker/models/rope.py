@@ -80,14 +80,20 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos_cache[positions].unsqueeze(1)
-        sin = self.sin_cache[positions].unsqueeze(1)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+        tables = self.tables(positions, query.dtype)
+        return rotate(query, tables), rotate(key, tables)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """(cos, sin) `[T, 1, head_dim // 2]` of the positions, in `dtype`: looked up once
+        per forward pass and shared by every layer."""
+        cos = self.cos_cache[positions].unsqueeze(1).to(dtype)
+        sin = self.sin_cache[positions].unsqueeze(1).to(dtype)
+        return cos, sin
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """rotate_half form: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), in x's dtype."""
-    cos = cos.to(x.dtype)
-    sin = sin.to(x.dtype)
+def rotate(x: torch.Tensor, tables: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """rotate_half form: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) for `x`
+    `[T, heads, head_dim]` and `tables` from `RotaryEmbedding.tables`."""
+    cos, sin = tables
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

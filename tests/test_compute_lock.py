@@ -1,0 +1,82 @@
+"""The host's compute lock: workers in different processes take turns, a dead holder
+releases it, and a frozen holder delays others by at most `max_wait_s`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from services.worker.compute_lock import ComputeLock, default_lock_path, make_compute_lock
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A process that takes the lock `rounds` times, recording when it held it.
+_TAKE_TURNS = """
+import json, sys, time
+from services.worker.compute_lock import ComputeLock
+lock = ComputeLock(sys.argv[1])
+spans = []
+def hold():
+    start = time.monotonic()
+    time.sleep(0.01)
+    spans.append((start, time.monotonic()))
+for _ in range(int(sys.argv[2])):
+    lock.run(hold)
+print(json.dumps(spans))
+"""
+
+# A process that takes the lock and keeps it until killed.
+_HOLD_FOREVER = """
+import sys, time
+from services.worker.compute_lock import ComputeLock
+ComputeLock(sys.argv[1]).run(lambda: (print("holding", flush=True), time.sleep(3600)))
+"""
+
+
+def _python(code: str, *args: str, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-c", code, *args], env=env, text=True, **kwargs)
+
+
+def test_processes_never_hold_it_at_once(tmp_path):
+    path = str(tmp_path / "compute.lock")
+    procs = [_python(_TAKE_TURNS, path, "25", stdout=subprocess.PIPE) for _ in range(3)]
+    spans = sorted(span for p in procs for span in json.loads(p.communicate(timeout=60)[0]))
+    assert len(spans) == 75
+    for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+        assert start >= end, "two processes held the compute lock at the same time"
+
+
+def test_a_killed_holder_releases_it_and_a_frozen_one_is_bounded(tmp_path):
+    path = str(tmp_path / "compute.lock")
+    holder = _python(_HOLD_FOREVER, path, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        os.kill(holder.pid, signal.SIGSTOP)  # frozen while holding it
+        lock = ComputeLock(path, max_wait_s=0.3)
+        started = time.monotonic()
+        assert lock.run(lambda: 42) == 42  # ran anyway, after the bound
+        assert time.monotonic() - started >= 0.3 and lock.num_timeouts == 1
+        holder.kill()
+        holder.wait(timeout=10)
+        assert lock.run(lambda: 7) == 7
+        assert lock.num_timeouts == 1  # acquired normally once the holder died
+    finally:
+        holder.kill()
+
+
+def test_settings():
+    assert make_compute_lock("off", "cpu") is None
+    assert make_compute_lock("auto", "cuda") is None
+    lock = make_compute_lock("auto", "cpu")
+    assert lock is not None and lock.path == default_lock_path()
+    lock.close()
+    with pytest.raises(ValueError, match="max_wait_s"):
+        ComputeLock(default_lock_path(), max_wait_s=0)
