@@ -189,6 +189,35 @@ def test_logprobs_one_entry_per_generated_token(client):
     assert all(t.bytes == list(t.token.encode()) for t in content)
 
 
+def test_every_generated_step_is_a_chunk_even_when_its_text_is_empty(client, tiny_llama_dir):
+    """Tokens whose text is held back (here lone UTF-8 continuation bytes, which never form
+    a character) still reach the client as one chunk per step, as vLLM streams them:
+    clients measure TTFT and inter-token latency by chunks."""
+    tokenizer = hf_tokenizer(str(tiny_llama_dir))
+    partial = [i for i in range(len(tokenizer)) if tokenizer.decode([i]) == "\ufffd"]
+    assert len(partial) >= 32
+    bias = {str(i): 100 for i in partial}
+    for stream_kwargs in ({}, {"stream_options": {"include_usage": True}}):
+        stream = client.completions.create(
+            model=MODEL, prompt="Hello", max_tokens=12, temperature=0, logit_bias=bias,
+            logprobs=1, stream=True, **stream_kwargs,
+        )  # fmt: skip
+        chunks = [c for c in stream if c.choices]
+        per_chunk = [len(c.choices[0].logprobs.tokens) for c in chunks]
+        assert sum(per_chunk) == 12 and min(per_chunk) >= 1  # every token, none skipped
+        empty = [c for c in chunks if c.choices[0].text == ""]
+        assert len(empty) >= 8  # most steps had no text and were sent anyway
+        assert chunks[-1].choices[0].finish_reason == "length"
+
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+        temperature=0, logit_bias=bias, stream=True,
+    )  # fmt: skip
+    deltas = [c.choices[0].delta for c in chat if c.choices]
+    content = [d for d in deltas if d.role is None]  # after the role chunk
+    assert len(content) >= 8 and sum(1 for d in content if d.content == "") >= 6
+
+
 def test_stop_string_cuts_the_text(client):
     prompt = "Greedy decoding must equal transformers token for token."
     full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0)

@@ -323,11 +323,13 @@ def test_completion_logprobs_offsets_continue_across_chunks():
     assert chunks.usage_chunk()["choices"] == []
 
 
-def test_streamed_echo_goes_on_each_choice_first_chunk_and_empty_messages_are_skipped():
+def test_streamed_echo_goes_on_each_choice_first_chunk_and_every_step_is_a_chunk():
     chunks = CompletionChunks(META, n=2, echo_texts=["Hi"], logprobs=False, include_usage=False)
     assert chunks.chunk(0, message(index=1, text="a"))["choices"][0]["text"] == "Hia"
     assert chunks.chunk(0, message(index=1, text="b"))["choices"][0]["text"] == "b"
-    assert chunks.chunk(0, message(index=1, text="", ids=[7])) is None  # text held back
+    held = chunks.chunk(0, message(index=1, text="", ids=[7]))  # text held back: a chunk
+    assert held["choices"][0]["text"] == "" and held["choices"][0]["finish_reason"] is None
+    assert chunks.chunk(0, message(index=1)) is None  # no token, no text: nothing to send
     last = chunks.chunk(0, message(index=0, text="c", finish=STOP))
     assert last["choices"][0] == {
         "index": 0, "text": "Hic", "logprobs": None, "finish_reason": "stop", "stop_reason": None
@@ -342,6 +344,9 @@ def test_chat_chunks_role_first_then_content_then_finish_and_usage():
     assert all(c["object"] == "chat.completion.chunk" for c in roles)
     content = chunks.chunk(message(index=1, text="Hi"))
     assert content["choices"][0]["delta"] == {"content": "Hi"} and content["usage"] is None
+    partial = chunks.chunk(message(index=1, ids=[200]))  # a token whose text is held back
+    assert partial["choices"][0]["delta"] == {"content": ""}
+    assert chunks.chunk(message(index=1)) is None
     end = chunks.chunk(message(index=1, finish=STOP, stop_string="\n", usage=(5, 1, 0)))
     assert end["choices"][0]["delta"] == {} and end["choices"][0]["finish_reason"] == "stop"
     assert end["choices"][0]["stop_reason"] == "\n"

@@ -55,18 +55,21 @@ class ChatChunks:
         ]
 
     def chunk(self, response: generate_pb2.GenerateResponse) -> dict | None:
-        """The chunk for one message, or None when it carries nothing to show."""
+        """The chunk for one message, or None when it carries nothing at all. A message
+        with new tokens is a chunk even when their text is empty (a partial UTF-8
+        character, a skipped special token), as in vLLM: clients time tokens by chunks."""
         self.usage.add(response)
         reason = finish_reason(response)
         logprobs = None
         if self.logprobs and response.logprobs:
             logprobs = {"content": chat_logprobs(response.logprobs)}
-        if not response.text and logprobs is None and reason is None:
+        has_tokens = bool(response.token_ids)
+        if not response.text and not has_tokens and logprobs is None and reason is None:
             return None
         return self._chunk(
             {
                 "index": response.index,
-                "delta": {"content": response.text} if response.text else {},
+                "delta": {"content": response.text} if response.text or has_tokens else {},
                 "logprobs": logprobs,
                 "finish_reason": reason,
                 "stop_reason": stop_reason(response),

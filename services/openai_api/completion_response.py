@@ -67,7 +67,9 @@ class CompletionChunks:
         self._offsets: dict[int, int] = {}  # choice index -> text offset of its next token
 
     def chunk(self, prompt_index: int, response: generate_pb2.GenerateResponse) -> dict | None:
-        """The chunk for one message, or None when it carries nothing to show."""
+        """The chunk for one message, or None when it carries nothing at all. A message
+        with new tokens is a chunk even when their text is empty (a partial UTF-8
+        character, a skipped special token), as in vLLM: clients time tokens by chunks."""
         self.usage.add(response)
         index = choice_index(prompt_index, self.n, response)
         text = response.text
@@ -81,7 +83,7 @@ class CompletionChunks:
                 response.logprobs, self._offsets[index]
             )
         reason = finish_reason(response)
-        if not text and logprobs is None and reason is None:
+        if not text and not response.token_ids and logprobs is None and reason is None:
             return None
         choice = {
             "index": index,

@@ -19,6 +19,7 @@ class PoolCounters:
     # minus the execute time it is the per-step scheduling + transport overhead.
     busy_intervals: int = 0
     busy_interval_s: float = 0.0
+    busy_execute_s: float = 0.0  # execute time of the steps that closed those intervals
     kv_blocks_received: int = 0
     kv_blocks_reused: int = 0
     _last_result: float | None = None
@@ -30,6 +31,7 @@ class PoolCounters:
         if self._last_result is not None and not was_idle:
             self.busy_intervals += 1
             self.busy_interval_s += now - self._last_result
+            self.busy_execute_s += result.execute_seconds
         self._last_result = now
 
     @property
@@ -39,6 +41,13 @@ class PoolCounters:
     @property
     def mean_step_interval_ms(self) -> float:
         return 1e3 * self.busy_interval_s / self.busy_intervals if self.busy_intervals else 0.0
+
+    @property
+    def mean_step_overhead_ms(self) -> float:
+        """Per busy step: time between results minus that step's execute time."""
+        if not self.busy_intervals:
+            return 0.0
+        return 1e3 * (self.busy_interval_s - self.busy_execute_s) / self.busy_intervals
 
 
 @dataclass(eq=False)

@@ -117,6 +117,7 @@ def pool_stats(pool: Pool) -> scheduler_pb2.PoolStats:
         steps=counters.steps,
         mean_execute_ms=counters.mean_execute_ms,
         mean_step_interval_ms=counters.mean_step_interval_ms,
+        mean_step_overhead_ms=counters.mean_step_overhead_ms,
         num_swap_blocks=0 if swap is None else swap.num_blocks,
         num_free_swap_blocks=0 if swap is None else swap.num_free_blocks,
     )

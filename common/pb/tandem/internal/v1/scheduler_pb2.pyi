@@ -94,7 +94,7 @@ class GetPoolStatsResponse(_message.Message):
     def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., num_requests: _Optional[int] = ..., integrity_errors: _Optional[_Iterable[str]] = ..., num_waiting_requests: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., worker_failures: _Optional[int] = ..., restarted_requests: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "num_blocks", "num_free_blocks", "num_requests", "num_cached_blocks", "prefix_hit_tokens", "evictions", "preemptions", "kv_blocks_received", "kv_blocks_reused", "steps", "mean_execute_ms", "mean_step_interval_ms", "num_swap_blocks", "num_free_swap_blocks", "swap_outs", "healthy", "draining")
+    __slots__ = ("worker_id", "role", "address", "num_blocks", "num_free_blocks", "num_requests", "num_cached_blocks", "prefix_hit_tokens", "evictions", "preemptions", "kv_blocks_received", "kv_blocks_reused", "steps", "mean_execute_ms", "mean_step_interval_ms", "num_swap_blocks", "num_free_swap_blocks", "swap_outs", "healthy", "draining", "mean_step_overhead_ms")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class PoolStats(_message.Message):
     SWAP_OUTS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    MEAN_STEP_OVERHEAD_MS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _types_pb2.WorkerRole
     address: str
@@ -135,4 +136,5 @@ class PoolStats(_message.Message):
     swap_outs: int
     healthy: bool
     draining: bool
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., kv_blocks_reused: _Optional[int] = ..., steps: _Optional[int] = ..., mean_execute_ms: _Optional[float] = ..., mean_step_interval_ms: _Optional[float] = ..., num_swap_blocks: _Optional[int] = ..., num_free_swap_blocks: _Optional[int] = ..., swap_outs: _Optional[int] = ..., healthy: _Optional[bool] = ..., draining: _Optional[bool] = ...) -> None: ...
+    mean_step_overhead_ms: float
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., kv_blocks_reused: _Optional[int] = ..., steps: _Optional[int] = ..., mean_execute_ms: _Optional[float] = ..., mean_step_interval_ms: _Optional[float] = ..., num_swap_blocks: _Optional[int] = ..., num_free_swap_blocks: _Optional[int] = ..., swap_outs: _Optional[int] = ..., healthy: _Optional[bool] = ..., draining: _Optional[bool] = ..., mean_step_overhead_ms: _Optional[float] = ...) -> None: ...
