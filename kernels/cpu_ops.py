@@ -21,7 +21,10 @@ from common.log import get_logger
 log = get_logger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = (Path(__file__).resolve().parent / "cpu" / "paged_decode_attention.cpp",)
+SOURCES = tuple(
+    Path(__file__).resolve().parent / "cpu" / name
+    for name in ("paged_decode_attention.cpp", "seeded_uniform.cpp")
+)
 BUILD_DIR = ROOT / ".tandem" / "build" / "torch_extensions"
 NAME = "tandem_cpu_kernels"
 # Set to 0 to never build or load the kernels (the torch fallbacks run instead).
@@ -46,7 +49,7 @@ def available() -> bool:
 def _load() -> tuple[bool, str]:
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return False, f"{ENV_SWITCH}=0"
-    if hasattr(torch.ops, "tandem_cpu") and hasattr(torch.ops.tandem_cpu, "paged_decode_attention"):
+    if hasattr(torch.ops, "tandem_cpu") and hasattr(torch.ops.tandem_cpu, "seeded_uniform"):
         return True, ""
     try:
         from torch.utils.cpp_extension import load

@@ -175,3 +175,27 @@ def test_hash_is_a_bijection_and_streams_differ():
     streams = row_streams(random_keys(4096, torch.device("cpu")), torch.zeros(4096).long())
     assert streams.unique(dim=0).shape[0] == 4096
     assert bool((streams[:, 1] % 2 == 1).all())  # odd multipliers: a full-period sequence
+
+
+def test_cpu_kernel_uniforms_equal_the_torch_reference_bit_for_bit():
+    """The C++ pass (kernels/cpu/seeded_uniform.cpp) computes the same integers and floats
+    as the torch ops, so seeded draws do not depend on which one a worker runs."""
+    from kernels import cpu_ops
+    from services.worker.seeded_noise import uniform_reference
+
+    if not cpu_ops.available():
+        pytest.fail("the C++ CPU kernels did not build")
+    gen = torch.Generator().manual_seed(5)
+    keys = torch.randint(0, 1 << 32, (37, 2), generator=gen)
+    streams = row_streams(keys, torch.randint(0, 1 << 31, (37,), generator=gen))
+    cases = [
+        torch.arange(3000).unsqueeze(0),  # the whole vocabulary, shared by every row
+        torch.randint(0, (1 << 32) - 1, (37, 64), generator=gen),  # per-row candidate ids
+        torch.randint(0, 200_000, (1, 5), generator=gen),
+    ]
+    for ids in cases:
+        fast = torch.ops.tandem_cpu.seeded_uniform(streams, ids, 0)
+        assert torch.equal(fast, uniform_reference(streams, ids))
+        assert torch.equal(uniform(streams, ids), fast)
+    whole = torch.ops.tandem_cpu.seeded_uniform(streams, None, 3000)
+    assert torch.equal(whole, uniform_reference(streams, torch.arange(3000).unsqueeze(0)))

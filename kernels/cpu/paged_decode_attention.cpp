@@ -140,7 +140,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
 
 }  // namespace
 
-TORCH_LIBRARY(tandem_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor seq_lens, float scale) -> ()");
 }

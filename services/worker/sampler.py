@@ -25,9 +25,9 @@ from services.worker.seeded_noise import gumbel, random_keys, row_streams, split
 
 # Truncated rows sort fully (instead of topk) when the largest top_k reaches this share of V.
 _FULL_SORT_SHARE = 0.25
-# Elements per chunk of the race's noise: its int64 temporaries stay cache-sized on CPU and
+# Elements per chunk of the race's noise: its temporaries stay cache-sized on CPU and
 # bounded on accelerators.
-_RACE_CHUNK_CPU = 1 << 16
+_RACE_CHUNK_CPU = 1 << 18
 _RACE_CHUNK = 1 << 22
 
 

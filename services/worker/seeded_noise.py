@@ -11,12 +11,16 @@ step and however often the step is recomputed. Unseeded rows get a fresh random 
 Per row, (key, position) is hashed into an offset `a` and an odd multiplier `m`; token v's
 noise is `mix32((a + m * v) mod 2**32)`, a SplitMix-style Weyl sequence through a 32-bit
 avalanche hash. Everything is vectorised int64 torch arithmetic on values below 2**32 (both
-hash multipliers are below 2**31), so no product leaves the int64 range.
+hash multipliers are below 2**31), so no product leaves the int64 range. On CPU the same
+integers come from one C++ pass (`kernels/cpu/seeded_uniform.cpp`, bit-identical) when the
+CPU kernels are built.
 """
 
 from __future__ import annotations
 
 import torch
+
+from kernels import cpu_ops
 
 MASK32 = 0xFFFFFFFF
 # hash-prospector's 32-bit avalanche hash [16 21f0aaad 15 735a2d97 15].
@@ -73,6 +77,13 @@ def uniform(streams: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     23 random bits per value, as odd multiples of 2**-24 in [U_MIN, U_MAX]: exact in float32,
     never 0 or 1, and symmetric (u and 1 - u have the same distribution).
     """
+    if streams.device.type == "cpu" and cpu_ops.available():
+        return torch.ops.tandem_cpu.seeded_uniform(streams, token_ids, 0)
+    return uniform_reference(streams, token_ids)
+
+
+def uniform_reference(streams: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """`uniform` in torch ops (any device); the C++ pass must equal it bit for bit."""
     x = token_ids * streams[:, 1:]
     x.add_(streams[:, :1]).bitwise_and_(MASK32)
     return mix32_(x).bitwise_right_shift_(8).bitwise_or_(1).float().mul_(2.0**-24)
