@@ -76,6 +76,7 @@ async def serve(config: GatewayConfig) -> None:
     finally:
         if watcher is not None:
             watcher.cancel()
+        await servicer.session.close()
         await channel.close()
 
 

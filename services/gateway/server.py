@@ -2,9 +2,10 @@
 plus Tokenize, Detokenize, model info and server load.
 
 Bad input fails with INVALID_ARGUMENT before the scheduler sees it; scheduler errors come
-back with their own status code; a client that goes away cancels the scheduler stream,
-which aborts the request and frees its blocks. A sample that ends on a stop string (found
-here) is aborted in the scheduler at once.
+back with their own status code; a client that goes away (or whose deadline passes) aborts
+the request in the scheduler, which frees its blocks. A sample that ends on a stop string
+(found here) is aborted in the scheduler at once. Every request travels on the gateway's
+one session stream to the scheduler (`scheduler_session.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, type
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
 from services.gateway.output import RequestOutput, SampleOutput
 from services.gateway.prompts import LARGE_INPUT_CHARS, PromptTokenizer
+from services.gateway.scheduler_session import SchedulerError, SchedulerSession
 from services.gateway.validation import (
     MAX_DETOKENIZE_IDS,
     MAX_LOGPROBS,
@@ -94,6 +96,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.tokenizer = tokenizer
         self.prompts = PromptTokenizer(tokenizer)
         self.scheduler = scheduler
+        self.session = SchedulerSession(scheduler)
         self.default_max_tokens = default_max_tokens
         self.model: types_pb2.ModelDescription | None = None
         self.limits: ModelLimits | None = None
@@ -211,9 +214,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 log.info("invalid_request", error=str(exc))
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             output = self._output(request_id, prepared, arrival)
-            call = self.scheduler.Submit(prepared.submit, timeout=context.time_remaining())
+            updates = await self.session.submit(prepared.submit)
             try:
-                async for update in call:
+                async for update in updates:
                     message = output.consume(update, self.prompts.token_text)
                     if message is None:
                         continue  # a sample that already ended on a stop string
@@ -221,14 +224,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                     if output.done:
                         break
                     if message.HasField("stop_string"):  # the other samples go on
-                        await self.scheduler.Abort(
-                            scheduler_pb2.AbortRequest(request_id=request_id, index=message.index)
-                        )
-            except grpc.aio.AioRpcError as exc:
-                log.warning("scheduler_error", code=exc.code().name, details=exc.details())
-                await context.abort(exc.code(), exc.details() or "scheduler error")
+                        await updates.abort(message.index)
+            except SchedulerError as exc:
+                log.warning("scheduler_error", code=exc.code.name, details=exc.details)
+                await context.abort(exc.code, exc.details)
             finally:
-                call.cancel()  # no-op when finished; aborts the request if the client left
+                updates.close()  # no-op when finished; aborts the request if the client left
             if not output.done:
                 await context.abort(grpc.StatusCode.INTERNAL, "the scheduler stream ended early")
 

@@ -130,11 +130,12 @@ class Engine:
     def _start_loop(self, pool: Pool) -> None:
         self._loops[id(pool)] = self._spawn(self._run_pool(pool), f"pool-{pool.info.worker_id}")
 
-    def submit(self, samples: Sequence[Request]) -> list[RequestHandle]:
+    def submit(self, samples: Sequence[Request], events=None) -> list[RequestHandle]:
         """Validate and queue the n samples of one client request (separate requests with
         the same prompt, queued together on one prefill pool so they share its cached
-        prompt blocks); their events go to one queue. Raises InvalidRequestError,
-        OverloadedError (queue full) or WorkerUnavailableError."""
+        prompt blocks); their events go to `events` (anything with `put_nowait`; default a
+        new asyncio.Queue). Raises InvalidRequestError, OverloadedError (queue full) or
+        WorkerUnavailableError."""
         for request in samples:
             self._validate(request)
             request.hash_root = root_hash(self.deployment_salt, request.cache_salt)
@@ -147,7 +148,7 @@ class Engine:
         pool = self._pick_prefill_pool(samples[0])
         if pool is None:
             raise WorkerUnavailableError("no healthy worker can run prompts")
-        events: asyncio.Queue = asyncio.Queue()
+        events = asyncio.Queue() if events is None else events
         handles = []
         for request in samples:
             handle = RequestHandle(request=request, pool=pool, events=events)

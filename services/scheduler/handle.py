@@ -59,7 +59,8 @@ class RequestHandle:
     request: Request
     pool: Pool
     stage: Stage = Stage.PREFILL
-    # Tokens events, then one Finished; shared by the n samples of one client request.
+    # Tokens events, then one Finished; shared by the n samples of one client request
+    # (an asyncio.Queue, or anything else with `put_nowait`).
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     prompt_logprobs_sent: bool = False
     transfer: Transfer | None = None

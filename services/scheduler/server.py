@@ -1,23 +1,20 @@
 """SchedulerService servicer: protobuf in, engine calls, protobuf out; domain errors become
-gRPC status codes."""
+gRPC status codes (or, on a session, per-request error updates)."""
 
 from __future__ import annotations
+
+import asyncio
 
 import grpc
 
 from common.log import bind_request
 from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
 from services.scheduler.engine import Engine, InvalidRequestError, OverloadedError
-from services.scheduler.handle import Tokens
 from services.scheduler.pool import Pool
-from services.scheduler.request import FinishReason, Logprob, Request, SamplingParams
+from services.scheduler.request import Request, SamplingParams
+from services.scheduler.session import SESSION_CLOSED, SessionState, updates_from_events
 from services.scheduler.worker_client import ROLE_FROM_PB, WorkerUnavailableError
 
-FINISH_TO_PB = {
-    FinishReason.STOP: types_pb2.FINISH_REASON_STOP,
-    FinishReason.LENGTH: types_pb2.FINISH_REASON_LENGTH,
-    FinishReason.ABORT: types_pb2.FINISH_REASON_ABORT,
-}
 ROLE_TO_PB = {role: pb for pb, role in ROLE_FROM_PB.items()}
 MAX_SAMPLES = 16
 
@@ -26,8 +23,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     def __init__(self) -> None:
         self.engine: Engine | None = None
         self.model: types_pb2.ModelDescription | None = None
-        # Client request id -> its samples' request ids, while its Submit stream is open.
-        self._groups: dict[str, list[str]] = {}
         # Set on SIGTERM: running requests finish, new ones get UNAVAILABLE.
         self.draining = False
 
@@ -36,46 +31,63 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler is connecting to workers")
         return self.engine
 
-    async def Submit(self, request, context):
+    async def Session(self, request_iterator, context):
         engine = await self._ready(context)
-        if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler is shutting down")
+        state = SessionState()
+        reader = asyncio.ensure_future(self._read_session(engine, request_iterator, state))
+        closed = False
+        try:
+            # After the gateway closes its side, what it submitted still runs to the end.
+            while not (closed and not state.unfinished and state.queue.empty()):
+                batch = state.drain(await state.queue.get())
+                closed = closed or any(event is SESSION_CLOSED for _, event in batch)
+                updates = updates_from_events([e for e in batch if e[1] is not SESSION_CLOSED])
+                if updates:
+                    yield scheduler_pb2.SessionResponse(updates=updates)
+        finally:
+            reader.cancel()
+            for handle in state.running_handles():  # the gateway went away: free it all
+                engine.abort(handle.request.request_id)
+
+    async def _read_session(self, engine: Engine, request_iterator, state: SessionState) -> None:
+        try:
+            async for message in request_iterator:
+                action = message.WhichOneof("action")
+                if action == "submit":
+                    self._submit(engine, message.submit, state)
+                elif action == "abort":
+                    ids = state.sample_ids(message.abort.request_id)
+                    if message.abort.HasField("index"):
+                        ids = ids[message.abort.index : message.abort.index + 1]
+                    for sample_id in ids:
+                        engine.abort(sample_id)
+        finally:
+            state.queue.put_nowait((None, SESSION_CLOSED))
+
+    def _submit(self, engine: Engine, request, state: SessionState) -> None:
+        """Admit one request on the session, or refuse it with the status it deserves."""
         with bind_request(request.request_id):
+            if self.draining:
+                state.refuse(request.request_id, "UNAVAILABLE", "scheduler is shutting down")
+                return
+            if request.request_id in state.handles:
+                state.refuse(
+                    request.request_id,
+                    "INVALID_ARGUMENT",
+                    f"request_id {request.request_id!r} is already running",
+                )
+                return
             try:
                 samples = samples_from_pb(request, engine.max_model_len)
-                handles = engine.submit(samples)
+                handles = engine.submit(samples, events=state.sink(request.request_id))
             except (InvalidRequestError, ValueError) as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                state.refuse(request.request_id, "INVALID_ARGUMENT", str(exc))
             except OverloadedError as exc:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+                state.refuse(request.request_id, "RESOURCE_EXHAUSTED", str(exc))
             except WorkerUnavailableError as exc:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-            self._groups[request.request_id] = [s.request_id for s in samples]
-            events = handles[0].events
-            unfinished = len(handles)
-            try:
-                while unfinished:
-                    batch = [await events.get()]
-                    while not events.empty():  # coalesce what piled up
-                        batch.append(events.get_nowait())
-                    for message, error in responses_from_events(batch):
-                        if error is not None:
-                            await context.abort(grpc.StatusCode[error[0]], error[1])
-                        unfinished -= message.finish_reason != types_pb2.FINISH_REASON_UNSPECIFIED
-                        yield message
-            finally:
-                self._groups.pop(request.request_id, None)
-                for handle in handles:
-                    if not handle.done:  # the caller went away (cancel, deadline, disconnect)
-                        engine.abort(handle.request.request_id)
-
-    async def Abort(self, request, context):
-        engine = await self._ready(context)
-        ids = self._groups.get(request.request_id, [request.request_id])
-        if request.HasField("index"):
-            ids = ids[request.index : request.index + 1]
-        found = [engine.abort(i) for i in ids]
-        return scheduler_pb2.AbortResponse(found=any(found))
+                state.refuse(request.request_id, "UNAVAILABLE", str(exc))
+            else:
+                state.opened(request.request_id, handles)
 
     async def GetModelInfo(self, request, context):
         await self._ready(context)
@@ -166,45 +178,3 @@ def samples_from_pb(request: scheduler_pb2.SubmitRequest, max_model_len: int) ->
     for sample in samples[1:]:
         sample.leader = samples[0]
     return samples
-
-
-def logprob_pb(logprob: Logprob) -> types_pb2.TokenLogprob:
-    return types_pb2.TokenLogprob(
-        token_id=logprob.token_id,
-        logprob=logprob.logprob,
-        top_logprobs=[types_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in logprob.top],
-    )
-
-
-def responses_from_events(events: list) -> list[tuple[scheduler_pb2.SubmitResponse, tuple | None]]:
-    """One SubmitResponse per run of same-sample events (tokens merged); a Finished closes
-    its sample's message. Returns (message, error) pairs; error = (status name, text)."""
-    out: list[list] = []  # [message, error]
-    open_entries: dict[int, list] = {}
-    for event in events:
-        entry = open_entries.get(event.index)
-        if entry is None:
-            entry = open_entries[event.index] = [
-                scheduler_pb2.SubmitResponse(index=event.index),
-                None,
-            ]
-            out.append(entry)
-        message = entry[0]
-        if isinstance(event, Tokens):
-            message.token_ids.extend(event.token_ids)
-            message.logprobs.extend(logprob_pb(lp) for lp in event.logprobs)
-            message.prompt_logprobs.extend(logprob_pb(lp) for lp in event.prompt_logprobs)
-            if event.cached_tokens is not None:
-                message.cached_tokens = event.cached_tokens
-            continue
-        message.finish_reason = FINISH_TO_PB[event.reason]
-        message.usage.CopyFrom(
-            types_pb2.Usage(
-                prompt_tokens=event.prompt_tokens,
-                completion_tokens=event.completion_tokens,
-                cached_tokens=event.cached_tokens,
-            )
-        )
-        entry[1] = event.error
-        del open_entries[event.index]
-    return [(message, error) for message, error in out]

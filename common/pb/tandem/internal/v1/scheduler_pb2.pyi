@@ -25,8 +25,22 @@ class SubmitRequest(_message.Message):
     n: int
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
 
+class SessionRequest(_message.Message):
+    __slots__ = ("submit", "abort")
+    SUBMIT_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    submit: SubmitRequest
+    abort: AbortRequest
+    def __init__(self, submit: _Optional[_Union[SubmitRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("updates",)
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    updates: _containers.RepeatedCompositeFieldContainer[SubmitResponse]
+    def __init__(self, updates: _Optional[_Iterable[_Union[SubmitResponse, _Mapping]]] = ...) -> None: ...
+
 class SubmitResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "usage", "index", "logprobs", "prompt_logprobs", "cached_tokens")
+    __slots__ = ("token_ids", "finish_reason", "usage", "index", "logprobs", "prompt_logprobs", "cached_tokens", "request_id", "error_code", "error_message")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +48,9 @@ class SubmitResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _types_pb2.FinishReason
     usage: _types_pb2.Usage
@@ -41,7 +58,10 @@ class SubmitResponse(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[_types_pb2.TokenLogprob]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_types_pb2.TokenLogprob]
     cached_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_types_pb2.Usage, _Mapping]] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_types_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_types_pb2.TokenLogprob, _Mapping]]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    request_id: str
+    error_code: str
+    error_message: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_types_pb2.Usage, _Mapping]] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_types_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_types_pb2.TokenLogprob, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id", "index")
@@ -50,12 +70,6 @@ class AbortRequest(_message.Message):
     request_id: str
     index: int
     def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
-
-class AbortResponse(_message.Message):
-    __slots__ = ("found",)
-    FOUND_FIELD_NUMBER: _ClassVar[int]
-    found: bool
-    def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()

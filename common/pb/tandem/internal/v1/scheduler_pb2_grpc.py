@@ -37,15 +37,10 @@ class SchedulerServiceStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Submit = channel.unary_stream(
-                '/tandem.internal.v1.SchedulerService/Submit',
-                request_serializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
-                response_deserializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.SubmitResponse.FromString,
-                _registered_method=True)
-        self.Abort = channel.unary_unary(
-                '/tandem.internal.v1.SchedulerService/Abort',
-                request_serializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.AbortRequest.SerializeToString,
-                response_deserializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.AbortResponse.FromString,
+        self.Session = channel.stream_stream(
+                '/tandem.internal.v1.SchedulerService/Session',
+                request_serializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.SessionRequest.SerializeToString,
+                response_deserializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.SessionResponse.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/tandem.internal.v1.SchedulerService/GetModelInfo',
@@ -65,17 +60,15 @@ class SchedulerServiceServicer:
     runs what and which KV blocks move where.
     """
 
-    def Submit(self, request, context):
-        """Submit admits one tokenized request and streams its new token ids. The
-        last message carries the finish reason and usage. Cancelling the stream
-        aborts the request and frees its blocks.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Abort(self, request, context):
-        """Abort stops a request by id (e.g. when the gateway matched a stop string).
+    def Session(self, request_iterator, context):
+        """Session is a gateway's one stream to the scheduler. The gateway submits
+        tokenized requests and aborts them on it; the scheduler answers with every
+        request's progress batched: one message carries the updates of all the
+        requests that advanced together (a decode step's tokens for the whole
+        batch), not one message per token per request. A request's last update
+        carries its finish reason and usage, or an error. When the stream ends,
+        every request submitted on it that is still running is aborted and its
+        blocks are freed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -99,15 +92,10 @@ class SchedulerServiceServicer:
 
 def add_SchedulerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Submit': grpc.unary_stream_rpc_method_handler(
-                    servicer.Submit,
-                    request_deserializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.SubmitRequest.FromString,
-                    response_serializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.SubmitResponse.SerializeToString,
-            ),
-            'Abort': grpc.unary_unary_rpc_method_handler(
-                    servicer.Abort,
-                    request_deserializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.AbortRequest.FromString,
-                    response_serializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.AbortResponse.SerializeToString,
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.SessionRequest.FromString,
+                    response_serializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.SessionResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -134,7 +122,7 @@ class SchedulerService:
     """
 
     @staticmethod
-    def Submit(request,
+    def Session(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -144,39 +132,12 @@ class SchedulerService:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/tandem.internal.v1.SchedulerService/Submit',
-            tandem_dot_internal_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
-            tandem_dot_internal_dot_v1_dot_scheduler__pb2.SubmitResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Abort(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/tandem.internal.v1.SchedulerService/Abort',
-            tandem_dot_internal_dot_v1_dot_scheduler__pb2.AbortRequest.SerializeToString,
-            tandem_dot_internal_dot_v1_dot_scheduler__pb2.AbortResponse.FromString,
+            '/tandem.internal.v1.SchedulerService/Session',
+            tandem_dot_internal_dot_v1_dot_scheduler__pb2.SessionRequest.SerializeToString,
+            tandem_dot_internal_dot_v1_dot_scheduler__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
