@@ -40,7 +40,10 @@ class _Server(uvicorn.Server):
 def listen(host: str, port: int) -> socket.socket:
     """Bind before serving, so a port in use is a clear startup error."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP explicitly: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on
+    # sockets whose protocol says TCP; with proto 0 every SSE chunk waited for the
+    # client's delayed ACK (up to 40 ms on the first token).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
