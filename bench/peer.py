@@ -72,7 +72,8 @@ def run_model(name: str, servers: list[str], args: argparse.Namespace, vllm: Pat
     hf = hf_generate_baseline(model, prompts, loads[0].output_len, 16, args.hf_single)
     print(
         f"  {'hf_generate':<12} bs16 {hf['output_throughput']:8.1f} tok/s"
-        f"  bs1 TPOT {hf['single_stream_tpot_ms']:7.2f} ms  TTFT {hf['single_stream_ttft_ms']:.1f} ms",
+        f"  bs1 TPOT {hf['single_stream_tpot_ms']:7.2f} ms"
+        f"  TTFT {hf['single_stream_ttft_ms']:.1f} ms",
         flush=True,
     )
     return {

@@ -72,7 +72,7 @@ def test_a_receive_waits_for_the_steps_planned_before_it(tiny_llama_dir):
 
 def test_loading_steps_and_moves_run_on_one_tensor_thread(tiny_llama_dir, monkeypatch):
     """All of a worker's torch work shares one thread (one OpenMP team: a second team made
-    every CPU step ~2.5x slower), and holds the host's compute lock."""
+    every CPU step ~2.5x slower); steps hold the host's compute lock."""
     import threading
 
     import services.worker.worker as worker_module

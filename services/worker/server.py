@@ -159,49 +159,71 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             log.info("step_stream_closed", stream=stream_id)
 
     async def _steps(self, worker: Worker, stream_id: int, request_iterator, context):
-        async for plan in request_iterator:
-            if stream_id != self._step_stream_id:
-                await context.abort(grpc.StatusCode.ABORTED, "a newer Step stream took over")
-            worker.cancel_transfers(plan.cancelled_transfer_tags)
-            new = [
-                NewRequestData(
-                    request_id=r.request_id,
-                    token_ids=r.token_ids,
-                    block_ids=r.block_ids,
-                    num_computed_tokens=r.num_computed_tokens,
-                    num_scheduled_tokens=r.num_scheduled_tokens,
-                    sampling=sampling_from_pb(r.sampling),
-                    num_prompt_tokens=r.num_prompt_tokens,
+        """Plans are queued on the tensor thread as soon as they arrive (a step follows the
+        previous one without waiting for this loop); results go back in order."""
+        submitted: asyncio.Queue = asyncio.Queue()
+        reader = asyncio.ensure_future(
+            self._submit_plans(worker, stream_id, request_iterator, submitted)
+        )
+        try:
+            while (item := await submitted.get()) is not None:
+                if isinstance(item, str):
+                    await context.abort(grpc.StatusCode.ABORTED, item)
+                step_id, new, future = item
+                try:
+                    output = await future
+                except PlanError as exc:
+                    log.error("bad_step_plan", step_id=step_id, error=str(exc))
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+                await worker.mark_executed(step_id)
+                if output.execute_seconds > SLOW_STEP_S:
+                    log.warning(
+                        "slow_step",
+                        step_id=step_id,
+                        seconds=round(output.execute_seconds, 3),
+                        requests=len(worker.batch),
+                        new=[(r.request_id, len(r.token_ids), str(r.sampling)) for r in new][:8],
+                    )
+                yield step_response_pb(step_id, output)
+        finally:
+            reader.cancel()
+
+    async def _submit_plans(
+        self, worker: Worker, stream_id: int, request_iterator, submitted: asyncio.Queue
+    ) -> None:
+        try:
+            async for plan in request_iterator:
+                if stream_id != self._step_stream_id:
+                    submitted.put_nowait("a newer Step stream took over")
+                    return
+                worker.cancel_transfers(plan.cancelled_transfer_tags)
+                new = [
+                    NewRequestData(
+                        request_id=r.request_id,
+                        token_ids=r.token_ids,
+                        block_ids=r.block_ids,
+                        num_computed_tokens=r.num_computed_tokens,
+                        num_scheduled_tokens=r.num_scheduled_tokens,
+                        sampling=sampling_from_pb(r.sampling),
+                        num_prompt_tokens=r.num_prompt_tokens,
+                    )
+                    for r in plan.new_requests
+                ]
+                cached = [
+                    CachedRequestData(
+                        r.request_id, r.new_block_ids, r.num_scheduled_tokens, r.block_table
+                    )
+                    for r in plan.cached_requests
+                ]
+                moves = BlockMoves(
+                    swap_out=[(c.src, c.dst) for c in plan.swap_out],
+                    swap_in=[(c.src, c.dst) for c in plan.swap_in],
+                    copies=[(c.src, c.dst) for c in plan.block_copies],
                 )
-                for r in plan.new_requests
-            ]
-            cached = [
-                CachedRequestData(
-                    r.request_id, r.new_block_ids, r.num_scheduled_tokens, r.block_table
-                )
-                for r in plan.cached_requests
-            ]
-            moves = BlockMoves(
-                swap_out=[(c.src, c.dst) for c in plan.swap_out],
-                swap_in=[(c.src, c.dst) for c in plan.swap_in],
-                copies=[(c.src, c.dst) for c in plan.block_copies],
-            )
-            try:
-                output = await worker.step(
-                    plan.step_id, plan.finished_request_ids, new, cached, moves
-                )
-            except PlanError as exc:
-                log.error("bad_step_plan", step_id=plan.step_id, error=str(exc))
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            if output.execute_seconds > SLOW_STEP_S:
-                log.warning(
-                    "slow_step",
-                    step_id=plan.step_id,
-                    seconds=round(output.execute_seconds, 3),
-                    requests=len(worker.batch),
-                    new=[(r.request_id, len(r.token_ids), str(r.sampling)) for r in new][:8],
-                )
-            yield step_response_pb(plan.step_id, output)
+                future = worker.submit_step(plan.finished_request_ids, new, cached, moves)
+                submitted.put_nowait((plan.step_id, new, asyncio.wrap_future(future)))
+        finally:
+            submitted.put_nowait(None)
 
     async def SendKv(self, request, context):
         worker = await self._ready(context)

@@ -11,6 +11,7 @@ team once a process holds more OpenMP threads than the machine has cores; a seco
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -30,7 +31,7 @@ from services.worker.batch import (
 from services.worker.compute_lock import ComputeLock, make_compute_lock
 from services.worker.config import WorkerConfig
 from services.worker.kv_transfer import KvTransferError, UcxTransport
-from services.worker.loading import LoadedWorker, load_worker, resolve_device
+from services.worker.loading import LoadedWorker, load_worker
 from services.worker.runner import ModelRunner, StepOutput
 from services.worker.staging import StagingBuffers
 
@@ -88,13 +89,13 @@ class Worker:
 
     @classmethod
     async def load(cls, config: WorkerConfig, worker_id: str) -> Worker:
-        """Load weights and allocate the KV pool on the tensor thread (off the event loop);
+        """Load weights and allocate the KV pool on the tensor thread (off the event loop;
+        loading does not take the compute lock: workers starting together may overlap);
         UCX starts on the loop."""
         executor = tensor_executor()
-        lock = make_compute_lock(config.cpu_compute_lock, resolve_device(config.device).type)
         loop = asyncio.get_running_loop()
-        load = (load_worker,) if lock is None else (lock.run, load_worker)
-        loaded = await loop.run_in_executor(executor, *load, config, worker_id)
+        loaded = await loop.run_in_executor(executor, load_worker, config, worker_id)
+        lock = make_compute_lock(config.cpu_compute_lock, loaded.device.type)
         return cls(config, worker_id, loaded, executor, lock)
 
     async def _on_tensor_thread(self, fn, *args):
@@ -102,6 +103,31 @@ class Worker:
         if self.compute_lock is not None:
             fn, args = self.compute_lock.run, (fn, *args)
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def submit_step(
+        self,
+        finished_ids: Sequence[str],
+        new: Sequence[NewRequestData],
+        cached: Sequence[CachedRequestData],
+        moves: BlockMoves = NO_MOVES,
+    ) -> concurrent.futures.Future:
+        """Queue a whole step on the tensor thread: apply the plan to the persistent batch,
+        the block moves, the forward pass, the progress. Steps run in submission order and
+        back to back (the next starts when the previous ends, with no round trip through
+        the event loop). The future holds the StepOutput, or the PlanError."""
+        job, args = self._run_step, (finished_ids, new, cached, moves)
+        if self.compute_lock is not None:
+            job, args = self.compute_lock.run, (job, *args)
+        return self._executor.submit(job, *args)
+
+    def _run_step(self, finished_ids, new, cached, moves: BlockMoves) -> StepOutput:
+        work = self.batch.apply(finished_ids, new, cached)
+        if moves:
+            self._check_moves(moves)
+            self._move_blocks(moves)
+        output = self.runner.execute(work)
+        self.batch.complete(work, output.sampled)
+        return output
 
     async def step(
         self,
@@ -111,16 +137,16 @@ class Worker:
         cached: Sequence[CachedRequestData],
         moves: BlockMoves = NO_MOVES,
     ) -> StepOutput:
-        work = self.batch.apply(finished_ids, new, cached)
-        if moves:
-            self._check_moves(moves)
-            await self._on_tensor_thread(self._move_blocks, moves)
-        output = await self._on_tensor_thread(self.runner.execute, work)
-        self.batch.complete(work, output.sampled)
+        """Run one step now and mark it executed."""
+        output = await asyncio.wrap_future(self.submit_step(finished_ids, new, cached, moves))
+        await self.mark_executed(step_id)
+        return output
+
+    async def mark_executed(self, step_id: int) -> None:
+        """Step `step_id` has run: receives waiting for it may scatter now."""
         async with self._step_done:
             self.executed_step_id = step_id
             self._step_done.notify_all()
-        return output
 
     def _check_moves(self, moves: BlockMoves) -> None:
         swap_blocks = 0 if self.swap_cache is None else self.swap_cache.num_blocks
@@ -149,8 +175,9 @@ class Worker:
 
     def reset(self) -> None:
         """Forget every request (its scheduler went away or a new one took over); step ids
-        restart and receives still waiting are abandoned."""
-        self.batch.clear()
+        restart and receives still waiting are abandoned. The batch is cleared on the
+        tensor thread, after any step still queued there."""
+        self._executor.submit(self.batch.clear)
         self.executed_step_id = 0
         self.cancel_transfers(list(self._receives))
 
