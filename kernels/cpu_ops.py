@@ -1,15 +1,21 @@
 """The C++ CPU kernels (`kernels/cpu/*.cpp`) as torch ops (`torch.ops.tandem_cpu.*`).
 
 They are compiled on first use with torch's extension builder (`-O3 -march=native`, OpenMP
-through torch's own runtime, so they share its intra-op threads) into
-`.tandem/build/torch_extensions/` and loaded from there afterwards (milliseconds; a source
-change rebuilds). Building takes ~25 s once per machine; `make venv` does it ahead of time.
-When no compiler is available the ops are missing and callers use their torch fallback:
+through torch's own runtime, so they share its intra-op threads) into a folder under
+`.tandem/build/torch_extensions/` named by a hash of the sources, flags and torch version
+(a change builds anew), and later loaded straight from the shared library there
+(milliseconds). Building takes ~15 s once per machine; `make venv` does it ahead of time.
+Concurrent first uses build once: the build holds an `flock` (released by the kernel if
+the builder dies, unlike the extension builder's own lock file, which a killed build
+leaves behind and every later build would wait on forever: a stale one is removed). When
+no compiler is available the ops are missing and callers use their torch fallback:
 `available()` says which, and why, once.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
 import threading
 from pathlib import Path
@@ -27,6 +33,8 @@ SOURCES = tuple(
 )
 BUILD_DIR = ROOT / ".tandem" / "build" / "torch_extensions"
 NAME = "tandem_cpu_kernels"
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 # Set to 0 to never build or load the kernels (the torch fallbacks run instead).
 ENV_SWITCH = "TANDEM_CPU_KERNELS"
 
@@ -46,28 +54,52 @@ def available() -> bool:
         return bool(_state["ok"])
 
 
+def build_directory() -> Path:
+    """Where this exact build (sources, flags, torch version) lives."""
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    digest.update(" ".join(CFLAGS + LDFLAGS).encode())
+    digest.update(torch.__version__.encode())
+    return BUILD_DIR / f"{NAME}-{digest.hexdigest()[:16]}"
+
+
 def _load() -> tuple[bool, str]:
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return False, f"{ENV_SWITCH}=0"
     if hasattr(torch.ops, "tandem_cpu") and hasattr(torch.ops.tandem_cpu, "seeded_uniform"):
         return True, ""
     try:
-        from torch.utils.cpp_extension import load
+        directory = build_directory()
+        library = directory / f"{NAME}.so"
+        if not library.is_file():
+            _build(directory)
+        if not hasattr(torch.ops.tandem_cpu, "seeded_uniform"):
+            torch.ops.load_library(str(library))
+    except Exception as exc:  # no compiler, no ninja, a failed build: fall back
+        return False, f"{type(exc).__name__}: {str(exc)[-800:]}"
+    return True, ""
 
-        directory = BUILD_DIR / NAME
-        directory.mkdir(parents=True, exist_ok=True)
+
+def _build(directory: Path) -> None:
+    """Build into `directory` once, whoever else is trying at the same time."""
+    from torch.utils.cpp_extension import load
+
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory.parent / f"{directory.name}.build-lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (directory / f"{NAME}.so").is_file():
+            return  # another process built it while this one waited
+        (directory / "lock").unlink(missing_ok=True)  # a killed build's stale baton
         load(
             name=NAME,
             sources=[str(s) for s in SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
             build_directory=str(directory),
             is_python_module=False,
             verbose=False,
         )
-    except Exception as exc:  # no compiler, no ninja, a failed build: fall back
-        return False, f"{type(exc).__name__}: {str(exc)[-800:]}"
-    return True, ""
 
 
 def main() -> None:
