@@ -34,6 +34,30 @@ class KvTransferError(RuntimeError):
     """A transfer failed or timed out; the caller decides whether to retry or fail."""
 
 
+# UCX's progress thread wakes at least this often (ms). ucxx's own 1 ms woke each worker
+# ~870 times a second even when idle, preempting the model's OpenMP threads; on the
+# TCP/RDMA transports that peer-failure handling uses, traffic wakes it through its event
+# fd anyway. Shared memory (error handling off) keeps ucxx's 1 ms.
+QUIET_EPOLL_TIMEOUT_MS = 100
+
+
+def _slow_idle_progress_thread(epoll_timeout_ms: int) -> None:
+    """Make ucxx's thread progress mode (created with this process's UCX context) wait up
+    to `epoll_timeout_ms` for events instead of 1 ms."""
+    import weakref
+
+    from ucxx._lib_async import application_context, continuous_ucx_progress
+
+    class QuietThreadMode(continuous_ucx_progress.ProgressTask):
+        def __init__(self, worker, event_loop, polling_mode=False):
+            super().__init__(worker, event_loop)
+            worker.set_progress_thread_start_callback(continuous_ucx_progress._create_context)
+            worker.start_progress_thread(polling_mode=polling_mode, epoll_timeout=epoll_timeout_ms)
+            weakref.finalize(self, worker.stop_progress_thread)
+
+    application_context.ThreadMode = QuietThreadMode
+
+
 class UcxTransport:
     """This process's UCX worker: its address, cached endpoints to peers, tagged send/recv."""
 
@@ -45,6 +69,8 @@ class UcxTransport:
         the receiving process (seen in the fault tests)."""
         import ucxx  # imported here: loading UCX is slow and only workers need it
 
+        if error_handling:
+            _slow_idle_progress_thread(QUIET_EPOLL_TIMEOUT_MS)
         self._ucxx = ucxx
         self.timeout_s = timeout_s
         self.error_handling = error_handling
