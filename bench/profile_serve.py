@@ -117,6 +117,17 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def wait_for_steps(scheduler_address: str, timeout_s: float) -> None:
+    """Return once the pools run steps again: the client's start (importing vLLM takes
+    seconds of CPU) must not fall inside the sampling window."""
+    before = sum(steps for steps, _ in pool_steps(scheduler_address).values())
+    deadline = time.monotonic() + timeout_s
+    while sum(steps for steps, _ in pool_steps(scheduler_address).values()) <= before:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the client sent no request")
+        time.sleep(0.2)
+
+
 def run(args: argparse.Namespace) -> dict:
     from services.stack.launcher import Stack, StackSpec
 
@@ -141,6 +152,7 @@ def run(args: argparse.Namespace) -> dict:
         load = Load(concurrency=args.concurrency, num_prompts=args.num_prompts)
         result_file = out_dir / "client_result.json"
         client = start_bench(vllm, base_url, name, model, load, result_file)
+        wait_for_steps(spec.scheduler_address, args.timeout_s)  # the client has started
         time.sleep(args.settle_s)
         pids = {p.name: p.pid for p in stack.processes}
         steps_before = pool_steps(spec.scheduler_address)

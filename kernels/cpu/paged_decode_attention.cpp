@@ -5,7 +5,8 @@
 // over torch's intra-op threads with at::parallel_for. Each item scores its query heads
 // against every cached position
 // (float32 dot products), takes a max-subtracted softmax and accumulates the values.
-// Only positions below the sequence length are read, so nothing needs masking.
+// Only positions below the sequence length are read, so nothing needs masking; the rows
+// a few positions ahead are prefetched.
 //
 // Caches are the strided per-layer views [num_blocks, block_size, kv_heads, head_dim] of
 // the block-major pool (last dimension contiguous); float32 or bfloat16.
@@ -22,6 +23,18 @@ namespace {
 
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
+
+// A cached position's keys (or values) of one item are a short contiguous run inside a
+// 4 KiB page of a scattered block: the hardware prefetcher restarts at every block and
+// page, so the loops ask for the run a few positions ahead themselves (8 layers, 16
+// sequences of 192 positions, fp32: 7.7 -> 5.5-6.5 ms on one thread, 2.6-3.4 -> 2.1 ms on
+// two; 2 positions ahead was as good as 4 or 8).
+constexpr int64_t kPrefetchAhead = 2;
+
+inline void prefetch_row(const void* start, int64_t bytes) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset);
+}
 
 template <typename T>
 void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
@@ -51,6 +64,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
   const int64_t threads = at::get_num_threads();
   const int64_t span = num_seqs >= 2 * threads ? num_kv : 1;
   const int64_t splits = num_kv / span;
+  const int64_t row_bytes = span * head_dim * static_cast<int64_t>(sizeof(T));
 
   at::parallel_for(0, num_seqs * splits, 1, [&](int64_t begin, int64_t end) {
     const int64_t heads = span * group;  // query heads of one item
@@ -67,6 +81,12 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
       for (int64_t pos = 0; pos < len; ++pos) {
         const T* k_pos = k_base + table[pos / block_size] * k_block +
                          (pos % block_size) * k_slot + h0 * k_head;
+        if (pos + kPrefetchAhead < len) {
+          const int64_t next = pos + kPrefetchAhead;
+          prefetch_row(k_base + table[next / block_size] * k_block +
+                           (next % block_size) * k_slot + h0 * k_head,
+                       row_bytes);
+        }
         for (int64_t h = 0; h < heads; ++h) {
           const T* k = k_pos + (h / group) * k_head;
           const float* qh = q.data() + h * head_dim;
@@ -90,6 +110,12 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
       for (int64_t pos = 0; pos < len; ++pos) {
         const T* v_pos = v_base + table[pos / block_size] * v_block +
                          (pos % block_size) * v_slot + h0 * v_head;
+        if (pos + kPrefetchAhead < len) {
+          const int64_t next = pos + kPrefetchAhead;
+          prefetch_row(v_base + table[next / block_size] * v_block +
+                           (next % block_size) * v_slot + h0 * v_head,
+                       row_bytes);
+        }
         for (int64_t h = 0; h < heads; ++h) {
           const T* v = v_pos + (h / group) * v_head;
           const float w = scores[h * len + pos];
