@@ -29,7 +29,11 @@ ROWS = (
 
 
 def _load(folder: str) -> dict:
-    return json.loads((Path(folder) / "summary.json").read_text())
+    """A profile's summary, by folder or by label (under bench/results/profiles)."""
+    path = Path(folder)
+    if not path.is_dir():
+        path = Path(__file__).resolve().parent / "results" / "profiles" / folder
+    return json.loads((path / "summary.json").read_text())
 
 
 def _role(service: str) -> str:

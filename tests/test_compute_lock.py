@@ -80,3 +80,36 @@ def test_settings():
     lock.close()
     with pytest.raises(ValueError, match="max_wait_s"):
         ComputeLock(default_lock_path(), max_wait_s=0)
+
+
+# A process that takes the lock back to back (like a decode worker's queued steps) until
+# killed, holding it 5 ms each time.
+_BACK_TO_BACK = """
+import sys, time
+from services.worker.compute_lock import ComputeLock
+lock = ComputeLock(sys.argv[1])
+lock.run(lambda: print("started", flush=True))
+while True:
+    lock.run(time.sleep, 0.005)
+"""
+
+
+def test_a_waiting_process_gets_the_next_turn_from_a_back_to_back_holder(tmp_path):
+    """flock has no queue: without the `.want` hand-off a waiter only got in when the
+    holder happened to pause (often only at `max_wait_s`); now it waits for one turn."""
+    path = str(tmp_path / "compute.lock")
+    holder = _python(_BACK_TO_BACK, path, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == "started"
+        lock = ComputeLock(path, max_wait_s=2.0)
+        waits = []
+        for _ in range(10):
+            time.sleep(0.03)  # the holder is back to its back-to-back turns
+            started = time.monotonic()
+            lock.run(lambda: None)
+            waits.append(time.monotonic() - started)
+        assert lock.num_timeouts == 0
+        assert sorted(waits)[len(waits) // 2] < 0.1, waits
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)

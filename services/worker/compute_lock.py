@@ -11,6 +11,12 @@ the way one GPU time-slices two processes.
 The lock is an advisory `flock` on a file, so the kernel releases it when a holder dies. A
 holder that is frozen (SIGSTOP, a debugger) must not stall the host: waiting is bounded by
 `max_wait_s`, after which the work runs without the lock (logged).
+
+Turns are fair: `flock` has no queue, and a decode worker whose steps run back to back
+takes the lock again microseconds after releasing it, so a polling prefill worker could
+wait for a gap in the decode stream. A waiter therefore holds a shared lock on a second
+file (`<path>.want`) while it waits; a process about to take the lock first checks that
+file and, if another process wants a turn, lets it go first (bounded by `_COURTESY_S`).
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ T = TypeVar("T")
 
 # Polling backoff while another process holds the lock (seconds).
 _FIRST_POLL_S = 50e-6
-_MAX_POLL_S = 1e-3
+_MAX_POLL_S = 250e-6
+# How long a process about to take the lock waits for a waiting process to take it first.
+_COURTESY_S = 2e-3
 
 
 def default_lock_path() -> Path:
@@ -47,7 +55,9 @@ class ComputeLock:
         self.path = Path(path)
         self.max_wait_s = max_wait_s
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._want_fd = os.open(f"{self.path}.want", os.O_RDWR | os.O_CREAT, 0o600)
         self.num_timeouts = 0
+        self.num_turns_given = 0  # times this process let a waiting one go first
         self.wait_s = 0.0  # total time spent waiting for other processes
 
     def run(self, fn: Callable[..., T], *args) -> T:
@@ -58,32 +68,62 @@ class ComputeLock:
             if acquired:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
 
+    def _try(self, fd: int, operation: int) -> bool:
+        try:
+            fcntl.flock(fd, operation | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+
+    def _others_want(self) -> bool:
+        """Whether another process is waiting for the lock (holds `<path>.want` shared)."""
+        if self._try(self._want_fd, fcntl.LOCK_EX):
+            fcntl.flock(self._want_fd, fcntl.LOCK_UN)
+            return False
+        return True
+
+    def _give_way(self) -> None:
+        """Let a process that is already waiting take its turn first."""
+        if not self._others_want():
+            return
+        self.num_turns_given += 1
+        deadline = time.perf_counter() + _COURTESY_S
+        while self._others_want() and time.perf_counter() < deadline:
+            time.sleep(_FIRST_POLL_S)
+
     def _acquire(self) -> bool:
         started = time.perf_counter()
+        self._give_way()
         pause = _FIRST_POLL_S
-        while True:
-            try:
-                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                self.wait_s += time.perf_counter() - started
-                return True
-            except BlockingIOError:
-                pass
-            waited = time.perf_counter() - started
-            if waited >= self.max_wait_s:
-                self.num_timeouts += 1
-                self.wait_s += waited
-                log.warning(
-                    "compute_lock_timeout",
-                    path=str(self.path),
-                    waited_s=round(waited, 3),
-                    note="another worker held the host's compute lock too long; running anyway",
-                )
-                return False
-            time.sleep(pause)
-            pause = min(2 * pause, _MAX_POLL_S)
+        wanting = False
+        try:
+            while True:
+                if self._try(self._fd, fcntl.LOCK_EX):
+                    self.wait_s += time.perf_counter() - started
+                    return True
+                if not wanting:  # (a holder's probe can make this fail: retried next poll)
+                    wanting = self._try(self._want_fd, fcntl.LOCK_SH)
+                waited = time.perf_counter() - started
+                if waited >= self.max_wait_s:
+                    self.num_timeouts += 1
+                    self.wait_s += waited
+                    log.warning(
+                        "compute_lock_timeout",
+                        path=str(self.path),
+                        waited_s=round(waited, 3),
+                        note="another worker held the host's compute lock too long; "
+                        "running anyway",
+                    )
+                    return False
+                time.sleep(pause)
+                pause = min(2 * pause, _MAX_POLL_S)
+        finally:
+            if wanting:
+                fcntl.flock(self._want_fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
         os.close(self._fd)
+        os.close(self._want_fd)
 
 
 def make_compute_lock(setting: str, device_type: str) -> ComputeLock | None:
