@@ -113,3 +113,22 @@ def test_a_waiting_process_gets_the_next_turn_from_a_back_to_back_holder(tmp_pat
     finally:
         holder.kill()
         holder.wait(timeout=10)
+
+
+def test_waiting_for_the_lock_uses_no_cpu(tmp_path):
+    """A waiting worker blocks in flock (on a helper thread) instead of polling: polling
+    took ~10% of a core from the worker that was computing."""
+    path = str(tmp_path / "compute.lock")
+    holder = _python(_HOLD_FOREVER, path, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        lock = ComputeLock(path, max_wait_s=1.0)
+        cpu_before = time.process_time()
+        assert lock.run(lambda: 1) == 1 and lock.num_timeouts == 1  # waited the full second
+        assert time.process_time() - cpu_before < 0.02
+        holder.kill()
+        holder.wait(timeout=10)
+        assert lock.run(lambda: 2) == 2 and lock.num_timeouts == 1  # the helper's late grant
+        lock.close()
+    finally:
+        holder.kill()

@@ -17,6 +17,8 @@ takes the lock again microseconds after releasing it, so a polling prefill worke
 wait for a gap in the decode stream. A waiter therefore holds a shared lock on a second
 file (`<path>.want`) while it waits; a process about to take the lock first checks that
 file and, if another process wants a turn, lets it go first (bounded by `_COURTESY_S`).
+A waiting process blocks in `flock` on a helper thread and uses no CPU (polling for the
+lock took ~10% of a core from the worker computing); the kernel wakes it on release.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import fcntl
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,16 +37,68 @@ from common.log import get_logger
 log = get_logger(__name__)
 T = TypeVar("T")
 
-# Polling backoff while another process holds the lock (seconds).
-_FIRST_POLL_S = 50e-6
-_MAX_POLL_S = 250e-6
-# How long a process about to take the lock waits for a waiting process to take it first.
+# How long a process about to take the lock waits for a waiting process to take it first,
+# and how often it looks (seconds).
 _COURTESY_S = 2e-3
+_COURTESY_POLL_S = 50e-6
 
 
 def default_lock_path() -> Path:
     """The host-wide lock file of this user's workers."""
     return Path(tempfile.gettempdir()) / f"tandem-cpu-compute-{os.getuid()}.lock"
+
+
+class _BlockingWaiter:
+    """Takes the lock with a blocking `flock` on a helper thread, so that waiting costs no
+    CPU; the caller waits on a condition with a timeout (`flock` has none). If the caller
+    gives up, the helper releases the lock as soon as it gets it."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._cv = threading.Condition()
+        self._next_id = 0
+        self._pending: int | None = None  # the request the helper should take the lock for
+        self._granted: int | None = None  # the last request it took the lock for
+        self._closed = False
+        self.busy = False  # the helper is in (or about to enter) its flock
+        self._thread = threading.Thread(target=self._loop, name="compute-lock", daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether the lock was taken (held on the shared fd) within `timeout_s`."""
+        with self._cv:
+            self._next_id += 1
+            request = self._pending = self._next_id
+            self._cv.notify_all()
+            self._cv.wait_for(lambda: self._granted == request, timeout=max(0.0, timeout_s))
+            if self._granted == request:
+                return True
+            self._pending = None  # given up: the helper releases the lock when it gets it
+            return False
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._pending is not None or self._closed)
+                if self._closed:
+                    return
+                self.busy = True
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX)
+            except OSError:  # the fd was closed under us: the worker is shutting down
+                return
+            with self._cv:
+                if self._pending is not None:  # (a newer request if the first gave up)
+                    self._granted, self._pending = self._pending, None
+                    self._cv.notify_all()
+                else:
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
+                self.busy = False
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
 
 
 class ComputeLock:
@@ -56,6 +111,7 @@ class ComputeLock:
         self.max_wait_s = max_wait_s
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         self._want_fd = os.open(f"{self.path}.want", os.O_RDWR | os.O_CREAT, 0o600)
+        self._waiter = _BlockingWaiter(self._fd)
         self.num_timeouts = 0
         self.num_turns_given = 0  # times this process let a waiting one go first
         self.wait_s = 0.0  # total time spent waiting for other processes
@@ -89,40 +145,39 @@ class ComputeLock:
         self.num_turns_given += 1
         deadline = time.perf_counter() + _COURTESY_S
         while self._others_want() and time.perf_counter() < deadline:
-            time.sleep(_FIRST_POLL_S)
+            time.sleep(_COURTESY_POLL_S)
 
     def _acquire(self) -> bool:
         started = time.perf_counter()
         self._give_way()
-        pause = _FIRST_POLL_S
-        wanting = False
+        # (While the helper still waits for a lock the caller gave up on, only the helper
+        # may take it: both share the fd, and the helper releases what it was not asked
+        # for.)
+        if not self._waiter.busy and self._try(self._fd, fcntl.LOCK_EX):
+            self.wait_s += time.perf_counter() - started
+            return True
+        fcntl.flock(self._want_fd, fcntl.LOCK_SH)  # others now see this process waiting
         try:
-            while True:
-                if self._try(self._fd, fcntl.LOCK_EX):
-                    self.wait_s += time.perf_counter() - started
-                    return True
-                if not wanting:  # (a holder's probe can make this fail: retried next poll)
-                    wanting = self._try(self._want_fd, fcntl.LOCK_SH)
-                waited = time.perf_counter() - started
-                if waited >= self.max_wait_s:
-                    self.num_timeouts += 1
-                    self.wait_s += waited
-                    log.warning(
-                        "compute_lock_timeout",
-                        path=str(self.path),
-                        waited_s=round(waited, 3),
-                        note="another worker held the host's compute lock too long; "
-                        "running anyway",
-                    )
-                    return False
-                time.sleep(pause)
-                pause = min(2 * pause, _MAX_POLL_S)
+            granted = self._waiter.wait(self.max_wait_s - (time.perf_counter() - started))
         finally:
-            if wanting:
-                fcntl.flock(self._want_fd, fcntl.LOCK_UN)
+            fcntl.flock(self._want_fd, fcntl.LOCK_UN)
+        waited = time.perf_counter() - started
+        self.wait_s += waited
+        if granted:
+            return True
+        self.num_timeouts += 1
+        log.warning(
+            "compute_lock_timeout",
+            path=str(self.path),
+            waited_s=round(waited, 3),
+            note="another worker held the host's compute lock too long; running anyway",
+        )
+        return False
 
     def close(self) -> None:
-        os.close(self._fd)
+        self._waiter.close()
+        if not self._waiter.busy:  # a helper blocked in flock keeps the fd until exit
+            os.close(self._fd)
         os.close(self._want_fd)
 
 
