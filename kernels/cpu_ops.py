@@ -44,6 +44,8 @@ _state: dict[str, object] = {}
 
 def available() -> bool:
     """True once the ops are loaded (building them first if needed)."""
+    if "ok" in _state:  # decided (asked per forward pass and per sampler draw)
+        return bool(_state["ok"])
     with _lock:
         if "ok" not in _state:
             _state["ok"], _state["why"] = _load()

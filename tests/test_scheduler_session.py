@@ -147,6 +147,7 @@ def test_refusals_and_aborts_are_per_request(stack):
     wait_for(lambda: any(u.request_id == "stopped" and u.token_ids for u in session.updates()))
     abort = scheduler_pb2.AbortRequest(request_id="stopped", index=1)
     session.outbox.put(scheduler_pb2.SessionRequest(abort=abort))
+
     def sample1_finished() -> bool:
         return any(
             u.request_id == "stopped" and u.index == 1 and u.finish_reason

@@ -64,7 +64,9 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
   const int64_t threads = at::get_num_threads();
   const int64_t span = num_seqs >= 2 * threads ? num_kv : 1;
   const int64_t splits = num_kv / span;
-  const int64_t row_bytes = span * head_dim * static_cast<int64_t>(sizeof(T));
+  // Bytes from an item's first key (or value) of a position to the end of its last.
+  const int64_t row_bytes =
+      ((span - 1) * std::max(k_head, v_head) + head_dim) * static_cast<int64_t>(sizeof(T));
 
   at::parallel_for(0, num_seqs * splits, 1, [&](int64_t begin, int64_t end) {
     const int64_t heads = span * group;  // query heads of one item
@@ -73,19 +75,19 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
       const int64_t seq = item / splits, h0 = (item % splits) * span;
       const int64_t len = lens[seq];
       const int64_t* table = tables + seq * table_stride;
+      // The item's first key/value of position `pos` in a cache with these strides.
+      auto at = [&](const T* base, int64_t block, int64_t slot, int64_t head, int64_t pos) {
+        return base + table[pos / block_size] * block + (pos % block_size) * slot + h0 * head;
+      };
       for (int64_t h = 0; h < heads; ++h) {
         const float* src = q_base + seq * q_seq + (h0 * group + h) * q_head;
         for (int64_t d = 0; d < head_dim; ++d) q[h * head_dim + d] = src[d] * fscale;
       }
       scores.resize(heads * len);
       for (int64_t pos = 0; pos < len; ++pos) {
-        const T* k_pos = k_base + table[pos / block_size] * k_block +
-                         (pos % block_size) * k_slot + h0 * k_head;
+        const T* k_pos = at(k_base, k_block, k_slot, k_head, pos);
         if (pos + kPrefetchAhead < len) {
-          const int64_t next = pos + kPrefetchAhead;
-          prefetch_row(k_base + table[next / block_size] * k_block +
-                           (next % block_size) * k_slot + h0 * k_head,
-                       row_bytes);
+          prefetch_row(at(k_base, k_block, k_slot, k_head, pos + kPrefetchAhead), row_bytes);
         }
         for (int64_t h = 0; h < heads; ++h) {
           const T* k = k_pos + (h / group) * k_head;
@@ -108,13 +110,9 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t pos = 0; pos < len; ++pos) {
-        const T* v_pos = v_base + table[pos / block_size] * v_block +
-                         (pos % block_size) * v_slot + h0 * v_head;
+        const T* v_pos = at(v_base, v_block, v_slot, v_head, pos);
         if (pos + kPrefetchAhead < len) {
-          const int64_t next = pos + kPrefetchAhead;
-          prefetch_row(v_base + table[next / block_size] * v_block +
-                           (next % block_size) * v_slot + h0 * v_head,
-                       row_bytes);
+          prefetch_row(at(v_base, v_block, v_slot, v_head, pos + kPrefetchAhead), row_bytes);
         }
         for (int64_t h = 0; h < heads; ++h) {
           const T* v = v_pos + (h / group) * v_head;

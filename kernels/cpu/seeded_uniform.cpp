@@ -22,26 +22,20 @@ inline uint32_t mix32(uint32_t x) {
 }
 
 // streams: int64 [R, 2] (offset, multiplier), each in [0, 2^32); token_ids: int64 [R or 1, C]
-// (broadcast over rows when it has one row) or undefined = the column index itself.
-at::Tensor seeded_uniform(const at::Tensor& streams, const c10::optional<at::Tensor>& token_ids,
-                          int64_t num_cols) {
+// (broadcast over rows when it has one row).
+at::Tensor seeded_uniform(const at::Tensor& streams, const at::Tensor& token_ids) {
   TORCH_CHECK(streams.dim() == 2 && streams.size(1) == 2 && streams.scalar_type() == at::kLong,
               "streams must be int64 [R, 2]");
   const auto s = streams.contiguous();
   const int64_t rows = s.size(0);
   const int64_t* sp = s.data_ptr<int64_t>();
-  const int64_t* ids = nullptr;
-  int64_t id_row_stride = 0;
-  at::Tensor idc;
-  if (token_ids.has_value() && token_ids->defined()) {
-    TORCH_CHECK(token_ids->dim() == 2 && token_ids->scalar_type() == at::kLong,
-                "token_ids must be int64 [R or 1, C]");
-    TORCH_CHECK(token_ids->size(0) == rows || token_ids->size(0) == 1, "token_ids rows");
-    idc = token_ids->contiguous();
-    num_cols = idc.size(1);
-    ids = idc.data_ptr<int64_t>();
-    id_row_stride = idc.size(0) == 1 ? 0 : num_cols;
-  }
+  TORCH_CHECK(token_ids.dim() == 2 && token_ids.scalar_type() == at::kLong,
+              "token_ids must be int64 [R or 1, C]");
+  TORCH_CHECK(token_ids.size(0) == rows || token_ids.size(0) == 1, "token_ids rows");
+  const auto idc = token_ids.contiguous();
+  const int64_t num_cols = idc.size(1);
+  const int64_t* ids = idc.data_ptr<int64_t>();
+  const int64_t id_row_stride = idc.size(0) == 1 ? 0 : num_cols;
   auto out = at::empty({rows, num_cols}, streams.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
   const int64_t total = rows * num_cols;
@@ -50,7 +44,7 @@ at::Tensor seeded_uniform(const at::Tensor& streams, const c10::optional<at::Ten
       const int64_t r = i / num_cols, c = i % num_cols;
       const uint32_t a = static_cast<uint32_t>(sp[2 * r]);
       const uint32_t m = static_cast<uint32_t>(sp[2 * r + 1]);
-      const uint32_t v = static_cast<uint32_t>(ids ? ids[r * id_row_stride + c] : c);
+      const uint32_t v = static_cast<uint32_t>(ids[r * id_row_stride + c]);
       const uint32_t x = mix32(a + m * v);
       op[i] = static_cast<float>((x >> 8) | 1u) * 0x1p-24f;
     }
@@ -61,7 +55,7 @@ at::Tensor seeded_uniform(const at::Tensor& streams, const c10::optional<at::Ten
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
-  m.def("seeded_uniform(Tensor streams, Tensor? token_ids, int num_cols) -> Tensor");
+  m.def("seeded_uniform(Tensor streams, Tensor token_ids) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {

@@ -138,4 +138,3 @@ def updates_from_events(events: list) -> list[scheduler_pb2.SubmitResponse]:
             update.error_code, update.error_message = event.error
         del open_updates[key]
     return out
-

@@ -78,7 +78,7 @@ def uniform(streams: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     never 0 or 1, and symmetric (u and 1 - u have the same distribution).
     """
     if streams.device.type == "cpu" and cpu_ops.available():
-        return torch.ops.tandem_cpu.seeded_uniform(streams, token_ids, 0)
+        return torch.ops.tandem_cpu.seeded_uniform(streams, token_ids)
     return uniform_reference(streams, token_ids)
 
 

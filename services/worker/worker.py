@@ -98,11 +98,14 @@ class Worker:
         lock = make_compute_lock(config.cpu_compute_lock, loaded.device.type)
         return cls(config, worker_id, loaded, executor, lock)
 
-    async def _on_tensor_thread(self, fn, *args):
-        """Run `fn` on the tensor thread (holding the host's compute lock, if any)."""
+    def _submit(self, fn, *args) -> concurrent.futures.Future:
+        """Queue `fn` on the tensor thread (run holding the host's compute lock, if any)."""
         if self.compute_lock is not None:
             fn, args = self.compute_lock.run, (fn, *args)
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return self._executor.submit(fn, *args)
+
+    async def _on_tensor_thread(self, fn, *args):
+        return await asyncio.wrap_future(self._submit(fn, *args))
 
     def submit_step(
         self,
@@ -115,10 +118,7 @@ class Worker:
         the block moves, the forward pass, the progress. Steps run in submission order and
         back to back (the next starts when the previous ends, with no round trip through
         the event loop). The future holds the StepOutput, or the PlanError."""
-        job, args = self._run_step, (finished_ids, new, cached, moves)
-        if self.compute_lock is not None:
-            job, args = self.compute_lock.run, (job, *args)
-        return self._executor.submit(job, *args)
+        return self._submit(self._run_step, finished_ids, new, cached, moves)
 
     def _run_step(self, finished_ids, new, cached, moves: BlockMoves) -> StepOutput:
         work = self.batch.apply(finished_ids, new, cached)
