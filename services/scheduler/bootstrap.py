@@ -4,19 +4,20 @@ the same model with compatible KV geometry, and build one pool per worker."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import secrets
 from collections.abc import Callable
 
 from common.lifecycle import StartupError
 from common.log import get_logger
-from common.pb.tandem.internal.v1 import types_pb2
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import Engine, Resilience
 from services.scheduler.pool import Pool
 from services.scheduler.pool_scheduler import PoolScheduler
-from services.scheduler.worker_client import WorkerClient, WorkerInfo, WorkerUnavailableError
+from services.scheduler.worker_client import WorkerClient
+from services.scheduler.worker_types import ModelShape, WorkerInfo, WorkerUnavailableError
 
 log = get_logger(__name__)
 
@@ -68,11 +69,11 @@ def pool_scheduler(config: SchedulerConfig, info: WorkerInfo) -> PoolScheduler:
     )
 
 
-def model_description(infos: list[WorkerInfo]) -> types_pb2.ModelDescription:
-    model = types_pb2.ModelDescription()
-    model.CopyFrom(infos[0].model)
-    model.max_model_len = min(i.model.max_model_len for i in infos)
-    return model
+def model_description(infos: list[WorkerInfo]) -> ModelShape:
+    """The served model: the workers' shared shape, with the smallest context length."""
+    return dataclasses.replace(
+        infos[0].model, max_model_len=min(i.model.max_model_len for i in infos)
+    )
 
 
 def resilience(config: SchedulerConfig) -> Resilience:
@@ -88,7 +89,7 @@ def resilience(config: SchedulerConfig) -> Resilience:
 
 async def connect(
     config: SchedulerConfig, on_serving_change: Callable[[bool], None] | None = None
-) -> tuple[Engine, types_pb2.ModelDescription]:
+) -> tuple[Engine, ModelShape]:
     clients = [WorkerClient(address, config.step_timeout_s) for address in config.workers]
     try:
         infos = list(

@@ -30,7 +30,7 @@ from services.scheduler.pool_monitor import PoolMonitor
 from services.scheduler.pool_scheduler import PoolScheduler
 from services.scheduler.prefix_hash import root_hash
 from services.scheduler.request import FinishReason, Request
-from services.scheduler.worker_client import StepResult, WorkerInfo, WorkerUnavailableError
+from services.scheduler.worker_types import StepResult, WorkerInfo, WorkerUnavailableError
 
 log = get_logger(__name__)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.pool_scheduler import PoolScheduler
-from services.scheduler.worker_client import StepResult, WorkerClient, WorkerInfo
+from services.scheduler.worker_types import StepResult, WorkerConnection, WorkerInfo
 
 
 @dataclass
@@ -53,7 +53,7 @@ class PoolCounters:
 @dataclass(eq=False)
 class Pool:
     info: WorkerInfo
-    client: WorkerClient
+    client: WorkerConnection
     scheduler: PoolScheduler
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     healthy: bool = True

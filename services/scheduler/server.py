@@ -13,7 +13,8 @@ from services.scheduler.engine import Engine, InvalidRequestError, OverloadedErr
 from services.scheduler.pool import Pool
 from services.scheduler.request import Request, SamplingParams
 from services.scheduler.session import SESSION_CLOSED, SessionState, updates_from_events
-from services.scheduler.worker_client import ROLE_FROM_PB, WorkerUnavailableError
+from services.scheduler.step_codec import ROLE_FROM_PB, model_to_pb
+from services.scheduler.worker_types import ModelShape, WorkerUnavailableError
 
 ROLE_TO_PB = {role: pb for pb, role in ROLE_FROM_PB.items()}
 MAX_SAMPLES = 16
@@ -22,7 +23,7 @@ MAX_SAMPLES = 16
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     def __init__(self) -> None:
         self.engine: Engine | None = None
-        self.model: types_pb2.ModelDescription | None = None
+        self.model: ModelShape | None = None
         # Set on SIGTERM: running requests finish, new ones get UNAVAILABLE.
         self.draining = False
 
@@ -91,7 +92,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     async def GetModelInfo(self, request, context):
         await self._ready(context)
-        return scheduler_pb2.GetModelInfoResponse(model=self.model)
+        return scheduler_pb2.GetModelInfoResponse(model=model_to_pb(self.model))
 
     async def GetPoolStats(self, request, context):
         engine = await self._ready(context)

@@ -1,124 +1,26 @@
-"""The scheduler's connection to one worker: describe, the Step stream, KV transfer calls.
-
-Domain plans go in (`PoolStepPlan`), protobuf goes over the wire, and sampled tokens come
-back as a dict; nothing else in the scheduler touches worker protobufs.
-"""
+"""The scheduler's gRPC connection to one worker (a `WorkerConnection`): describe, the
+Step stream, KV transfer calls. Conversions live in `step_codec`; domain types in
+`worker_types`."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import grpc
 
 from common.grpc_server import open_channel
 from common.healthcheck import channel_health_status
-from common.pb.tandem.internal.v1 import types_pb2, worker_pb2, worker_pb2_grpc
+from common.pb.tandem.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.scheduler.pool_scheduler import PoolStepPlan
-from services.scheduler.request import Logprob, Request
-
-ROLE_FROM_PB = {
-    types_pb2.WORKER_ROLE_PREFILL: "prefill",
-    types_pb2.WORKER_ROLE_DECODE: "decode",
-    types_pb2.WORKER_ROLE_BOTH: "both",
-}
-
-
-class WorkerUnavailableError(RuntimeError):
-    """The worker's Step stream or a KV call failed: the worker is gone or broken."""
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    worker_id: str
-    address: str
-    role: str
-    model: types_pb2.ModelDescription
-    num_blocks: int
-    block_size: int
-    block_bytes: int
-    ucx_address: bytes
-    num_swap_blocks: int = 0
-
-
-@dataclass(frozen=True)
-class StepResult:
-    step_id: int
-    sampled: dict[str, int]
-    execute_seconds: float
-    logprobs: dict[str, Logprob] = field(default_factory=dict)
-    # request id -> (first prompt position covered, entries)
-    prompt_logprobs: dict[str, tuple[int, list[Logprob]]] = field(default_factory=dict)
-
-
-def logprob_from_pb(pb: types_pb2.TokenLogprob) -> Logprob:
-    return Logprob(pb.token_id, pb.logprob, tuple((t.token_id, t.logprob) for t in pb.top_logprobs))
-
-
-def _sampling_pb(request: Request) -> types_pb2.SamplingParams:
-    s = request.sampling
-    message = types_pb2.SamplingParams(
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        logit_bias=dict(s.logit_bias),
-        min_tokens=s.min_tokens,
-        stop_token_ids=sorted(request.stop_token_ids),
-    )
-    if s.seed is not None:
-        message.seed = s.seed
-    if s.logprobs is not None:
-        message.logprobs = s.logprobs
-    if s.prompt_logprobs is not None:
-        message.prompt_logprobs = s.prompt_logprobs
-    return message
-
-
-def _copies(pairs: list[tuple[int, int]]) -> list[worker_pb2.BlockCopy]:
-    return [worker_pb2.BlockCopy(src=src, dst=dst) for src, dst in pairs]
-
-
-def plan_to_pb(
-    step_id: int, plan: PoolStepPlan, cancelled_transfer_tags: Sequence[int] = ()
-) -> worker_pb2.StepRequest:
-    message = worker_pb2.StepRequest(
-        step_id=step_id,
-        cancelled_transfer_tags=cancelled_transfer_tags,
-        finished_request_ids=plan.dropped_request_ids,
-        swap_out=_copies(plan.swap_out),
-        swap_in=_copies(plan.swap_in),
-        block_copies=_copies(plan.block_copies),
-    )
-    for item in plan.scheduled:
-        req = item.request
-        if item.is_new:
-            message.new_requests.append(
-                worker_pb2.NewRequest(
-                    request_id=req.request_id,
-                    token_ids=req.all_token_ids,
-                    block_ids=item.new_block_ids,
-                    num_computed_tokens=item.num_computed_before,
-                    num_scheduled_tokens=item.num_new_tokens,
-                    sampling=_sampling_pb(req),
-                    num_prompt_tokens=len(req.prompt_token_ids),
-                )
-            )
-        else:
-            message.cached_requests.append(
-                worker_pb2.CachedRequest(
-                    request_id=req.request_id,
-                    new_block_ids=[] if item.replaced_table else item.new_block_ids,
-                    num_scheduled_tokens=item.num_new_tokens,
-                    block_table=item.replaced_table or [],
-                )
-            )
-    return message
+from services.scheduler.step_codec import plan_to_pb, step_result_from_pb, worker_info_from_pb
+from services.scheduler.worker_types import (
+    KvTransferResult,
+    StepResult,
+    WorkerInfo,
+    WorkerUnavailableError,
+)
 
 
 class WorkerClient:
@@ -145,18 +47,7 @@ class WorkerClient:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                d = await self.describe()
-                return WorkerInfo(
-                    worker_id=d.worker_id,
-                    address=self.address,
-                    role=ROLE_FROM_PB[d.role],
-                    model=d.model,
-                    num_blocks=d.kv_cache.num_blocks,
-                    block_size=d.kv_cache.block_size,
-                    block_bytes=d.kv_cache.block_bytes,
-                    ucx_address=d.ucx_address,
-                    num_swap_blocks=d.kv_cache.num_swap_blocks,
-                )
+                return worker_info_from_pb(self.address, await self.describe())
             except grpc.aio.AioRpcError as exc:
                 if time.monotonic() > deadline:
                     raise WorkerUnavailableError(
@@ -207,26 +98,13 @@ class WorkerClient:
             ) from exc
         if response is grpc.aio.EOF:
             raise WorkerUnavailableError(f"worker {self.address} closed its step stream")
-        return StepResult(
-            step_id=response.step_id,
-            sampled={t.request_id: t.token_id for t in response.sampled_tokens},
-            execute_seconds=response.execute_seconds,
-            logprobs={
-                t.request_id: logprob_from_pb(t.logprob)
-                for t in response.sampled_tokens
-                if t.HasField("logprob")
-            },
-            prompt_logprobs={
-                p.request_id: (p.start, [logprob_from_pb(e) for e in p.entries])
-                for p in response.prompt_logprobs
-            },
-        )
+        return step_result_from_pb(response)
 
     async def send_kv(
         self, tag: int, peer: WorkerInfo, block_ids: list[int], timeout_s: float
-    ) -> worker_pb2.SendKvResponse:
+    ) -> KvTransferResult:
         try:
-            return await self._stub.SendKv(
+            response = await self._stub.SendKv(
                 worker_pb2.SendKvRequest(
                     transfer_tag=tag,
                     peer_worker_id=peer.worker_id,
@@ -239,12 +117,13 @@ class WorkerClient:
             raise WorkerUnavailableError(
                 f"SendKv on {self.address} failed: {exc.code().name} {exc.details()}"
             ) from exc
+        return KvTransferResult(num_bytes=response.num_bytes)
 
     async def receive_kv(
         self, tag: int, block_ids: list[int], timeout_s: float, after_step_id: int
-    ) -> worker_pb2.ReceiveKvResponse:
+    ) -> KvTransferResult:
         try:
-            return await self._stub.ReceiveKv(
+            response = await self._stub.ReceiveKv(
                 worker_pb2.ReceiveKvRequest(
                     transfer_tag=tag, block_ids=block_ids, after_step_id=after_step_id
                 ),
@@ -254,6 +133,7 @@ class WorkerClient:
             raise WorkerUnavailableError(
                 f"ReceiveKv on {self.address} failed: {exc.code().name} {exc.details()}"
             ) from exc
+        return KvTransferResult(num_bytes=response.num_bytes)
 
     async def close(self) -> None:
         self.close_step_stream()

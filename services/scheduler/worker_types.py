@@ -1,0 +1,96 @@
+"""What the scheduler knows about a worker, free of grpc and protobuf: its description,
+a step's result, the error a broken worker raises, and the `WorkerConnection` protocol a
+pool talks to (`worker_client.WorkerClient` over gRPC; a fake in the unit tests)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from services.scheduler.pool_scheduler import PoolStepPlan
+from services.scheduler.request import Logprob
+
+
+class WorkerUnavailableError(RuntimeError):
+    """The worker's Step stream or a KV call failed: the worker is gone or broken."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The model a worker serves, as far as the scheduler and the gateway care."""
+
+    name: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    worker_id: str
+    address: str
+    role: str  # "prefill", "decode" or "both"
+    model: ModelShape
+    num_blocks: int
+    block_size: int
+    block_bytes: int
+    ucx_address: bytes
+    num_swap_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step_id: int
+    sampled: dict[str, int]
+    execute_seconds: float
+    logprobs: dict[str, Logprob] = field(default_factory=dict)
+    # request id -> (first prompt position covered, entries)
+    prompt_logprobs: dict[str, tuple[int, list[Logprob]]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class KvTransferResult:
+    num_bytes: int
+
+
+class WorkerConnection(Protocol):
+    """What a pool needs from its worker. Every call raises WorkerUnavailableError when
+    the worker is gone or broken."""
+
+    address: str
+
+    async def health(self, timeout_s: float) -> str:
+        """grpc.health.v1 status name ('SERVING', 'NOT_SERVING') or 'UNREACHABLE'."""
+
+    async def wait_ready(self, timeout_s: float) -> WorkerInfo: ...
+
+    async def open_step_stream(self) -> None:
+        """A new step stream: the worker forgets its batch; step ids restart at 1."""
+
+    def close_step_stream(self) -> None: ...
+
+    @property
+    def last_sent_step_id(self) -> int: ...
+
+    async def send_step(
+        self, plan: PoolStepPlan, cancelled_transfer_tags: Sequence[int] = ()
+    ) -> int: ...
+
+    async def receive_step(self) -> StepResult:
+        """The result of the oldest step sent and not yet answered."""
+
+    async def send_kv(
+        self, tag: int, peer: WorkerInfo, block_ids: list[int], timeout_s: float
+    ) -> KvTransferResult: ...
+
+    async def receive_kv(
+        self, tag: int, block_ids: list[int], timeout_s: float, after_step_id: int
+    ) -> KvTransferResult: ...
+
+    async def close(self) -> None: ...
