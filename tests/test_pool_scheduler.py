@@ -6,7 +6,8 @@ import pytest
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.pool_scheduler import PoolScheduler
 from services.scheduler.prefix_hash import root_hash
-from services.scheduler.request import FinishReason, Request
+from services.scheduler.request import FinishReason, Logprob, Request, SamplingParams
+from services.scheduler.worker_types import StepResult
 
 ROOT = root_hash(b"salt")
 
@@ -24,21 +25,17 @@ def sched(num_blocks=64, block_size=4, budget=32, max_seqs=8, **kwargs) -> PoolS
     return PoolScheduler(BlockManager(num_blocks, block_size), budget, max_seqs, **kwargs)
 
 
-def deliver(plan, token: int = 7) -> None:
-    """What the engine does with a step's result: one token per request that sampled."""
-    for item in plan.scheduled:
-        request = item.request
-        if request.num_pending_tokens and not request.is_finished:
-            request.num_pending_tokens -= 1
-            request.append_token(token)
+def result_for(plan, token: int = 7) -> StepResult:
+    """What a worker answers for a plan: `token` for every request the step samples."""
+    sampled = {i.request.request_id: token for i in plan.scheduled if i.samples}
+    return StepResult(step_id=0, sampled=sampled, execute_seconds=0.0)
 
 
 def step(s: PoolScheduler, token: int = 7):
+    """One step: plan, the worker's answer, the scheduler applies it."""
     plan = s.schedule()
-    deliver(plan, token)
-    for item in plan.scheduled:
-        if item.request.is_finished:
-            s.release(item.request)
+    if not plan.is_empty:
+        s.update(result_for(plan, token))
     s.check_integrity()
     return plan
 
@@ -260,8 +257,8 @@ def test_async_placeholders_schedule_the_token_still_in_flight():
     assert r.num_pending_tokens == 1
     second = s.schedule()  # before the result: the worker computes its own token
     assert scheduled(second) == [("a", 1)] and r.num_pending_tokens == 2
-    deliver(first)
-    deliver(second)
+    s.update(result_for(first))
+    s.update(result_for(second))
     assert r.output_token_ids == [7, 7] and r.num_pending_tokens == 0
 
 
@@ -359,3 +356,76 @@ def test_samples_do_not_wait_without_prefix_caching():
     for sample in samples_of(14, 2):
         s.add(sample)
     assert scheduled(step(s)) == [("s/0", 14), ("s/1", 14)]
+
+
+def test_update_appends_tokens_finishes_and_releases_in_one_place():
+    s = sched(budget=32)
+    a, b = make_request("a", 5, max_tokens=2), make_request("b", 3, max_tokens=5)
+    a.stop_token_ids = frozenset({99})
+    for r in (a, b):
+        s.add(r)
+    plan = s.schedule()
+    update = s.update(StepResult(step_id=1, sampled={"a": 11, "b": 99}, execute_seconds=0.0))
+    assert [(t.request.request_id, t.token_id, t.finish_reason) for t in update.tokens] == [
+        ("a", 11, None),
+        ("b", 99, None),  # 99 stops only a
+    ]
+    assert update.finished == [] and plan.scheduled[0].samples
+    update = s.update(result_for(s.schedule(), token=99))
+    assert [t.finish_reason for t in update.tokens] == [FinishReason.STOP, None]
+    assert update.finished == [a] and not s.holds(a) and not s.blocks.has("a")
+    assert s.schedule().dropped_request_ids == ["a"]
+    s.check_integrity()
+
+
+def test_update_hands_done_prompts_of_a_prefill_pool_over_with_their_blocks():
+    s = sched(budget=32, runs_decodes=False)
+    r = make_request("a", 6)
+    s.add(r)
+    update = s.update(result_for(s.schedule()))
+    assert update.ready_for_handoff == [r] and r.output_token_ids == [7]
+    assert not s.holds(r) and s.blocks.has("a")  # out of the queues, blocks kept
+    assert s.schedule().dropped_request_ids == ["a"]  # the worker forgets it
+
+
+def test_update_drops_tokens_of_requests_finished_while_the_step_ran():
+    s = sched(budget=32)
+    r = make_request("a", 4)
+    s.add(r)
+    plan = s.schedule()
+    r.finish_reason = FinishReason.ABORT  # aborted meanwhile
+    s.release(r)
+    update = s.update(result_for(plan))
+    assert update.tokens == [] and r.output_token_ids == []
+
+
+def test_update_gathers_prompt_logprobs_and_sends_them_with_the_first_token():
+    s = sched(budget=4)
+    r = make_request("a", 6)
+    r.sampling = SamplingParams(prompt_logprobs=0)
+    s.add(r)
+    s.schedule()  # chunk 0..3
+    first = [Logprob(t, -1.0) for t in (2, 3, 4)]  # positions 1..3
+    u = s.update(
+        StepResult(step_id=1, sampled={}, execute_seconds=0.0, prompt_logprobs={"a": (1, first)})
+    )
+    assert u.tokens == [] and r.prompt_logprobs == first
+    s.schedule()
+    rest = [Logprob(t, -2.0) for t in (5, 6)]
+    u = s.update(
+        StepResult(
+            step_id=2, sampled={"a": 8}, execute_seconds=0.0, prompt_logprobs={"a": (4, rest)}
+        )
+    )
+    (token,) = u.tokens
+    assert token.prompt_logprobs == first + rest and r.prompt_logprobs_sent
+
+
+def test_update_ignores_a_token_for_a_request_that_started_over():
+    s = sched(budget=32)
+    r = make_request("a", 4)
+    s.add(r)
+    plan = s.schedule()
+    r.num_pending_tokens = 0  # its worker failed; the request starts over elsewhere
+    update = s.update(result_for(plan))
+    assert update.unexpected == ["a"] and r.output_token_ids == []

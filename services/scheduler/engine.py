@@ -6,6 +6,11 @@ load), whose worker samples the first token; the request then moves to a decode 
 through `KvHandoff` (only the KV blocks that pool lacks cross UCX). A worker with role
 `both` keeps a request from prompt to finish with no transfer.
 
+Each pool loop is `schedule()` -> send -> receive -> `update()`: the pool's scheduler
+plans and applies its own steps; the engine only routes what an update reports (tokens
+to the request's stream, finished requests to their end, done prompts to the hand-off).
+A decode pool pulls waiting hand-offs as it plans.
+
 Async scheduling: each pool loop keeps up to two steps on the worker's Step stream, so
 the worker starts step N+1 as soon as step N ends while the scheduler is still applying
 N's tokens. The plan for N+1 counts the token N will sample as pending (the worker
@@ -268,19 +273,19 @@ class Engine:
 
     async def _advance(self, pool: Pool) -> None:
         """Send the next plan if a slot is free, else apply the oldest result, else sleep."""
-        if pool.steps_in_flight < self.max_steps_in_flight:
+        if pool.scheduler.num_steps_in_flight < self.max_steps_in_flight:
             pool.wakeup.clear()
+            if pool.info.role == "decode":
+                self.handoff.pull(pool)
             plan = pool.scheduler.schedule()
             for victim in plan.preempted:
                 self._requeue(self._handles[victim.request_id])
             if not plan.is_empty:
                 tags, pool.cancelled_transfer_tags = pool.cancelled_transfer_tags, []
                 await pool.client.send_step(plan, tags)
-                pool.steps_in_flight += 1
                 return
-        if pool.steps_in_flight:
+        if pool.scheduler.num_steps_in_flight:
             result = await pool.client.receive_step()
-            pool.steps_in_flight -= 1
             pool.counters.record_step(result, pool.idle_since_last_result)
             pool.idle_since_last_result = False
             self._apply(pool, result)
@@ -290,50 +295,31 @@ class Engine:
         await pool.wakeup.wait()
 
     def _apply(self, pool: Pool, result: StepResult) -> None:
-        for request_id, (start, entries) in result.prompt_logprobs.items():
-            handle = self._handles.get(request_id)
-            if handle is not None and not handle.prompt_logprobs_sent:
-                gathered = handle.request.prompt_logprobs
-                del gathered[start - 1 :]  # a recompute after preemption resends positions
-                gathered.extend(entries)
-        for request_id, token in result.sampled.items():
-            handle = self._handles.get(request_id)
-            if handle is None:
-                continue  # finished or aborted while the step ran
-            request = handle.request
-            if request.num_pending_tokens <= 0:
-                log.warning("unexpected_token", request_id=request_id, step=result.step_id)
-                continue
-            request.num_pending_tokens -= 1
-            reason = request.append_token(token)
-            prompt_logprobs = []
-            if request.sampling.prompt_logprobs is not None and not handle.prompt_logprobs_sent:
-                prompt_logprobs, handle.prompt_logprobs_sent = request.prompt_logprobs, True
-            logprob = result.logprobs.get(request_id)
-            first = len(request.output_token_ids) == 1
+        """Route what the pool's scheduler made of a step's result."""
+        update = pool.scheduler.update(result)
+        for request_id in update.unexpected:
+            log.warning("unexpected_token", request_id=request_id, step=result.step_id)
+        for item in update.tokens:
+            request = item.request
+            handle = self._handles[request.request_id]
             handle.events.put_nowait(
                 Tokens(
                     request.index,
-                    [token],
-                    [logprob] if logprob else [],
-                    prompt_logprobs,
-                    max(0, request.num_cached_tokens) if first else None,
+                    [item.token_id],
+                    [item.logprob] if item.logprob else [],
+                    item.prompt_logprobs,
+                    max(0, request.num_cached_tokens)
+                    if len(request.output_token_ids) == 1
+                    else None,
                 )
             )
             if handle.pool is not pool:
                 handle.pool.wakeup.set()  # preempted meanwhile: it waited for this token
-            if reason is not None:
-                self._finish(handle, reason)
-            elif (
-                pool.info.role == "prefill"
-                and handle.pool is pool
-                and handle.stage is Stage.PREFILL
-                and pool.scheduler.is_running(request)
-            ):
-                pool.scheduler.detach(request)
-                self.handoff.enqueue(handle)
-        if self.handoff.queue:
-            self.handoff.pump()
+            if item.finish_reason is not None:
+                self._finish(handle, item.finish_reason)
+        for request in update.ready_for_handoff:
+            if not request.is_finished:
+                self.handoff.enqueue(self._handles[request.request_id])
 
     def _requeue(self, handle: RequestHandle) -> None:
         """A preempted request recomputes from its prompt + tokens so far in a prefill pool."""
@@ -341,7 +327,7 @@ class Engine:
         if target is None:
             self._finish(handle, FinishReason.ABORT, ("UNAVAILABLE", "no prefill worker left"))
             return
-        handle.stage, handle.pool = Stage.PREFILL, target
+        handle.queue_prompt(target)
         target.scheduler.add(handle.request, front=True)
         target.wakeup.set()
 
@@ -379,7 +365,6 @@ class Engine:
         if loop is not None:
             loop.cancel()
         pool.client.close_step_stream()
-        pool.steps_in_flight = 0
         pool.cancelled_transfer_tags.clear()  # the worker forgets everything anyway
         affected = [
             h
@@ -390,13 +375,13 @@ class Engine:
         for handle in affected:
             self._restart(handle, f"worker {pool.info.worker_id} failed: {why}")
         self._update_serving()
-        if self.handoff.queue:
-            self.handoff.pump()
+        if not self.handoff.fail_if_stranded():
+            self.handoff.wake_decode_pools()
 
     def _transfer_failed(self, handle: RequestHandle, src: Pool, dst: Pool, error) -> None:
         """Both sides' blocks are already free. Find out which worker broke (it does not
         answer a health check), fail it, then start the request over."""
-        handle.stage = Stage.RECOVERING
+        handle.hold_nothing()
         with bind_request(handle.request.request_id):
             log.warning(
                 "kv_transfer_failed",
@@ -419,8 +404,8 @@ class Engine:
         pool.draining = draining
         log.info("worker_draining" if draining else "worker_serving", worker_id=pool.info.worker_id)
         self._update_serving()
-        if not draining and self.handoff.queue:
-            self.handoff.pump()
+        if not draining:
+            self.handoff.wake_decode_pools()
 
     async def _rejoin(self, pool: Pool) -> None:
         """A failed worker answers again: start it over with an empty pool."""
@@ -437,15 +422,12 @@ class Engine:
         await pool.client.open_step_stream()
         pool.info = info
         pool.scheduler = self._make_scheduler(info)
-        pool.steps_in_flight = 0
         pool.idle_since_last_result = True
         pool.draining = False
         pool.healthy = True
         log.info("worker_rejoined", worker_id=info.worker_id, address=info.address)
         self._start_loop(pool)
         self._update_serving()
-        if self.handoff.queue:
-            self.handoff.pump()
 
     def _update_serving(self) -> None:
         """SERVING needs a worker that runs prompts and, disaggregated, one that decodes."""
@@ -468,14 +450,14 @@ class Engine:
         if handle.done:
             return
         self._release(handle)
-        handle.stage = Stage.DONE
+        handle.finish()
         self._emit_finish(handle, reason, error)
 
     def _release(self, handle: RequestHandle) -> None:
         """Free what the request holds wherever it is (queues, blocks, a transfer in
         flight); it is left RECOVERING, holding nothing."""
         request, stage = handle.request, handle.stage
-        handle.stage = Stage.RECOVERING
+        handle.hold_nothing()
         if stage in (Stage.PREFILL, Stage.DECODE):
             handle.pool.scheduler.release(request)
             handle.pool.wakeup.set()
@@ -484,9 +466,7 @@ class Engine:
             handle.pool.blocks.free(request.request_id)
             handle.pool.wakeup.set()
         elif stage is Stage.TRANSFER:
-            self.handoff.cancel(handle)  # both sides freed now; the task stops
-        if stage in (Stage.DECODE, Stage.TRANSFER) and self.handoff.queue:
-            self.handoff.pump()  # decode blocks were freed
+            self.handoff.cancel(handle)  # both sides freed now (the pools are woken)
 
     def _emit_finish(
         self, handle: RequestHandle, reason: FinishReason, error: tuple[str, str] | None

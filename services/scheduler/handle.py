@@ -1,4 +1,13 @@
-"""A request's place in the engine: which pool holds it, its stage, and its event stream."""
+"""A request's place in the engine: which pool holds it, its stage, and its event stream.
+
+Every stage change goes through a method of `RequestHandle`, checked against the one
+table of allowed moves (`_NEXT`):
+
+    PREFILL -> HANDOFF -> TRANSFER -> DECODE        the disaggregated path
+    PREFILL -> PREFILL, DECODE -> PREFILL           preempted: recompute in a prefill pool
+    any live stage -> RECOVERING                    released (finishing, or starting over)
+    RECOVERING -> PREFILL | DONE                    started over, or finished
+"""
 
 from __future__ import annotations
 
@@ -17,6 +26,16 @@ class Stage(enum.Enum):
     DECODE = "decode"  # in a decode pool
     RECOVERING = "recovering"  # holds nothing; about to start over after a failure
     DONE = "done"
+
+
+_NEXT = {
+    Stage.PREFILL: {Stage.PREFILL, Stage.HANDOFF, Stage.RECOVERING},
+    Stage.HANDOFF: {Stage.TRANSFER, Stage.RECOVERING},
+    Stage.TRANSFER: {Stage.DECODE, Stage.RECOVERING},
+    Stage.DECODE: {Stage.PREFILL, Stage.RECOVERING},
+    Stage.RECOVERING: {Stage.RECOVERING, Stage.PREFILL, Stage.DONE},
+    Stage.DONE: set(),
+}
 
 
 @dataclass(frozen=True)
@@ -62,7 +81,6 @@ class RequestHandle:
     # Tokens events, then one Finished; shared by the n samples of one client request
     # (an asyncio.Queue, or anything else with `put_nowait`).
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    prompt_logprobs_sent: bool = False
     transfer: Transfer | None = None
     # Times the request started over after a worker or a transfer failed.
     num_restarts: int = 0
@@ -70,3 +88,36 @@ class RequestHandle:
     @property
     def done(self) -> bool:
         return self.stage is Stage.DONE
+
+    def _move(self, stage: Stage) -> None:
+        if stage not in _NEXT[self.stage]:
+            raise AssertionError(
+                f"request {self.request.request_id}: no move {self.stage.name} -> {stage.name}"
+            )
+        self.stage = stage
+
+    def queue_prompt(self, pool: Pool) -> None:
+        """Queued in a prefill-capable pool (first time, preempted, or starting over)."""
+        self._move(Stage.PREFILL)
+        self.pool = pool
+
+    def await_handoff(self) -> None:
+        """Prompt done in a prefill pool: holds its blocks there until a decode pool pulls it."""
+        self._move(Stage.HANDOFF)
+
+    def start_transfer(self, transfer: Transfer | None) -> None:
+        """Blocks allocated in the decode pool; KV moving (None: nothing to move)."""
+        self._move(Stage.TRANSFER)
+        self.transfer = transfer
+
+    def arrive(self, pool: Pool) -> None:
+        """KV in place: the decode pool holds the request now."""
+        self._move(Stage.DECODE)
+        self.pool, self.transfer = pool, None
+
+    def hold_nothing(self) -> None:
+        """Released everywhere: about to start over or to finish."""
+        self._move(Stage.RECOVERING)
+
+    def finish(self) -> None:
+        self._move(Stage.DONE)

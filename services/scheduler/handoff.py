@@ -1,8 +1,10 @@
 """The prefill → decode handoff: choose a decode pool, reuse what it already holds, move
 the rest of the request's KV over UCX, and hand the request to the decode pool.
 
-A request whose prompt is done waits here, holding its prefill blocks, until some decode
-pool has room. Its full blocks are looked up in each decode pool's prefix cache first;
+A request whose prompt is done waits here, holding its prefill blocks, until a decode pool
+pulls it: each decode pool calls `pull` when it plans a step (as vLLM's scheduler admits
+requests waiting for remote KV inside `schedule()`), and takes the waiting hand-offs that
+choose it, in order. Its full blocks are looked up in each decode pool's prefix cache first;
 only the blocks that pool lacks are allocated and sent (`ReceiveKv` on the decode worker
 and `SendKv` on the prefill worker, same UCX tag, issued together). The receive is applied
 only after the decode worker has run every step planned before its blocks were allocated
@@ -22,7 +24,7 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 
 from common.log import bind_request, get_logger
-from services.scheduler.handle import RequestHandle, Stage, Transfer
+from services.scheduler.handle import RequestHandle, Transfer
 from services.scheduler.placement import DecodeCandidate, choose_decode
 from services.scheduler.pool import Pool
 
@@ -50,8 +52,26 @@ class KvHandoff:
         self._tag_counter = 0
 
     def enqueue(self, handle: RequestHandle) -> None:
-        handle.stage = Stage.HANDOFF
+        """The request's prompt is done: wait for a decode pool to pull it."""
+        handle.await_handoff()
         self.queue.append(handle)
+        if not self.fail_if_stranded():
+            self.wake_decode_pools()
+
+    def wake_decode_pools(self) -> None:
+        """Room may have changed: let every decode pool that could take a hand-off look."""
+        if self.queue:
+            for pool in self.decode_pools:
+                if pool.accepting:
+                    pool.wakeup.set()
+
+    def fail_if_stranded(self) -> bool:
+        """With no healthy decode pool left, fail every waiting hand-off (True)."""
+        if any(p.healthy for p in self.decode_pools):
+            return False
+        for stranded in list(self.queue):
+            self._fail(stranded, "no decode worker left")
+        return True
 
     def remove(self, handle: RequestHandle) -> None:
         self.queue.remove(handle)
@@ -74,13 +94,10 @@ class KvHandoff:
         transfer.src.wakeup.set()
         transfer.dst.wakeup.set()
 
-    def pump(self) -> None:
-        """Start every queued handoff that some decode pool has room for, in order."""
-        while self.queue:
-            if not any(p.healthy for p in self.decode_pools):
-                for stranded in list(self.queue):
-                    self._fail(stranded, "no decode worker left")
-                return
+    def pull(self, pool: Pool) -> None:
+        """`pool` plans a step: start the waiting hand-offs that choose it, in order. Stops
+        at the first that no pool has room for, or that chooses another pool (woken)."""
+        while self.queue and pool.accepting:
             healthy = [p for p in self.decode_pools if p.accepting]  # draining ones: no
             handle = self.queue[0]
             request = handle.request
@@ -104,8 +121,11 @@ class KvHandoff:
             )
             if choice is None:
                 return  # wait until a decode pool frees blocks
+            if healthy[choice] is not pool:
+                healthy[choice].wakeup.set()
+                return
             self.queue.popleft()
-            self._start(handle, healthy[choice], hits[choice])
+            self._start(handle, pool, hits[choice])
 
     def _start(self, handle: RequestHandle, dst: Pool, hits: list[int]) -> None:
         request, src = handle.request, handle.pool
@@ -114,8 +134,8 @@ class KvHandoff:
         table = src.blocks.table(rid)
         src_blocks = table[len(hits) : len(hits) + len(dst_blocks)]
         dst.counters.kv_blocks_reused += len(hits)
-        handle.stage = Stage.TRANSFER
         if not dst_blocks:  # the decode pool already holds every block
+            handle.start_transfer(None)
             self._arrive(handle, src, dst)
             return
         self._tag_counter += 1
@@ -125,7 +145,7 @@ class KvHandoff:
             self._transfer(handle, src, dst, tag, src_blocks, dst_blocks, after_step),
             f"kv-{rid}",
         )
-        handle.transfer = Transfer(task, src, dst, tag)
+        handle.start_transfer(Transfer(task, src, dst, tag))
 
     async def _transfer(
         self,
@@ -156,9 +176,7 @@ class KvHandoff:
         if error is not None:
             self._release(handle)
             self._transfer_failed(handle, src, dst, error)
-            self.pump()
             return
-        handle.transfer = None
         dst.counters.kv_blocks_received += len(dst_blocks)
         with bind_request(rid):
             log.debug(
@@ -181,7 +199,6 @@ class KvHandoff:
             request.all_token_ids,
             request.num_computed_tokens,
         )
-        handle.stage, handle.pool = Stage.DECODE, dst
+        handle.arrive(dst)
         dst.scheduler.add(request)
         dst.wakeup.set()
-        self.pump()

@@ -23,49 +23,13 @@ are then offered to the prefix cache. Pure Python.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import Request
+from services.scheduler.step_plan import PoolStepPlan, SampledToken, ScheduledRequest, StepUpdate
+from services.scheduler.worker_types import StepResult
 
 PREEMPTION_MODES = ("recompute", "swap")
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-    # True when the worker has no state for the request yet: send its full data.
-    is_new: bool
-    # Blocks appended to the table this step (the whole table when is_new).
-    new_block_ids: list[int]
-    # Tokens already computed before this step (where the new tokens start).
-    num_computed_before: int
-    # The request's whole table when copy-on-write replaced some of its blocks.
-    replaced_table: list[int] | None = None
-
-
-@dataclass
-class PoolStepPlan:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    # Requests the worker must drop from its persistent batch before running.
-    dropped_request_ids: list[str] = field(default_factory=list)
-    # Recompute victims: blocks freed, num_computed_tokens reset; the caller re-queues them.
-    preempted: list[Request] = field(default_factory=list)
-    # Swap victims (they stay in this pool, in `swapped`).
-    swapped_out: list[Request] = field(default_factory=list)
-    # Block copies the worker runs before the forward pass, in this order:
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, swap) blocks
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (swap, device) blocks
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.scheduled or self.dropped_request_ids or self.swap_out)
 
 
 class PoolScheduler:
@@ -105,6 +69,8 @@ class PoolScheduler:
         self.swapped: deque[Request] = deque()
         self._on_worker: set[str] = set()
         self._pending_drops: list[str] = []
+        # Per step sent and not yet answered, oldest first: the requests it computes.
+        self._in_flight: deque[dict[str, Request]] = deque()
         self.num_prefix_hit_tokens = 0
         self.num_preemptions = 0
         self.num_swap_outs = 0
@@ -168,7 +134,54 @@ class PoolScheduler:
             budget = self._swap_in(plan, budget)
             self._admit_waiting(plan, budget)
         plan.dropped_request_ids, self._pending_drops = self._pending_drops, []
+        if not plan.is_empty:  # the caller sends every plan that is not empty
+            self._in_flight.append({s.request.request_id: s.request for s in plan.scheduled})
         return plan
+
+    def update(self, result: StepResult) -> StepUpdate:
+        """Apply the result of the oldest step in flight: gather prompt logprobs, append
+        each sampled token (one pending token becomes known), release requests that finish,
+        and take prompts done in a pool that does not decode out of the queues (they keep
+        their blocks) for the hand-off. A token for a request that finished or was aborted
+        while the step ran is dropped."""
+        if not self._in_flight:
+            raise ValueError(f"step {result.step_id}: no step of this pool is in flight")
+        scheduled = self._in_flight.popleft()
+        update = StepUpdate()
+        for request_id, (start, entries) in result.prompt_logprobs.items():
+            request = scheduled.get(request_id)
+            if request is not None and not request.is_finished and not request.prompt_logprobs_sent:
+                del request.prompt_logprobs[start - 1 :]  # a recompute resends positions
+                request.prompt_logprobs.extend(entries)
+        for request_id, token in result.sampled.items():
+            request = scheduled.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.num_pending_tokens <= 0:  # its worker failed and it started over
+                update.unexpected.append(request_id)
+                continue
+            request.num_pending_tokens -= 1
+            reason = request.append_token(token)
+            prompt_logprobs = []
+            if request.sampling.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+                prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
+            update.tokens.append(
+                SampledToken(
+                    request, token, result.logprobs.get(request_id), prompt_logprobs, reason
+                )
+            )
+            if reason is not None:
+                if self.holds(request):
+                    self.release(request)
+                update.finished.append(request)
+            elif not self.runs_decodes and self.is_running(request):
+                self.detach(request)
+                update.ready_for_handoff.append(request)
+        return update
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        return len(self._in_flight)
 
     def _schedule_running(self, plan: PoolStepPlan) -> int:
         budget = self.max_num_batched_tokens
@@ -291,7 +304,8 @@ class PoolScheduler:
         added, copies = self.blocks.allocate(rid, start + num_new, start, hits or ())
         plan.block_copies.extend(copies)
         request.num_computed_tokens = start + num_new
-        if request.num_computed_tokens == request.num_tokens:
+        samples = request.num_computed_tokens == request.num_tokens
+        if samples:
             request.num_pending_tokens += 1  # this step samples the next token
         self._on_worker.add(rid)
         request.update_block_hashes(self.blocks.block_size)
@@ -306,6 +320,7 @@ class PoolScheduler:
                 new_block_ids=self.blocks.table(rid) if is_new else added,
                 num_computed_before=start,
                 replaced_table=self.blocks.table(rid) if copies and not is_new else None,
+                samples=samples,
             )
         )
 

@@ -11,6 +11,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from common.sampling import Logprob, SamplingParams
 from services.scheduler.prefix_hash import BlockHash, extend_block_hashes
 
 
@@ -18,42 +19,6 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # a stop token (EOS) was produced
     LENGTH = "length"  # max_tokens or the context length was reached
     ABORT = "abort"  # cancelled by the client, the gateway or a failure
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Resolved sampling settings, passed through to the worker's sampler (see
-    `services/worker/sampling_params.py` for what each does). 0 temperature = greedy."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    seed: int | None = None
-    min_tokens: int = 0
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-
-
-@dataclass(frozen=True)
-class Logprob:
-    """A token's log-probability under the raw model distribution, with alternatives."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(eq=False)
@@ -81,6 +46,8 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     # Prompt log-probabilities gathered while the prompt is computed (positions 1..).
     prompt_logprobs: list[Logprob] = field(default_factory=list)
+    # The gathered prompt logprobs went out with the first token.
+    prompt_logprobs_sent: bool = False
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.monotonic)

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.scheduler.pool_scheduler import PoolStepPlan
 from services.scheduler.request import Logprob
+from services.scheduler.step_plan import PoolStepPlan
 
 
 class WorkerUnavailableError(RuntimeError):
