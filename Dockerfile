@@ -9,6 +9,7 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 UCX_WARN_UNUSED_ENV_VARS=n
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY common ./common
+COPY devtools ./devtools
 COPY kernels ./kernels
 COPY services ./services
 RUN pip install --index-url "$TORCH_INDEX" torch==2.13.0 \

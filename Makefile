@@ -56,7 +56,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 model: $(STAMP)
-	$(PY) -m common.checkpoint_builder --out .tandem/models/tandem-tiny-llama
+	$(PY) -m devtools.checkpoint_builder --out .tandem/models/tandem-tiny-llama
 
 test: $(STAMP) $(BUF) protos-check lint-protos lint
 	TANDEM_BUF=$(CURDIR)/$(BUF) $(PY) -m pytest $(PYTEST_ARGS)

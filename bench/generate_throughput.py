@@ -168,7 +168,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from common.checkpoint_builder import build_default_model
+    from devtools.checkpoint_builder import build_default_model
     from services.stack.launcher import Stack, StackSpec
 
     model = args.model or str(

@@ -261,7 +261,8 @@ def random_model(shape: dict, device: torch.device, dtype: torch.dtype, backend:
 
 
 def runner_for(model, config, device, dtype, batch: int, context: int, graphs: bool):
-    from services.worker.batch import NewRequestData, PersistentBatch, Sampling
+    from common.sampling import SamplingParams
+    from services.worker.batch import NewRequestData, PersistentBatch
     from services.worker.cuda_graphs import DecodeGraphs, graph_buckets
     from services.worker.kv_cache import KvCache
     from services.worker.runner import ModelRunner
@@ -283,7 +284,7 @@ def runner_for(model, config, device, dtype, batch: int, context: int, graphs: b
         decode_graphs.capture_all()
     runner = ModelRunner(model, cache, device, decode_graphs)
     persistent = PersistentBatch(block, cache.num_blocks, config.vocab_size)
-    return runner, persistent, per_seq, NewRequestData, Sampling
+    return runner, persistent, per_seq, NewRequestData, SamplingParams
 
 
 def step_section(

@@ -56,7 +56,7 @@ def num_parameters(name: str) -> int:
 
 def bench_model(name: str, models_dir: Path = MODELS_DIR) -> Path:
     """The folder of bench model `name`, built there first if it is not complete."""
-    from common.checkpoint_builder import build_checkpoint, is_complete_checkpoint
+    from devtools.checkpoint_builder import build_checkpoint, is_complete_checkpoint
 
     if name not in BENCH_MODELS:
         raise ValueError(f"unknown bench model {name!r}; known: {', '.join(BENCH_MODELS)}")

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from bench.report import load_average, machine_info
+from common.sampling import SamplingParams
 from services.worker.sampler import SamplingRow, sample
-from services.worker.sampling_params import Sampling
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("greedy", "full", "temperature")
@@ -32,15 +32,15 @@ HISTORY = 256  # tokens per row that the penalties look at (128 prompt + 128 out
 
 def rows_for(mode: str, batch: int, vocab: int) -> list[SamplingRow]:
     if mode == "greedy":
-        return [SamplingRow(Sampling())] * batch
+        return [SamplingRow(SamplingParams())] * batch
     if mode == "temperature":
-        return [SamplingRow(Sampling(temperature=1.0))] * batch
+        return [SamplingRow(SamplingParams(temperature=1.0))] * batch
     generator = torch.Generator().manual_seed(0)
     rows = []
     for i in range(batch):
         history = torch.randint(0, vocab, (HISTORY,), generator=generator).tolist()
         bias = torch.randint(0, vocab, (8,), generator=generator).tolist()
-        params = Sampling(
+        params = SamplingParams(
             temperature=0.8,
             top_k=50,
             top_p=0.9,

@@ -166,7 +166,7 @@ def workload_params(config: BenchConfig) -> MixedParams | SharedPrefixParams:
 def resolve_model(config: BenchConfig) -> str:
     if config.model:
         return config.model
-    from common.checkpoint_builder import build_default_model
+    from devtools.checkpoint_builder import build_default_model
 
     return str(build_default_model(DEFAULT_MODEL_DIR))
 

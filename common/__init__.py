@@ -1,1 +1,1 @@
-"""Code shared by every Tandem service: configs, model description, logging, test assets."""
+"""Code shared by every Tandem service: configs, model description, logging, TLS, gRPC."""

@@ -1,10 +1,15 @@
 """Typed, frozen service configs built from CLI flags and `TANDEM_*` environment variables.
 
-Each service declares a frozen dataclass whose fields are its settings and whose
-`__post_init__` raises `ValueError` with a clear message. `load_config` turns the dataclass
-into an argparse parser: every field `foo_bar` becomes `--foo-bar`, read from the environment
-variable named in the field's metadata (default `TANDEM_<PREFIX>_FOO_BAR`), flag over
-environment over default.
+Each service declares a frozen dataclass (a `ServiceConfig`) whose fields are its settings
+and whose `__post_init__` raises `ValueError` with a clear message naming the setting, its
+flag and its environment variable. Every check of a setting lives there, once: the code that
+receives a config trusts it. `load_config` turns the dataclass into an argparse parser:
+every field `foo_bar` becomes `--foo-bar`, read from the environment variable named in the
+field's metadata (default `TANDEM_FOO_BAR`), flag over environment over default.
+
+Settings that must agree across services are checked when they meet: the worker sends its
+side as metadata of `DescribeWorker` (the keys below) and the scheduler compares it with its
+own when it connects (`services/scheduler/bootstrap.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOOPBACK = "127.0.0.1"
+DEFAULT_ENV_PREFIX = "TANDEM_"
+
+# Worker settings sent as initial metadata of DescribeWorker (no proto change) for the
+# scheduler to check against its own: tokens the worker profiled activation memory for (sent
+# only by a worker that profiled: CUDA), and its KV transfer timeout.
+PROFILE_NUM_TOKENS_METADATA = "tandem-profile-num-tokens"
+KV_TRANSFER_TIMEOUT_METADATA = "tandem-kv-transfer-timeout-s"
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
@@ -37,6 +52,84 @@ def setting(default: Any, help: str, env: str | None = None, choices: Sequence[s
     )
 
 
+def host_setting(env: str, help: str = "listen address (loopback by default)"):
+    """A service's listen address: loopback unless told otherwise."""
+    return setting(LOOPBACK, help, env=env)
+
+
+def port_setting(default: int, env: str, help: str = "listen port (0 = any free port)"):
+    return setting(default, help, env=env)
+
+
+def log_level_setting():
+    return setting(
+        "info", "debug, info, warning or error", env="TANDEM_LOG_LEVEL", choices=LOG_LEVELS
+    )
+
+
+def drain_timeout_setting(help: str):
+    """Seconds a service drains on SIGTERM (one variable for every service)."""
+    return setting(30.0, help, env="TANDEM_DRAIN_TIMEOUT_S")
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_name(field: dataclasses.Field, env_prefix: str = DEFAULT_ENV_PREFIX) -> str:
+    return field.metadata.get("env") or f"{env_prefix}{field.name.upper()}"
+
+
+class ServiceConfig:
+    """Base of every service's config: the settings every service has, checked once.
+
+    A subclass is a frozen dataclass that declares `host`, `port` and `log_level` (and
+    `drain_timeout_s` when it drains on SIGTERM) with its own environment names and defaults
+    (`host_setting`, `port_setting`, `log_level_setting`, `drain_timeout_setting`), and
+    starts its `__post_init__` with `self._check_service()`. Its own checks use `_require`,
+    `_at_least`, `_positive`, `_size` and `_address`, whose errors name the setting, its flag
+    and its environment variable.
+    """
+
+    def _check_service(self) -> None:
+        self._require(bool(self.host), "host", "must not be empty")
+        self._require(0 <= self.port < 65536, "port", "must be in 0..65535 (0 = pick a free port)")
+        self._require(
+            self.log_level in LOG_LEVELS, "log_level", f"must be one of {', '.join(LOG_LEVELS)}"
+        )
+        if hasattr(self, "drain_timeout_s"):
+            self._at_least(0, "drain_timeout_s")
+
+    def _invalid(self, name: str, problem: str) -> ValueError:
+        """'max_num_seqs must be >= 1, got 0 (flag --max-num-seqs, env TANDEM_MAX_NUM_SEQS)'."""
+        field = next(f for f in dataclasses.fields(self) if f.name == name)
+        return ValueError(f"{name} {problem} (flag {flag_name(name)}, env {env_name(field)})")
+
+    def _require(self, ok: bool, name: str, rule: str) -> None:
+        if not ok:
+            raise self._invalid(name, f"{rule}, got {getattr(self, name)!r}")
+
+    def _at_least(self, minimum: float, *names: str) -> None:
+        for name in names:  # NaN compares False: it fails too
+            self._require(getattr(self, name) >= minimum, name, f"must be >= {minimum}")
+
+    def _positive(self, *names: str) -> None:
+        for name in names:
+            self._require(getattr(self, name) > 0, name, "must be positive")
+
+    def _size(self, name: str) -> int:
+        """The size setting `name` in bytes ('512MiB' -> 536870912)."""
+        try:
+            return parse_size(getattr(self, name))
+        except ValueError as exc:
+            raise self._invalid(name, f"is {exc}") from None
+
+    def _address(self, name: str, text: str) -> None:
+        """`text` (setting `name`, or one of its items) must be host:port."""
+        if not is_address(text):
+            raise self._invalid(name, f"must be host:port with a port in 1..65535, got {text!r}")
+
+
 def parse_size(text: str) -> int:
     """'512MiB' -> 536870912; '2GB' -> 2000000000; '1024' -> 1024."""
     match = _SIZE_RE.match(str(text))
@@ -46,17 +139,10 @@ def parse_size(text: str) -> int:
     return int(float(number) * _SIZE_UNITS[(unit or "").lower()])
 
 
-def parse_address(text: str, what: str) -> str:
-    """Validate 'host:port' and return it unchanged."""
+def is_address(text: str) -> bool:
+    """Whether `text` is 'host:port' with a port in 1..65535."""
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{what} must be host:port with a port in 1..65535, got {text!r}")
-    return text
-
-
-def check_port(port: int, what: str) -> None:
-    if not 0 <= port < 65536:
-        raise ValueError(f"{what} must be in 0..65535 (0 = pick a free port), got {port}")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
 def _convert(raw: str, annotation: Any, name: str) -> Any:
@@ -87,7 +173,7 @@ def load_config(
     argv: Sequence[str] | None = None,
     env: Mapping[str, str] | None = None,
     prog: str | None = None,
-    env_prefix: str = "TANDEM_",
+    env_prefix: str = DEFAULT_ENV_PREFIX,
 ) -> T:
     """Build `cls` from flags (argv), then environment, then field defaults.
 
@@ -98,21 +184,23 @@ def load_config(
     parser = argparse.ArgumentParser(prog=prog, description=(cls.__doc__ or "").strip())
     env_names: dict[str, str] = {}
     for field in dataclasses.fields(cls):
-        env_name = field.metadata.get("env") or f"{env_prefix}{field.name.upper()}"
-        env_names[field.name] = env_name
-        help_text = f"{field.metadata.get('help', '')} [env {env_name}; default {field.default!r}]"
+        env_names[field.name] = env_name(field, env_prefix)
+        help_text = (
+            f"{field.metadata.get('help', '')} [env {env_names[field.name]}; "
+            f"default {field.default!r}]"
+        )
         parser.add_argument(
-            "--" + field.name.replace("_", "-"),
+            flag_name(field.name),
             dest=field.name,
             default=None,
-            help=help_text,
+            help=help_text.replace("%", "%%"),  # argparse formats help with %
             choices=field.metadata.get("choices"),
         )
     parsed = parser.parse_args(list(argv) if argv is not None else None)
     values: dict[str, Any] = {}
     for field in dataclasses.fields(cls):
         raw = getattr(parsed, field.name)
-        source = f"--{field.name.replace('_', '-')}"
+        source = flag_name(field.name)
         if raw is None and env_names[field.name] in env:
             raw, source = env[env_names[field.name]], env_names[field.name]
         if raw is None:

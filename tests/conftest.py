@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from common.checkpoint_builder import build_checkpoint
+from devtools.checkpoint_builder import build_checkpoint
 
 
 @pytest.fixture(scope="session")

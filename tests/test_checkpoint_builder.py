@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common.checkpoint_builder import (
+from common.model_config import ModelConfig
+from devtools.checkpoint_builder import (
     CORPUS_PATH,
     DEFAULT_MODEL_NAME,
     build_checkpoint,
@@ -19,7 +20,6 @@ from common.checkpoint_builder import (
     is_complete_checkpoint,
     main,
 )
-from common.model_config import ModelConfig
 
 MULTI_BYTE_TEXTS = [
     "Café crème and déjà vu in Noël",

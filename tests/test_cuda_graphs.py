@@ -9,7 +9,7 @@ from services.worker.cuda_graphs import DecodeGraphs, graph_buckets
 from services.worker.kv_cache import KvCache
 from services.worker.models.attention_backend import select_backend
 from services.worker.models.attention_metadata import SequenceSlice, build_attention_metadata
-from services.worker.models.loader import load_model
+from services.worker.models.weight_loader import load_model
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.hf_checkpoint import load_tokenizer
+from common.hf_checkpoint_reader import load_tokenizer
 from services.gateway.detokenizer import REPLACEMENT, IncrementalDetokenizer
 
 MULTIBYTE_TEXT = "naïve café — Ελληνικά, русский, 中文字符 and emoji 🚀🎉 done."

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.hf_checkpoint import load_tokenizer
+from common.hf_checkpoint_reader import load_tokenizer
 from common.pb.tandem.internal.v1 import scheduler_pb2, types_pb2
 from common.pb.tandem.v1 import generate_pb2
 from services.gateway.output import RequestOutput, SampleOutput

@@ -65,7 +65,7 @@ def test_merge_refuses_mixed_bias():
 def test_packed_model_gives_the_unpacked_logits(tiny_llama_dir):
     from services.worker.kv_cache import KvCache
     from services.worker.models.attention_metadata import SequenceSlice, build_attention_metadata
-    from services.worker.models.loader import load_model
+    from services.worker.models.weight_loader import load_model
 
     outputs = []
     for pack in (False, True):

@@ -17,13 +17,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common.checkpoint_builder import build_checkpoint
 from common.model_config import ModelConfig
+from devtools.checkpoint_builder import build_checkpoint
 from services.worker.kv_cache import KvCache
 from services.worker.models.attention_metadata import SequenceSlice, build_attention_metadata
 from services.worker.models.llama import LlamaForCausalLM
-from services.worker.models.loader import load_model
 from services.worker.models.rope import RotaryEmbedding
+from services.worker.models.weight_loader import load_model
 
 ATOL = RTOL = 1e-4
 LLAMA3_ROPE = {

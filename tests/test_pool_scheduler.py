@@ -1,8 +1,6 @@
 """Continuous batching in one pool: budget, chunking, decode priority, admission, prefix
 hits, preemption (recompute and swap), async placeholders, drops."""
 
-import pytest
-
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.pool_scheduler import PoolScheduler
 from services.scheduler.prefix_hash import root_hash
@@ -290,17 +288,6 @@ def test_preempted_request_with_a_token_on_the_way_waits_for_it():
     assert scheduled(s.schedule()) == [("a", 6)]  # recomputes prompt + token 9
 
 
-def test_budget_caps_and_modes_are_validated():
-    with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        PoolScheduler(BlockManager(4, 4), 0, 1)
-    with pytest.raises(ValueError, match="max_num_seqs"):
-        PoolScheduler(BlockManager(4, 4), 1, 0)
-    with pytest.raises(ValueError, match="preemption_mode"):
-        PoolScheduler(BlockManager(4, 4), 1, 1, preemption_mode="drop")
-    with pytest.raises(ValueError, match="swap space"):
-        PoolScheduler(BlockManager(4, 4), 1, 1, preemption_mode="swap")
-
-
 def test_request_finishes_on_stop_token_and_max_tokens():
     r = Request("a", [1, 2], max_tokens=3, stop_token_ids=frozenset({9}))
     assert r.append_token(4) is None
@@ -429,3 +416,23 @@ def test_update_ignores_a_token_for_a_request_that_started_over():
     r.num_pending_tokens = 0  # its worker failed; the request starts over elsewhere
     update = s.update(result_for(plan))
     assert update.unexpected == ["a"] and r.output_token_ids == []
+
+
+def test_blocks_of_a_cancelled_receive_are_held_until_a_step_carries_its_tag():
+    s = sched(num_blocks=4, block_size=4)
+    s.blocks.allocate("moving", 12)  # a receive into three blocks, then given up
+    s.cancel_transfer(0xAB, "moving")
+    assert not s.blocks.has("moving") and s.blocks.num_free_blocks == 1  # still held
+    plan = s.schedule()  # nothing runs, yet the tag must reach the worker
+    assert not plan.is_empty and plan.cancelled_transfer_tags == [0xAB]
+    assert s.blocks.num_free_blocks == 4 and s.blocks.num_requests == 0
+    s.update(StepResult(step_id=1, sampled={}, execute_seconds=0.0))
+    assert s.schedule().is_empty
+
+
+def test_a_lost_worker_frees_blocks_held_for_cancelled_receives_at_once():
+    s = sched(num_blocks=4, block_size=4)
+    s.blocks.allocate("moving", 8)
+    s.cancel_transfer(7, "moving")
+    s.forget_cancelled_transfers()
+    assert s.blocks.num_free_blocks == 4 and s.schedule().is_empty

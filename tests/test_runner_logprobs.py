@@ -8,12 +8,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from common.sampling import Logprob, SamplingParams
 from services.worker.batch import CachedRequestData, NewRequestData, PersistentBatch
 from services.worker.kv_cache import KvCache
-from services.worker.logprobs import TokenLogprobs, prompt_entry_span
-from services.worker.models.loader import load_model
+from services.worker.logprobs import prompt_entry_span
+from services.worker.models.weight_loader import load_model
 from services.worker.runner import ModelRunner, StepOutput
-from services.worker.sampling_params import Sampling
 
 ATOL = 1e-4
 BLOCK = 4
@@ -66,7 +66,7 @@ def hf_logprobs(hf, tokens: list[int]) -> torch.Tensor:
         return torch.log_softmax(hf(torch.tensor([tokens])).logits[0].float(), dim=-1)
 
 
-def assert_entry(entry: TokenLogprobs, reference_row: torch.Tensor, token: int, k: int) -> None:
+def assert_entry(entry: Logprob, reference_row: torch.Tensor, token: int, k: int) -> None:
     assert entry.token_id == token
     assert abs(entry.logprob - float(reference_row[token])) < ATOL
     assert len(entry.top) == k
@@ -92,11 +92,11 @@ def test_chunked_prompt_and_sampled_logprobs_match_hf(models):
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, config.vocab_size, (30,), generator=gen).tolist()
     other = torch.randint(3, config.vocab_size, (9,), generator=gen).tolist()
-    asking = Sampling(prompt_logprobs=3, logprobs=4)
+    asking = SamplingParams(prompt_logprobs=3, logprobs=4)
     driver = Driver(ours, config)
 
     first = driver.step(
-        new=[driver.new("a", prompt, 13, asking), driver.new("b", other, 9, Sampling())]
+        new=[driver.new("a", prompt, 13, asking), driver.new("b", other, 9, SamplingParams())]
     )
     assert "a" not in first.sampled and "b" in first.sampled
     assert first.logprobs == {} and set(first.prompt_logprobs) == {"a"}
@@ -123,7 +123,7 @@ def test_sampled_logprobs_are_raw_under_processors_and_seeded_draws(models):
     ours, config, hf = models
     prompt = torch.randint(3, config.vocab_size, (11,), generator=torch.Generator().manual_seed(1))
     prompt = prompt.tolist()
-    params = Sampling(
+    params = SamplingParams(
         temperature=1.3,
         top_k=20,
         seed=7,
@@ -150,7 +150,7 @@ def test_recompute_after_preemption_scores_prompt_positions_only(models):
     prompt = torch.randint(3, config.vocab_size, (12,), generator=gen).tolist()
     outputs = torch.randint(3, config.vocab_size, (3,), generator=gen).tolist()
     driver = Driver(ours, config)
-    params = Sampling(prompt_logprobs=0)
+    params = SamplingParams(prompt_logprobs=0)
     output = driver.step(new=[driver.new("r", prompt + outputs, 15, params, len(prompt))])
     scored = output.prompt_logprobs["r"]
     assert (scored.start, len(scored.entries)) == (1, 11)

@@ -10,8 +10,8 @@ from transformers.generation.logits_process import (
     SequenceBiasLogitsProcessor,
 )
 
+from common.sampling import SamplingParams
 from services.worker.sampler import SamplingRow, sample
-from services.worker.sampling_params import Sampling
 from tests.test_sampler_processors import hf_truncation
 from tests.test_sampler_stats import fits
 
@@ -43,7 +43,7 @@ def test_draws_stay_in_the_support_and_follow_the_renormalised_probabilities(
     temperature, top_k, top_p, min_p
 ):
     logits = one_row(seed=top_k + 7)
-    params = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     counts = draw_counts([SamplingRow(params)] * DRAWS, logits)
     expected = torch.softmax(hf_truncation(logits, temperature, top_k, top_p, min_p), dim=-1)
     assert counts[expected == 0].sum() == 0, "a draw outside the allowed set"
@@ -59,10 +59,10 @@ def test_draws_stay_in_the_support_and_follow_the_renormalised_probabilities(
 def test_seeded_draws_follow_the_distribution_across_seeds_and_positions():
     logits = one_row(seed=3)
     expected = torch.softmax(hf_truncation(logits, 0.8, 20, 0.95, 0.0), dim=-1)
-    params = [Sampling(temperature=0.8, top_k=20, top_p=0.95, seed=s) for s in range(DRAWS)]
+    params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=s) for s in range(DRAWS)]
     across_seeds = draw_counts([SamplingRow(p) for p in params], logits)
     assert counts_ok(across_seeds, expected)
-    fixed = Sampling(temperature=0.8, top_k=20, top_p=0.95, seed=12345)
+    fixed = SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=12345)
     across_positions = draw_counts(
         [SamplingRow(fixed, [1] * n, num_prompt_tokens=1) for n in range(1, DRAWS + 1)], logits
     )
@@ -75,7 +75,7 @@ def counts_ok(counts: torch.Tensor, expected: torch.Tensor) -> bool:
 
 def test_dense_seeded_draws_follow_the_distribution():
     logits = one_row(seed=4)
-    rows = [SamplingRow(Sampling(temperature=1.2, seed=1000 + s)) for s in range(DRAWS)]
+    rows = [SamplingRow(SamplingParams(temperature=1.2, seed=1000 + s)) for s in range(DRAWS)]
     assert counts_ok(draw_counts(rows, logits), torch.softmax(logits / 1.2, dim=-1))
 
 
@@ -83,7 +83,7 @@ def test_processors_then_truncation_then_draw_follow_hf():
     """The whole chain on one row: bias and repetition penalty, then temperature and top-p."""
     logits = one_row(seed=5)
     history = [0, 1, 2, 3, 1, 2]
-    params = Sampling(
+    params = SamplingParams(
         temperature=0.7, top_p=0.9, repetition_penalty=1.8, logit_bias=((10, 1.5), (11, -3.0))
     )
     counts = draw_counts([SamplingRow(params, history, 4)] * DRAWS, logits, seed=1)
@@ -99,8 +99,8 @@ def test_processors_then_truncation_then_draw_follow_hf():
 def test_mixed_batch_rows_keep_their_own_distributions():
     """Half the rows top-k, half dense: each half follows its own distribution."""
     logits = one_row(seed=6)
-    top_k = SamplingRow(Sampling(temperature=1.0, top_k=4))
-    dense = SamplingRow(Sampling(temperature=1.0))
+    top_k = SamplingRow(SamplingParams(temperature=1.0, top_k=4))
+    dense = SamplingRow(SamplingParams(temperature=1.0))
     rows = [top_k, dense] * (DRAWS // 2)
     batch = logits.unsqueeze(0).expand(len(rows), -1).contiguous()
     tokens = torch.tensor(sample(batch, rows, torch.Generator().manual_seed(2)).token_ids)

@@ -13,9 +13,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from common.sampling import SamplingParams
 from services.worker.logits_processors import truncate
 from services.worker.sampler import SamplingRow, process_logits
-from services.worker.sampling_params import Sampling
 
 VOCAB = 512
 
@@ -39,7 +39,7 @@ def test_repetition_penalty_matches_hf_over_prompt_and_output():
     penalties = [1.3, 1.0, 0.7, 2.5, 1.0, 1.1]
     seqs = [history(20 + 7 * i, seed=i) for i in range(6)]
     rows = [
-        SamplingRow(Sampling(repetition_penalty=p), tokens, num_prompt_tokens=12)
+        SamplingRow(SamplingParams(repetition_penalty=p), tokens, num_prompt_tokens=12)
         for p, tokens in zip(penalties, seqs, strict=True)
     ]
     got = process_logits(logits, rows)
@@ -59,7 +59,9 @@ def test_min_tokens_suppresses_stop_tokens_like_hf_until_enough_outputs():
     rows, expected = [], []
     for i, outputs in enumerate((0, 2, 3, 5)):  # output tokens so far; min_tokens = 3
         tokens = prompt + history(outputs, seed=10 + i)
-        rows.append(SamplingRow(Sampling(min_tokens=3, stop_token_ids=stops), tokens, len(prompt)))
+        rows.append(
+            SamplingRow(SamplingParams(min_tokens=3, stop_token_ids=stops), tokens, len(prompt))
+        )
         hf = MinNewTokensLengthLogitsProcessor(len(prompt), 3, list(stops))
         expected.append(hf_row(hf, tokens, logits[i]))
     got = process_logits(logits, rows)
@@ -70,7 +72,7 @@ def test_min_tokens_suppresses_stop_tokens_like_hf_until_enough_outputs():
 def test_logit_bias_matches_hf_sequence_bias():
     logits = random_logits(3, seed=2)
     biases = [((5, 2.5), (40, -100.0), (511, 7.0)), (), ((0, -3.25),)]
-    rows = [SamplingRow(Sampling(logit_bias=b)) for b in biases]
+    rows = [SamplingRow(SamplingParams(logit_bias=b)) for b in biases]
     got = process_logits(logits, rows)
     for i, bias in enumerate(biases):
         if not bias:
@@ -99,7 +101,9 @@ def test_presence_and_frequency_penalties_count_output_tokens_only():
     prompts = [history(10, seed=20 + i) for i in range(5)]
     outputs = [history(5 + 9 * i, seed=30 + i) for i in range(5)]
     rows = [
-        SamplingRow(Sampling(presence_penalty=p, frequency_penalty=f), prompt + output, len(prompt))
+        SamplingRow(
+            SamplingParams(presence_penalty=p, frequency_penalty=f), prompt + output, len(prompt)
+        )
         for p, f, prompt, output in zip(presence, frequency, prompts, outputs, strict=True)
     ]
     got = process_logits(logits, rows)
@@ -114,7 +118,7 @@ def test_processors_apply_in_order_on_one_row():
     """bias, then min_tokens, then repetition, then presence/frequency (vLLM and HF order)."""
     logits = random_logits(2, seed=4)
     prompt, output = [4, 5, 6, 4], [6, 7, 7]
-    params = Sampling(
+    params = SamplingParams(
         logit_bias=((4, 3.0), (7, -2.0), (9, 1.0)),
         min_tokens=5,
         stop_token_ids=(9,),
@@ -122,7 +126,9 @@ def test_processors_apply_in_order_on_one_row():
         presence_penalty=0.25,
         frequency_penalty=0.5,
     )
-    got = process_logits(logits, [SamplingRow(params, prompt + output, 4), SamplingRow(Sampling())])
+    got = process_logits(
+        logits, [SamplingRow(params, prompt + output, 4), SamplingRow(SamplingParams())]
+    )
     ids = torch.tensor([prompt + output])
     expected = logits[:1].clone()
     expected = SequenceBiasLogitsProcessor([[[t], v] for t, v in params.logit_bias])(ids, expected)

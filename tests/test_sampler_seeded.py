@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
+from common.sampling import SamplingParams
 from services.worker.sampler import SamplingRow, sample
-from services.worker.sampling_params import Sampling
 from services.worker.seeded_noise import (
     U_MAX,
     U_MIN,
@@ -24,26 +24,28 @@ from tests.test_sampler_stats import fits
 
 VOCAB = 1000
 TARGETS = [  # seeded rows under test, drawn at output position 7
-    Sampling(temperature=1.0, seed=1234),  # dense race
-    Sampling(temperature=0.9, top_k=40, seed=99),  # top-k candidates
-    Sampling(temperature=1.1, top_p=0.9, seed=2**63 + 5),  # full sort, 64-bit seed
-    Sampling(temperature=0.8, top_k=200, top_p=0.95, min_p=0.01, seed=0, repetition_penalty=1.2),
+    SamplingParams(temperature=1.0, seed=1234),  # dense race
+    SamplingParams(temperature=0.9, top_k=40, seed=99),  # top-k candidates
+    SamplingParams(temperature=1.1, top_p=0.9, seed=2**63 + 5),  # full sort, 64-bit seed
+    SamplingParams(
+        temperature=0.8, top_k=200, top_p=0.95, min_p=0.01, seed=0, repetition_penalty=1.2
+    ),
 ]
 
 
-def target_row(params: Sampling, position: int = 7) -> SamplingRow:
+def target_row(params: SamplingParams, position: int = 7) -> SamplingRow:
     prompt = list(range(10, 20))
     return SamplingRow(params, prompt + list(range(30, 30 + position)), len(prompt))
 
 
 def neighbours(count: int, rng: random.Random) -> list[SamplingRow]:
     choices = [
-        Sampling(),
-        Sampling(temperature=1.0),
-        Sampling(temperature=0.5, top_k=3),
-        Sampling(temperature=1.0, top_k=900, seed=7),
-        Sampling(temperature=2.0, top_p=0.5, seed=8, presence_penalty=1.0),
-        Sampling(temperature=1.0, min_p=0.2, logprobs=3),
+        SamplingParams(),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.5, top_k=3),
+        SamplingParams(temperature=1.0, top_k=900, seed=7),
+        SamplingParams(temperature=2.0, top_p=0.5, seed=8, presence_penalty=1.0),
+        SamplingParams(temperature=1.0, min_p=0.2, logprobs=3),
     ]
     return [SamplingRow(rng.choice(choices), [1, 2, 3, 4], 2) for _ in range(count)]
 
@@ -70,7 +72,9 @@ def test_different_seeds_and_positions_give_different_tokens(target):
     batch = logits.expand(64, -1).contiguous()
     by_seed = [
         SamplingRow(
-            Sampling(**{**target.__dict__, "seed": 1000 + i}), target_row(target).token_ids, 10
+            SamplingParams(**{**target.__dict__, "seed": 1000 + i}),
+            target_row(target).token_ids,
+            10,
         )
         for i in range(64)
     ]
@@ -85,7 +89,7 @@ def toy_logits(tokens: list[int]) -> torch.Tensor:
     return torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed)) * 2
 
 
-def generate(params: Sampling, prompt: list[int], tokens: list[int], steps: int, seed: int):
+def generate(params: SamplingParams, prompt: list[int], tokens: list[int], steps: int, seed: int):
     """Continue a seeded generation for `steps` tokens, each step in a batch of unseeded
     strangers whose count and order change."""
     tokens = list(tokens)
@@ -103,7 +107,7 @@ def generate(params: Sampling, prompt: list[int], tokens: list[int], steps: int,
 
 
 def test_a_resumed_generation_continues_identically():
-    params = Sampling(temperature=1.0, top_k=50, top_p=0.9, seed=42, frequency_penalty=0.3)
+    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=42, frequency_penalty=0.3)
     prompt = [5, 6, 7, 8]
     straight = generate(params, prompt, prompt, steps=24, seed=0)
     # The first token on a "prefill worker", the rest on a "decode worker"; then a recompute
@@ -113,13 +117,13 @@ def test_a_resumed_generation_continues_identically():
     resumed = generate(params, prompt, prompt + first + decoded, steps=13, seed=3)
     assert first + decoded + resumed == straight
     assert len(set(straight)) > 10  # really sampled, not a fixed point
-    other_seed = Sampling(**{**params.__dict__, "seed": 43})
+    other_seed = SamplingParams(**{**params.__dict__, "seed": 43})
     assert generate(other_seed, prompt, prompt, steps=24, seed=0) != straight
 
 
 def test_unseeded_rows_depend_on_the_worker_generator():
     logits = torch.randn(256, VOCAB, generator=torch.Generator().manual_seed(3))
-    rows = [SamplingRow(Sampling(temperature=1.0))] * 256
+    rows = [SamplingRow(SamplingParams(temperature=1.0))] * 256
     a = sample(logits, rows, torch.Generator().manual_seed(0)).token_ids
     b = sample(logits, rows, torch.Generator().manual_seed(0)).token_ids
     c = sample(logits, rows, torch.Generator().manual_seed(1)).token_ids

@@ -1,12 +1,13 @@
 """The worker's protobuf edges for sampling: every SamplingParams field resolved into
-`Sampling` (unset optionals -> None, zero top_p / repetition_penalty -> 1), and step results
-with logprobs only where a request asked."""
+`SamplingParams` (unset optionals -> None, zero top_p / repetition_penalty -> 1), and step
+results with logprobs only where a request asked."""
 
 from common.pb.tandem.internal.v1 import types_pb2
-from services.worker.logprobs import PromptLogprobs, TokenLogprobs
+from common.sampling import Logprob, SamplingParams
+from common.sampling_pb import sampling_from_pb
+from services.worker.logprobs import PromptLogprobs
 from services.worker.runner import StepOutput
-from services.worker.sampling_params import Sampling
-from services.worker.server import sampling_from_pb, step_response_pb
+from services.worker.server import step_response_pb
 
 
 def test_every_field_is_parsed():
@@ -25,7 +26,7 @@ def test_every_field_is_parsed():
         logprobs=0,
         prompt_logprobs=5,
     )
-    assert sampling_from_pb(pb) == Sampling(
+    assert sampling_from_pb(pb) == SamplingParams(
         temperature=0.5,
         top_p=0.8999999761581421,  # float32 on the wire
         top_k=40,
@@ -44,18 +45,18 @@ def test_every_field_is_parsed():
 
 def test_unset_and_zero_fields_resolve_to_off():
     parsed = sampling_from_pb(types_pb2.SamplingParams())
-    assert parsed == Sampling(top_p=1.0, repetition_penalty=1.0)
+    assert parsed == SamplingParams(top_p=1.0, repetition_penalty=1.0)
     assert parsed.seed is None and parsed.logprobs is None and parsed.prompt_logprobs is None
     assert sampling_from_pb(types_pb2.SamplingParams(seed=0)).seed == 0  # set, even if 0
 
 
 def test_step_response_carries_logprobs_only_where_asked():
-    entry = TokenLogprobs(11, -0.25, ((11, -0.25), (4, -1.5)))
+    entry = Logprob(11, -0.25, ((11, -0.25), (4, -1.5)))
     output = StepOutput(
         sampled={"a": 11, "b": 3},
         execute_seconds=0.01,
         logprobs={"a": entry},
-        prompt_logprobs={"c": PromptLogprobs(14, (TokenLogprobs(8, -2.0), entry))},
+        prompt_logprobs={"c": PromptLogprobs(14, (Logprob(8, -2.0), entry))},
     )
     pb = step_response_pb(9, output)
     a, b = pb.sampled_tokens

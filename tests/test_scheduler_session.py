@@ -12,8 +12,9 @@ import grpc
 import pytest
 
 from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
+from common.sampling import Logprob
 from services.scheduler.handle import Finished, Tokens
-from services.scheduler.request import FinishReason, Logprob
+from services.scheduler.request import FinishReason
 from services.scheduler.session import SessionState, updates_from_events
 from services.stack.launcher import Stack, StackSpec
 from tests.stack_client import wait_until_idle

@@ -8,7 +8,7 @@ import torch
 from services.worker.kv_cache import KvCache
 from services.worker.models.attention_backend import select_backend
 from services.worker.models.attention_metadata import SequenceSlice, build_attention_metadata
-from services.worker.models.loader import load_model
+from services.worker.models.weight_loader import load_model
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -2,9 +2,9 @@
 docs/api.md goes through the real gateway in tests/test_api_validation.py)."""
 
 from common.pb.tandem.v1 import generate_pb2
+from common.sampling import API_DEFAULT_TEMPERATURE, SamplingParams
 from services.gateway.validation import (
     ModelLimits,
-    Sampling,
     Stopping,
     resolve_max_tokens,
     validate_count,
@@ -16,8 +16,11 @@ LIMITS = ModelLimits(vocab_size=100, max_model_len=64, default_max_tokens=16)
 
 
 def test_unset_fields_take_documented_defaults():
-    assert validate_sampling(generate_pb2.SamplingParams(), LIMITS) == Sampling()
-    assert Sampling().temperature == 1.0
+    # SamplingParams' defaults, but the public API's temperature (docs/api.md: 1.0).
+    assert API_DEFAULT_TEMPERATURE == 1.0
+    assert validate_sampling(generate_pb2.SamplingParams(), LIMITS) == SamplingParams(
+        temperature=1.0
+    )
     assert validate_stopping(generate_pb2.StoppingParams(), LIMITS, 8) == Stopping()
     assert Stopping().skip_special_tokens is True
     request = generate_pb2.GenerateRequest(text="x")
@@ -39,7 +42,7 @@ def test_explicit_values_pass_through_resolved():
         logit_bias={7: -100.0, 3: 2.5},
         seed=2**64 - 1,
     )
-    assert validate_sampling(params, LIMITS) == Sampling(
+    assert validate_sampling(params, LIMITS) == SamplingParams(
         temperature=0.0,
         top_p=0.5,
         top_k=0,

@@ -2,17 +2,17 @@
 
 import pytest
 
+from common.sampling import SamplingParams
 from services.worker.batch import (
     CachedRequestData,
     NewRequestData,
     PersistentBatch,
     PlanError,
-    Sampling,
 )
 
 
 def new(rid="a", tokens=(1, 2, 3, 4, 5), blocks=(3, 1), computed=0, scheduled=5):
-    return NewRequestData(rid, list(tokens), list(blocks), computed, scheduled, Sampling())
+    return NewRequestData(rid, list(tokens), list(blocks), computed, scheduled, SamplingParams())
 
 
 def test_new_request_then_deltas_advance_and_append_sampled_tokens():
@@ -65,7 +65,7 @@ def test_plans_that_do_not_fit_are_rejected(plan, message):
 def test_num_prompt_tokens_defaults_to_every_known_token():
     batch = PersistentBatch(block_size=4, num_blocks=8, vocab_size=100)
     batch.apply([], [new("a")], [])
-    resumed = NewRequestData("b", [1, 2, 3, 4, 5, 6], [4, 5], 0, 6, Sampling(), 4)
+    resumed = NewRequestData("b", [1, 2, 3, 4, 5, 6], [4, 5], 0, 6, SamplingParams(), 4)
     batch.apply([], [resumed], [])
     assert batch.requests["a"].num_prompt_tokens == 5  # a plan that does not say: all prompt
     assert batch.requests["b"].num_prompt_tokens == 4  # prompt + 2 outputs (recompute)

@@ -11,7 +11,7 @@ from common.auth import BearerTokenInterceptor
 from common.config import parse_size
 from common.grpc_server import ServiceHost, open_channel
 from common.healthcheck import channel_health_status
-from common.hf_checkpoint import load_tokenizer
+from common.hf_checkpoint_reader import load_tokenizer
 from common.lifecycle import StartupError, run_service, wait_for_shutdown_signal
 from common.log import get_logger, setup_logging
 from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc

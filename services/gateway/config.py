@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import check_port, parse_address, parse_size, setting
+from common.config import (
+    ServiceConfig,
+    drain_timeout_setting,
+    host_setting,
+    log_level_setting,
+    port_setting,
+    setting,
+)
 
 
 def _secret_setting(help: str, env: str):
@@ -33,14 +40,14 @@ def _check_key(key: str, what: str) -> None:
 
 
 @dataclass(frozen=True)
-class GatewayConfig:
+class GatewayConfig(ServiceConfig):
     """The Tandem gateway: public Generate API, validation, tokenization, detokenization.
     TLS follows TANDEM_TLS_* (docs/security.md)."""
 
     model: str = setting("", "model folder whose tokenizer the gateway uses", env="TANDEM_MODEL")
-    host: str = setting("127.0.0.1", "listen address of the public API", env="TANDEM_GATEWAY_HOST")
-    port: int = setting(
-        50051, "listen port of the public API (0 = any free port)", env="TANDEM_GATEWAY_PORT"
+    host: str = host_setting("TANDEM_GATEWAY_HOST", "listen address of the public API")
+    port: int = port_setting(
+        50051, "TANDEM_GATEWAY_PORT", "listen port of the public API (0 = any free port)"
     )
     scheduler: str = setting(
         "127.0.0.1:50052", "scheduler address host:port", env="TANDEM_GATEWAY_SCHEDULER"
@@ -67,40 +74,28 @@ class GatewayConfig:
         "largest request message the public API accepts (larger: RESOURCE_EXHAUSTED)",
         env="TANDEM_GATEWAY_MAX_REQUEST_BYTES",
     )
-    drain_timeout_s: float = setting(
-        30.0,
-        "on SIGTERM: seconds to let open streams finish (new requests get UNAVAILABLE)",
-        env="TANDEM_DRAIN_TIMEOUT_S",
+    drain_timeout_s: float = drain_timeout_setting(
+        "on SIGTERM: seconds to let open streams finish (new requests get UNAVAILABLE)"
     )
     scheduler_health_interval_s: float = setting(
         1.0,
         "seconds between checks of the scheduler's health (the gateway mirrors it)",
         env="TANDEM_SCHEDULER_HEALTH_INTERVAL_S",
     )
-    log_level: str = setting("info", "debug, info, warning or error", env="TANDEM_LOG_LEVEL")
+    log_level: str = log_level_setting()
 
     def __post_init__(self) -> None:
+        self._check_service()
         if not self.model:
             raise ValueError("model is required: --model FOLDER or TANDEM_MODEL")
-        check_port(self.port, "port")
-        parse_address(self.scheduler, "scheduler")
-        if not 1024 <= parse_size(self.max_request_bytes) <= 1 << 30:
-            raise ValueError(
-                f"max_request_bytes must be in 1KiB..1GiB, got {self.max_request_bytes!r}"
-            )
-        if not self.drain_timeout_s >= 0:
-            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
-        if not self.scheduler_health_interval_s > 0:
-            raise ValueError(
-                "scheduler_health_interval_s must be positive, "
-                f"got {self.scheduler_health_interval_s}"
-            )
-        if self.default_max_tokens < 1:
-            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
-        if not self.scheduler_ready_timeout_s > 0:
-            raise ValueError(
-                f"scheduler_ready_timeout_s must be positive, got {self.scheduler_ready_timeout_s}"
-            )
+        self._address("scheduler", self.scheduler)
+        self._require(
+            1024 <= self._size("max_request_bytes") <= 1 << 30,
+            "max_request_bytes",
+            "must be in 1KiB..1GiB",
+        )
+        self._positive("scheduler_health_interval_s", "scheduler_ready_timeout_s")
+        self._at_least(1, "default_max_tokens")
         if self.api_key and self.api_key_file:
             raise ValueError("set api_key or api_key_file, not both")
         if self.api_key:

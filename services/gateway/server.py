@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -21,16 +21,15 @@ from common.lifecycle import wait_until
 from common.log import bind_request, get_logger
 from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
+from common.sampling import MAX_LOGPROBS, MAX_SAMPLES
+from common.sampling_pb import ROLE_FROM_PB, sampling_to_pb
 from services.gateway.output import RequestOutput, SampleOutput
 from services.gateway.prompts import LARGE_INPUT_CHARS, PromptTokenizer
 from services.gateway.scheduler_session import SchedulerError, SchedulerSession
 from services.gateway.validation import (
     MAX_DETOKENIZE_IDS,
-    MAX_LOGPROBS,
-    MAX_SAMPLES,
     InvalidArgumentError,
     ModelLimits,
-    Sampling,
     Stopping,
     check_prompt_field,
     check_token_ids,
@@ -46,12 +45,6 @@ from services.gateway.validation import (
 
 log = get_logger(__name__)
 
-ROLE_NAMES = {
-    types_pb2.WORKER_ROLE_PREFILL: "prefill",
-    types_pb2.WORKER_ROLE_DECODE: "decode",
-    types_pb2.WORKER_ROLE_BOTH: "both",
-}
-
 
 @dataclass(frozen=True)
 class PreparedRequest:
@@ -60,30 +53,6 @@ class PreparedRequest:
     stop_token_ids: frozenset[int]
     n: int
     submit: scheduler_pb2.SubmitRequest
-
-
-def sampling_pb(
-    sampling: Sampling, min_tokens: int, logprobs: int | None, prompt_logprobs: int | None
-) -> types_pb2.SamplingParams:
-    message = types_pb2.SamplingParams(
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k,
-        min_p=sampling.min_p,
-        repetition_penalty=sampling.repetition_penalty,
-        presence_penalty=sampling.presence_penalty,
-        frequency_penalty=sampling.frequency_penalty,
-        logit_bias=dict(sampling.logit_bias),
-        min_tokens=min_tokens,
-    )
-    for field, value in (
-        ("seed", sampling.seed),
-        ("logprobs", logprobs),
-        ("prompt_logprobs", prompt_logprobs),
-    ):
-        if value is not None:
-            setattr(message, field, value)
-    return message
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
@@ -166,13 +135,19 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         prompt_ids = await self._prompt_ids(request)
         max_tokens = resolve_max_tokens(request, len(prompt_ids), self.limits)
         stopping = validate_stopping(request.stopping, self.limits, max_tokens)
+        sampling = replace(
+            sampling,
+            min_tokens=stopping.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
         stop_ids = set(stopping.stop_token_ids)
         if not stopping.ignore_eos:
             stop_ids.update(self.model.eos_token_ids)
         submit = scheduler_pb2.SubmitRequest(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
-            sampling=sampling_pb(sampling, stopping.min_tokens, logprobs, prompt_logprobs),
+            sampling=sampling_to_pb(sampling),
             max_tokens=max_tokens,
             stop_token_ids=sorted(stop_ids),
             cache_salt=cache_salt,
@@ -303,7 +278,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             workers=[
                 generate_pb2.WorkerLoad(
                     worker_id=p.worker_id,
-                    role=ROLE_NAMES.get(p.role, "unknown"),
+                    role=ROLE_FROM_PB.get(p.role, "unknown"),
                     num_requests=p.num_requests,
                     num_blocks=p.num_blocks,
                     num_free_blocks=p.num_free_blocks,

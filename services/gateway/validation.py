@@ -12,19 +12,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from common.pb.tandem.v1 import generate_pb2
+from common.sampling import (
+    API_DEFAULT_TEMPERATURE,
+    MAX_ABS_LOGIT_BIAS,
+    MAX_ABS_PENALTY,
+    MAX_LOGIT_BIAS,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+    SamplingParams,
+)
 
-MAX_TEMPERATURE = 100.0
 MAX_PROMPT_TEXT_BYTES = 4 * 1024 * 1024
 MAX_CACHE_SALT_BYTES = 256
-MAX_SAMPLES = 16
-MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
-MAX_LOGIT_BIAS = 300
-MAX_ABS_LOGIT_BIAS = 100.0
-MAX_ABS_PENALTY = 2.0
-MAX_REPETITION_PENALTY = 10.0
 MAX_CHAT_MESSAGES = 1024
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_DETOKENIZE_IDS = 1 << 20
@@ -39,21 +41,6 @@ class ModelLimits:
     vocab_size: int
     max_model_len: int
     default_max_tokens: int
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Resolved sampling settings (every field holds the value to use)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    seed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -76,34 +63,41 @@ def _finite_in(value: float, low: float, high: float, field: str, note: str = ""
     return value
 
 
-def validate_sampling(params: generate_pb2.SamplingParams, limits: ModelLimits) -> Sampling:
-    def get(name: str, default):
-        return getattr(params, name) if params.HasField(name) else default
+# What an unset public field means: `SamplingParams`' defaults, but the API's temperature.
+_API_DEFAULTS = SamplingParams(temperature=API_DEFAULT_TEMPERATURE)
 
-    temperature = _finite_in(get("temperature", 1.0), 0.0, MAX_TEMPERATURE, "sampling.temperature")
-    top_p = get("top_p", 1.0)
+
+def validate_sampling(params: generate_pb2.SamplingParams, limits: ModelLimits) -> SamplingParams:
+    """The public settings, every limit checked with an error naming the public field
+    (min_tokens, logprobs and prompt_logprobs come from other fields of the request)."""
+
+    def get(name: str):
+        return getattr(params, name) if params.HasField(name) else getattr(_API_DEFAULTS, name)
+
+    temperature = _finite_in(get("temperature"), 0.0, MAX_TEMPERATURE, "sampling.temperature")
+    top_p = get("top_p")
     if not math.isfinite(top_p) or not 0.0 < top_p <= 1.0:
         raise InvalidArgumentError(f"sampling.top_p must be in (0, 1], got {top_p}")
-    top_k = get("top_k", 0)
+    top_k = get("top_k")
     if top_k < -1:
         raise InvalidArgumentError(f"sampling.top_k must be >= -1 (-1 or 0 = off), got {top_k}")
-    min_p = _finite_in(get("min_p", 0.0), 0.0, 1.0, "sampling.min_p")
-    repetition = get("repetition_penalty", 1.0)
+    min_p = _finite_in(get("min_p"), 0.0, 1.0, "sampling.min_p")
+    repetition = get("repetition_penalty")
     if not math.isfinite(repetition) or not 0.0 < repetition <= MAX_REPETITION_PENALTY:
         raise InvalidArgumentError(
             f"sampling.repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] "
             f"(1 = off), got {repetition}"
         )
     presence = _finite_in(
-        get("presence_penalty", 0.0), -MAX_ABS_PENALTY, MAX_ABS_PENALTY, "sampling.presence_penalty"
+        get("presence_penalty"), -MAX_ABS_PENALTY, MAX_ABS_PENALTY, "sampling.presence_penalty"
     )
     frequency = _finite_in(
-        get("frequency_penalty", 0.0),
+        get("frequency_penalty"),
         -MAX_ABS_PENALTY,
         MAX_ABS_PENALTY,
         "sampling.frequency_penalty",
     )
-    return Sampling(
+    return SamplingParams(
         temperature=temperature,
         top_p=top_p,
         top_k=max(top_k, 0),
@@ -112,7 +106,7 @@ def validate_sampling(params: generate_pb2.SamplingParams, limits: ModelLimits) 
         presence_penalty=presence,
         frequency_penalty=frequency,
         logit_bias=validate_logit_bias(params.logit_bias, limits),
-        seed=get("seed", None),
+        seed=get("seed"),
     )
 
 

@@ -1,5 +1,6 @@
 """Connect the scheduler to its workers: wait until each has loaded, check that they serve
-the same model with compatible KV geometry, and build one pool per worker."""
+the same model with compatible KV geometry and that their settings agree with ours, and
+build one pool per worker."""
 
 from __future__ import annotations
 
@@ -47,8 +48,47 @@ def check_compatible(infos: list[WorkerInfo]) -> None:
             )
 
 
+def check_worker_limits(config: SchedulerConfig, info: WorkerInfo) -> None:
+    """Raise StartupError, in one line naming both settings, when a worker's settings do not
+    agree with ours. A worker that sent none (older) is not checked.
+
+    - A step may schedule up to max_num_batched_tokens tokens on any worker (prefill chunks,
+      recomputes, swap-ins); a GPU worker left room for the activations of a step of
+      profile_num_tokens tokens only, so a larger step could run it out of memory.
+    - Our kv_transfer_timeout_s is the deadline of the whole SendKv/ReceiveKv call (gather,
+      UCX, waiting for the planned steps, scatter); the worker's bounds the UCX part only.
+      Longer than ours, it could never fire: our deadline would always cancel a stuck
+      transfer first, so the worker could neither report it nor drop its broken UCX endpoint
+      (kv_transfer.py does on a failure, not on a cancel). Only prefill and decode workers
+      transfer KV.
+    """
+    limits = info.limits
+    if limits is None:
+        return
+    tokens = limits.profile_num_tokens
+    if tokens is not None and tokens < config.max_num_batched_tokens:
+        raise StartupError(
+            f"worker {info.worker_id} profiled activation memory for profile_num_tokens="
+            f"{tokens} tokens, but the scheduler's max_num_batched_tokens="
+            f"{config.max_num_batched_tokens} allows larger steps: start the worker with "
+            f"--profile-num-tokens {config.max_num_batched_tokens} (or the scheduler with "
+            f"--max-num-batched-tokens {tokens})"
+        )
+    timeout = limits.kv_transfer_timeout_s
+    if info.role != "both" and timeout is not None and timeout > config.kv_transfer_timeout_s:
+        raise StartupError(
+            f"worker {info.worker_id} kv_transfer_timeout_s={timeout:g} exceeds the "
+            f"scheduler's kv_transfer_timeout_s={config.kv_transfer_timeout_s:g}, the deadline "
+            f"of the whole transfer: start the worker with --kv-transfer-timeout-s "
+            f"{config.kv_transfer_timeout_s:g} or less (or the scheduler with "
+            f"--kv-transfer-timeout-s {timeout:g})"
+        )
+
+
 def pool_scheduler(config: SchedulerConfig, info: WorkerInfo) -> PoolScheduler:
-    """The scheduler of one worker's pool, from the worker's geometry and our settings."""
+    """The scheduler of one worker's pool, from the worker's geometry and our settings
+    (a worker whose settings do not fit ours, also one that rejoins, raises)."""
+    check_worker_limits(config, info)
     if config.preemption_mode == "swap" and not info.num_swap_blocks:
         raise ValueError(
             f"preemption_mode=swap but worker {info.worker_id} has no swap space "
@@ -99,10 +139,12 @@ async def connect(
         raise StartupError(str(exc)) from exc
     check_compatible(infos)
     model = model_description(infos)
+    # Every worker's settings are checked (check_worker_limits) before any stream opens.
+    schedulers = [pool_scheduler(config, info) for info in infos]
     pools = []
-    for client, info in zip(clients, infos, strict=True):
+    for client, info, scheduler in zip(clients, infos, schedulers, strict=True):
         await client.open_step_stream()
-        pools.append(Pool(info=info, client=client, scheduler=pool_scheduler(config, info)))
+        pools.append(Pool(info=info, client=client, scheduler=scheduler))
         log.info(
             "worker_connected",
             worker_id=info.worker_id,

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import check_port, parse_address, setting
+from common.config import (
+    ServiceConfig,
+    drain_timeout_setting,
+    host_setting,
+    log_level_setting,
+    port_setting,
+    setting,
+)
 from services.scheduler.pool_scheduler import PREEMPTION_MODES
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class SchedulerConfig(ServiceConfig):
     """The Tandem scheduler: queues, block managers, and the plan for every worker."""
 
     workers: tuple[str, ...] = setting(
@@ -17,13 +24,12 @@ class SchedulerConfig:
         "comma-separated worker addresses host:port (roles come from the workers)",
         env="TANDEM_SCHEDULER_WORKERS",
     )
-    host: str = setting(
-        "127.0.0.1", "listen address (loopback by default)", env="TANDEM_SCHEDULER_HOST"
-    )
-    port: int = setting(50052, "listen port (0 = any free port)", env="TANDEM_SCHEDULER_PORT")
+    host: str = host_setting("TANDEM_SCHEDULER_HOST")
+    port: int = port_setting(50052, "TANDEM_SCHEDULER_PORT")
     max_num_batched_tokens: int = setting(
         2048,
-        "token budget of one step on one worker (longer prompts are chunked)",
+        "token budget of one step on one worker (longer prompts are chunked); must not "
+        "exceed a GPU worker's --profile-num-tokens (checked when the workers connect)",
         env="TANDEM_MAX_NUM_BATCHED_TOKENS",
     )
     max_num_seqs: int = setting(
@@ -36,7 +42,9 @@ class SchedulerConfig:
     )
     kv_transfer_timeout_s: float = setting(
         60.0,
-        "seconds before a prefill -> decode KV transfer is given up",
+        "seconds before a prefill -> decode KV transfer is given up (the deadline of the "
+        "workers' SendKv/ReceiveKv calls); must be >= the workers' --kv-transfer-timeout-s, "
+        "which bounds only the UCX part of the transfer (checked when the workers connect)",
         env="TANDEM_KV_TRANSFER_TIMEOUT_S",
     )
     preemption_mode: str = setting(
@@ -92,49 +100,40 @@ class SchedulerConfig:
         "seconds a worker may take to answer one step before it counts as failed",
         env="TANDEM_STEP_TIMEOUT_S",
     )
-    drain_timeout_s: float = setting(
-        30.0,
-        "on SIGTERM: seconds to let running requests finish (new ones are refused)",
-        env="TANDEM_DRAIN_TIMEOUT_S",
+    drain_timeout_s: float = drain_timeout_setting(
+        "on SIGTERM: seconds to let running requests finish (new ones are refused)"
     )
-    log_level: str = setting("info", "debug, info, warning or error", env="TANDEM_LOG_LEVEL")
+    log_level: str = log_level_setting()
 
     def __post_init__(self) -> None:
+        self._check_service()
         if not self.workers:
             raise ValueError(
                 "workers is required: --workers host:port[,host:port...] "
                 "or TANDEM_SCHEDULER_WORKERS"
             )
         for address in self.workers:
-            parse_address(address, "each worker address")
+            self._address("workers", address)
         if len(set(self.workers)) != len(self.workers):
-            raise ValueError(f"workers lists an address twice: {', '.join(self.workers)}")
-        check_port(self.port, "port")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
-            )
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if not self.kv_transfer_timeout_s > 0:
-            raise ValueError(
-                f"kv_transfer_timeout_s must be positive, got {self.kv_transfer_timeout_s}"
-            )
-        for name in ("max_waiting_requests", "max_waiting_tokens", "worker_health_max_misses"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_restarts < 0:
-            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
-        for name in (
+            raise self._invalid("workers", f"lists an address twice: {', '.join(self.workers)}")
+        self._require(
+            self.preemption_mode in PREEMPTION_MODES,
+            "preemption_mode",
+            f"must be one of {', '.join(PREEMPTION_MODES)}",
+        )
+        self._at_least(
+            1,
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "max_waiting_requests",
+            "max_waiting_tokens",
+            "worker_health_max_misses",
+        )
+        self._at_least(0, "max_restarts")
+        self._positive(
+            "kv_transfer_timeout_s",
+            "worker_ready_timeout_s",
             "worker_health_interval_s",
             "worker_health_timeout_s",
             "step_timeout_s",
-        ):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if not self.drain_timeout_s >= 0:
-            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
-        if not self.worker_ready_timeout_s > 0:
-            raise ValueError(
-                f"worker_ready_timeout_s must be positive, got {self.worker_ready_timeout_s}"
-            )
+        )

@@ -50,7 +50,8 @@ class OverloadedError(RuntimeError):
 
 @dataclass(frozen=True)
 class Resilience:
-    """Queue bounds and failure handling (see SchedulerConfig for what each means)."""
+    """Queue bounds and failure handling (see SchedulerConfig for what each means and
+    the checks on them)."""
 
     max_waiting_requests: int = 1024
     max_waiting_tokens: int = 1 << 20
@@ -58,12 +59,6 @@ class Resilience:
     health_interval_s: float = 1.0
     health_timeout_s: float = 5.0
     health_max_misses: int = 5
-
-    def __post_init__(self) -> None:
-        if self.max_waiting_requests < 1 or self.max_waiting_tokens < 1:
-            raise ValueError("max_waiting_requests and max_waiting_tokens must be >= 1")
-        if self.max_restarts < 0:
-            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
 
 
 class Engine:
@@ -281,8 +276,7 @@ class Engine:
             for victim in plan.preempted:
                 self._requeue(self._handles[victim.request_id])
             if not plan.is_empty:
-                tags, pool.cancelled_transfer_tags = pool.cancelled_transfer_tags, []
-                await pool.client.send_step(plan, tags)
+                await pool.client.send_step(plan)
                 return
         if pool.scheduler.num_steps_in_flight:
             result = await pool.client.receive_step()
@@ -365,7 +359,7 @@ class Engine:
         if loop is not None:
             loop.cancel()
         pool.client.close_step_stream()
-        pool.cancelled_transfer_tags.clear()  # the worker forgets everything anyway
+        pool.scheduler.forget_cancelled_transfers()
         affected = [
             h
             for h in self._handles.values()
@@ -419,9 +413,10 @@ class Engine:
             reference.block_size,
         ) or info.role != pool.info.role:
             raise ValueError(f"worker at {info.address} came back with another model or role")
+        scheduler = self._make_scheduler(info)  # checks its settings before any stream opens
         await pool.client.open_step_stream()
         pool.info = info
-        pool.scheduler = self._make_scheduler(info)
+        pool.scheduler = scheduler
         pool.idle_since_last_result = True
         pool.draining = False
         pool.healthy = True

@@ -10,9 +10,11 @@ and `SendKv` on the prefill worker, same UCX tag, issued together). The receive 
 only after the decode worker has run every step planned before its blocks were allocated
 (`after_step_id`), so a step still in flight can never write into freshly received KV.
 
-A transfer that is cancelled (the request ended) or fails (a peer died, a timeout) releases
-both sides' blocks at once; its tag goes to the decode worker with the next step, so a
-receive still under way there can no longer write into blocks given to someone else.
+A transfer that is cancelled (the request ended) or fails (a peer died, a timeout) frees
+the prefill side's blocks at once. Its tag goes to the decode worker with that pool's next
+step (sent even if nothing else runs), and the decode side's blocks stay held until that
+step is planned: a receive still under way on the worker may write into them until it
+learns the tag, and any later receive into them waits for a step at or after that one.
 """
 
 from __future__ import annotations
@@ -84,13 +86,14 @@ class KvHandoff:
             self._release(handle)
 
     def _release(self, handle: RequestHandle) -> None:
-        """Free the transfer's blocks in both pools. The decode worker learns the tag is
-        dead with its next step, before any step can reuse the blocks."""
+        """Free the transfer's blocks: the prefill side's now, the decode side's once the
+        step that tells the worker the tag is dead is planned (see the module docstring)."""
         transfer, handle.transfer = handle.transfer, None
         rid = handle.request.request_id
         transfer.src.blocks.free(rid)
-        transfer.dst.blocks.free(rid)
-        transfer.dst.cancelled_transfer_tags.append(transfer.tag)
+        transfer.dst.scheduler.cancel_transfer(transfer.tag, rid)
+        if not transfer.dst.healthy:
+            transfer.dst.scheduler.forget_cancelled_transfers()
         transfer.src.wakeup.set()
         transfer.dst.wakeup.set()
 

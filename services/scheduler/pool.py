@@ -59,8 +59,6 @@ class Pool:
     healthy: bool = True
     # The worker reports NOT_SERVING (it is draining): no new requests go to it.
     draining: bool = False
-    # Tags of KV receives given up on, sent with the next step (see the Step contract).
-    cancelled_transfer_tags: list[int] = field(default_factory=list)
     idle_since_last_result: bool = True
     counters: PoolCounters = field(default_factory=PoolCounters)
 

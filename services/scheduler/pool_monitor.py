@@ -31,8 +31,7 @@ class PoolMonitor:
         set_draining: Callable[[Pool, bool], None],
         rejoin: Callable[[Pool], Awaitable[None]],
     ) -> None:
-        if not interval_s > 0 or not timeout_s > 0 or max_misses < 1:
-            raise ValueError("health interval and timeout must be positive, max_misses >= 1")
+        """Settings come checked by SchedulerConfig (worker_health_*)."""
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.max_misses = max_misses

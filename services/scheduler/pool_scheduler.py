@@ -45,19 +45,7 @@ class PoolScheduler:
         preemption_mode: str = "recompute",
         swap_blocks: BlockManager | None = None,
     ) -> None:
-        if max_num_batched_tokens <= 0:
-            raise ValueError(
-                f"max_num_batched_tokens must be positive, got {max_num_batched_tokens}"
-            )
-        if max_num_seqs <= 0:
-            raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
-        if preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(
-                f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
-                f"got {preemption_mode!r}"
-            )
-        if preemption_mode == "swap" and swap_blocks is None:
-            raise ValueError("preemption_mode 'swap' needs swap space on the worker")
+        """Settings come checked (SchedulerConfig; swap space by bootstrap.pool_scheduler)."""
         self.blocks = blocks
         self.swap_blocks = swap_blocks
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -69,6 +57,10 @@ class PoolScheduler:
         self.swapped: deque[Request] = deque()
         self._on_worker: set[str] = set()
         self._pending_drops: list[str] = []
+        # Receives given up on: their tags go out with the next step; until then the
+        # blocks they were writing into stay held under a key of their own.
+        self._pending_cancels: list[int] = []
+        self._held_for_cancels: list[str] = []
         # Per step sent and not yet answered, oldest first: the requests it computes.
         self._in_flight: deque[dict[str, Request]] = deque()
         self.num_prefix_hit_tokens = 0
@@ -97,6 +89,25 @@ class PoolScheduler:
         if self.swap_blocks is not None:
             self.swap_blocks.free(request.request_id)
         return self.blocks.free(request.request_id)
+
+    def cancel_transfer(self, tag: int, request_id: str) -> None:
+        """Give up a KV receive into this pool. The worker learns the tag with the next
+        step; until that step is planned the request's blocks here stay allocated (under a
+        key of their own), so a receive still under way on the worker cannot write into
+        blocks already handed to another request's receive."""
+        if self.blocks.has(request_id):
+            key = f"\0cancelled-transfer-{tag:x}"
+            self.blocks.fork(request_id, key)
+            self.blocks.free(request_id)
+            self._held_for_cancels.append(key)
+        self._pending_cancels.append(tag)
+
+    def forget_cancelled_transfers(self) -> None:
+        """The worker is gone (a new step stream, which drops every receive, comes before
+        any reuse): free the blocks held for cancelled receives now."""
+        for key in self._held_for_cancels:
+            self.blocks.free(key)
+        self._held_for_cancels, self._pending_cancels = [], []
 
     # -- introspection ---------------------------------------------------------------------
     def schedulable_tokens(self, request: Request) -> int:
@@ -129,6 +140,10 @@ class PoolScheduler:
     # -- the step ------------------------------------------------------------------------------
     def schedule(self) -> PoolStepPlan:
         plan = PoolStepPlan()
+        # This step tells the worker; blocks it allocates are written only after that.
+        tags = self._pending_cancels
+        self.forget_cancelled_transfers()
+        plan.cancelled_transfer_tags = tags
         budget = self._schedule_running(plan)
         if not (plan.preempted or plan.swapped_out):  # memory is short: admit nobody now
             budget = self._swap_in(plan, budget)

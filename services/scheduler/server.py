@@ -8,16 +8,15 @@ import asyncio
 import grpc
 
 from common.log import bind_request
-from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
+from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+from common.sampling import MAX_SAMPLES
+from common.sampling_pb import ROLE_TO_PB, sampling_from_pb
 from services.scheduler.engine import Engine, InvalidRequestError, OverloadedError
 from services.scheduler.pool import Pool
-from services.scheduler.request import Request, SamplingParams
+from services.scheduler.request import Request
 from services.scheduler.session import SESSION_CLOSED, SessionState, updates_from_events
-from services.scheduler.step_codec import ROLE_FROM_PB, model_to_pb
+from services.scheduler.step_codec import model_to_pb
 from services.scheduler.worker_types import ModelShape, WorkerUnavailableError
-
-ROLE_TO_PB = {role: pb for pb, role in ROLE_FROM_PB.items()}
-MAX_SAMPLES = 16
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
@@ -133,27 +132,6 @@ def pool_stats(pool: Pool) -> scheduler_pb2.PoolStats:
         mean_step_overhead_ms=counters.mean_step_overhead_ms,
         num_swap_blocks=0 if swap is None else swap.num_blocks,
         num_free_swap_blocks=0 if swap is None else swap.num_free_blocks,
-    )
-
-
-def sampling_from_pb(
-    pb: types_pb2.SamplingParams, seed_offset: int, with_prompt_logprobs: bool
-) -> SamplingParams:
-    return SamplingParams(
-        temperature=pb.temperature,
-        top_p=pb.top_p or 1.0,
-        top_k=pb.top_k,
-        min_p=pb.min_p,
-        repetition_penalty=pb.repetition_penalty or 1.0,
-        presence_penalty=pb.presence_penalty,
-        frequency_penalty=pb.frequency_penalty,
-        logit_bias=tuple(sorted(pb.logit_bias.items())),
-        seed=(pb.seed + seed_offset) % 2**64 if pb.HasField("seed") else None,
-        min_tokens=pb.min_tokens,
-        logprobs=pb.logprobs if pb.HasField("logprobs") else None,
-        prompt_logprobs=(
-            pb.prompt_logprobs if with_prompt_logprobs and pb.HasField("prompt_logprobs") else None
-        ),
     )
 
 

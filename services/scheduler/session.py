@@ -14,8 +14,9 @@ import asyncio
 from dataclasses import dataclass, field
 
 from common.pb.tandem.internal.v1 import scheduler_pb2, types_pb2
+from common.sampling_pb import logprob_to_pb
 from services.scheduler.handle import Finished, RequestHandle, Tokens
-from services.scheduler.request import FinishReason, Logprob
+from services.scheduler.request import FinishReason
 
 FINISH_TO_PB = {
     FinishReason.STOP: types_pb2.FINISH_REASON_STOP,
@@ -87,14 +88,6 @@ class SessionState:
         return [h for handles in self.handles.values() for h in handles if not h.done]
 
 
-def logprob_pb(logprob: Logprob) -> types_pb2.TokenLogprob:
-    return types_pb2.TokenLogprob(
-        token_id=logprob.token_id,
-        logprob=logprob.logprob,
-        top_logprobs=[types_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in logprob.top],
-    )
-
-
 def updates_from_events(events: list) -> list[scheduler_pb2.SubmitResponse]:
     """One SubmitResponse per run of a sample's events (tokens merged); a Finished closes
     its sample's update; a refusal is an update of its own. `events` are (request id,
@@ -121,8 +114,8 @@ def updates_from_events(events: list) -> list[scheduler_pb2.SubmitResponse]:
             out.append(update)
         if isinstance(event, Tokens):
             update.token_ids.extend(event.token_ids)
-            update.logprobs.extend(logprob_pb(lp) for lp in event.logprobs)
-            update.prompt_logprobs.extend(logprob_pb(lp) for lp in event.prompt_logprobs)
+            update.logprobs.extend(logprob_to_pb(lp) for lp in event.logprobs)
+            update.prompt_logprobs.extend(logprob_to_pb(lp) for lp in event.prompt_logprobs)
             if event.cached_tokens is not None:
                 update.cached_tokens = event.cached_tokens
             continue

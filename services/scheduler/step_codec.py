@@ -4,57 +4,30 @@ reads worker protobufs besides the gRPC client itself."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from dataclasses import replace
 
 from common.pb.tandem.internal.v1 import types_pb2, worker_pb2
+from common.sampling_pb import ROLE_FROM_PB, logprob_from_pb, sampling_to_pb
 from services.scheduler.pool_scheduler import PoolStepPlan
-from services.scheduler.request import Logprob, Request
+from services.scheduler.request import Request
 from services.scheduler.worker_types import ModelShape, StepResult, WorkerInfo
 
-ROLE_FROM_PB = {
-    types_pb2.WORKER_ROLE_PREFILL: "prefill",
-    types_pb2.WORKER_ROLE_DECODE: "decode",
-    types_pb2.WORKER_ROLE_BOTH: "both",
-}
 
-
-def logprob_from_pb(pb: types_pb2.TokenLogprob) -> Logprob:
-    return Logprob(pb.token_id, pb.logprob, tuple((t.token_id, t.logprob) for t in pb.top_logprobs))
-
-
-def sampling_to_pb(request: Request) -> types_pb2.SamplingParams:
-    s = request.sampling
-    message = types_pb2.SamplingParams(
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        logit_bias=dict(s.logit_bias),
-        min_tokens=s.min_tokens,
-        stop_token_ids=sorted(request.stop_token_ids),
-    )
-    if s.seed is not None:
-        message.seed = s.seed
-    if s.logprobs is not None:
-        message.logprobs = s.logprobs
-    if s.prompt_logprobs is not None:
-        message.prompt_logprobs = s.prompt_logprobs
-    return message
+def _worker_sampling(request: Request) -> types_pb2.SamplingParams:
+    """The request's sampling as a worker gets it: with the request's stop tokens (the ones
+    min_tokens holds back)."""
+    stop_token_ids = tuple(sorted(request.stop_token_ids))
+    return sampling_to_pb(replace(request.sampling, stop_token_ids=stop_token_ids))
 
 
 def _copies(pairs: list[tuple[int, int]]) -> list[worker_pb2.BlockCopy]:
     return [worker_pb2.BlockCopy(src=src, dst=dst) for src, dst in pairs]
 
 
-def plan_to_pb(
-    step_id: int, plan: PoolStepPlan, cancelled_transfer_tags: Sequence[int] = ()
-) -> worker_pb2.StepRequest:
+def plan_to_pb(step_id: int, plan: PoolStepPlan) -> worker_pb2.StepRequest:
     message = worker_pb2.StepRequest(
         step_id=step_id,
-        cancelled_transfer_tags=cancelled_transfer_tags,
+        cancelled_transfer_tags=plan.cancelled_transfer_tags,
         finished_request_ids=plan.dropped_request_ids,
         swap_out=_copies(plan.swap_out),
         swap_in=_copies(plan.swap_in),
@@ -70,7 +43,7 @@ def plan_to_pb(
                     block_ids=item.new_block_ids,
                     num_computed_tokens=item.num_computed_before,
                     num_scheduled_tokens=item.num_new_tokens,
-                    sampling=sampling_to_pb(req),
+                    sampling=_worker_sampling(req),
                     num_prompt_tokens=len(req.prompt_token_ids),
                 )
             )

@@ -38,6 +38,8 @@ class PoolStepPlan:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, swap) blocks
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (swap, device) blocks
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write
+    # Tags of KV receives given up on: from this step on none may write into the pool.
+    cancelled_transfer_tags: list[int] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -45,7 +47,12 @@ class PoolStepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.scheduled or self.dropped_request_ids or self.swap_out)
+        return not (
+            self.scheduled
+            or self.dropped_request_ids
+            or self.swap_out
+            or self.cancelled_transfer_tags
+        )
 
 
 @dataclass(frozen=True)

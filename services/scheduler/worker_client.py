@@ -5,11 +5,13 @@ Step stream, KV transfer calls. Conversions live in `step_codec`; domain types i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 import grpc
 
+from common.config import KV_TRANSFER_TIMEOUT_METADATA, PROFILE_NUM_TOKENS_METADATA
 from common.grpc_server import open_channel
 from common.healthcheck import channel_health_status
 from common.pb.tandem.internal.v1 import worker_pb2, worker_pb2_grpc
@@ -19,8 +21,23 @@ from services.scheduler.worker_types import (
     KvTransferResult,
     StepResult,
     WorkerInfo,
+    WorkerLimits,
     WorkerUnavailableError,
 )
+
+
+def limits_from_metadata(metadata: Iterable[tuple[str, str]] | None) -> WorkerLimits | None:
+    """The worker settings sent as DescribeWorker's initial metadata; None when it sends
+    none (an older worker: the scheduler then checks nothing against it)."""
+    values = dict(metadata or ())
+    tokens = values.get(PROFILE_NUM_TOKENS_METADATA)
+    timeout = values.get(KV_TRANSFER_TIMEOUT_METADATA)
+    if tokens is None and timeout is None:
+        return None
+    return WorkerLimits(
+        profile_num_tokens=None if tokens is None else int(tokens),
+        kv_transfer_timeout_s=None if timeout is None else float(timeout),
+    )
 
 
 class WorkerClient:
@@ -38,16 +55,25 @@ class WorkerClient:
         return await channel_health_status(self._channel, timeout_s)
 
     async def describe(self, timeout_s: float = 10.0) -> worker_pb2.DescribeWorkerResponse:
-        return await self._stub.DescribeWorker(
-            worker_pb2.DescribeWorkerRequest(), timeout=timeout_s
-        )
+        response, _ = await self._describe(timeout_s)
+        return response
+
+    async def _describe(
+        self, timeout_s: float = 10.0
+    ) -> tuple[worker_pb2.DescribeWorkerResponse, WorkerLimits | None]:
+        """DescribeWorker's response and the limits sent beside it as metadata."""
+        call = self._stub.DescribeWorker(worker_pb2.DescribeWorkerRequest(), timeout=timeout_s)
+        response = await call
+        return response, limits_from_metadata(await call.initial_metadata())
 
     async def wait_ready(self, timeout_s: float) -> WorkerInfo:
         """Poll DescribeWorker until the worker has loaded its model (or time runs out)."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                return worker_info_from_pb(self.address, await self.describe())
+                response, limits = await self._describe()
+                info = worker_info_from_pb(self.address, response)
+                return dataclasses.replace(info, limits=limits)
             except grpc.aio.AioRpcError as exc:
                 if time.monotonic() > deadline:
                     raise WorkerUnavailableError(
@@ -71,13 +97,11 @@ class WorkerClient:
     def last_sent_step_id(self) -> int:
         return self._step_id
 
-    async def send_step(
-        self, plan: PoolStepPlan, cancelled_transfer_tags: Sequence[int] = ()
-    ) -> int:
+    async def send_step(self, plan: PoolStepPlan) -> int:
         """Write a plan on the Step stream without waiting for its result; returns its id."""
         self._step_id += 1
         try:
-            await self._step_call.write(plan_to_pb(self._step_id, plan, cancelled_transfer_tags))
+            await self._step_call.write(plan_to_pb(self._step_id, plan))
         except grpc.aio.AioRpcError as exc:
             raise WorkerUnavailableError(
                 f"worker {self.address} step failed: {exc.code().name} {exc.details()}"

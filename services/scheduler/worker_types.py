@@ -4,7 +4,6 @@ pool talks to (`worker_client.WorkerClient` over gRPC; a fake in the unit tests)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -32,6 +31,16 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
+class WorkerLimits:
+    """Worker settings the scheduler's own must agree with (sent beside DescribeWorker; None
+    where the worker did not send one): the tokens of the largest step it profiled
+    activation memory for (GPU workers only), and its KV transfer timeout."""
+
+    profile_num_tokens: int | None = None
+    kv_transfer_timeout_s: float | None = None
+
+
+@dataclass(frozen=True)
 class WorkerInfo:
     worker_id: str
     address: str
@@ -42,6 +51,7 @@ class WorkerInfo:
     block_bytes: int
     ucx_address: bytes
     num_swap_blocks: int = 0
+    limits: WorkerLimits | None = None  # None: an older worker that sends no limits
 
 
 @dataclass(frozen=True)
@@ -78,9 +88,8 @@ class WorkerConnection(Protocol):
     @property
     def last_sent_step_id(self) -> int: ...
 
-    async def send_step(
-        self, plan: PoolStepPlan, cancelled_transfer_tags: Sequence[int] = ()
-    ) -> int: ...
+    async def send_step(self, plan: PoolStepPlan) -> int:
+        """Write a plan on the step stream without waiting for its result; its id."""
 
     async def receive_step(self) -> StepResult:
         """The result of the oldest step sent and not yet answered."""

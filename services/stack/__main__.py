@@ -36,7 +36,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 1
     model = args.model
     if not model:
-        from common.checkpoint_builder import build_default_model
+        from devtools.checkpoint_builder import build_default_model
 
         print(f"embedded default model: {DEFAULT_MODEL_DIR.relative_to(ROOT)}")
         model = str(build_default_model(DEFAULT_MODEL_DIR))

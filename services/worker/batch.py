@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.worker.sampling_params import Sampling
+from common.sampling import SamplingParams
 
 
 class PlanError(ValueError):
@@ -24,7 +24,7 @@ class WorkerRequest:
     token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int
-    sampling: Sampling
+    sampling: SamplingParams
     num_prompt_tokens: int = 0
 
 
@@ -35,7 +35,7 @@ class NewRequestData:
     block_ids: Sequence[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
-    sampling: Sampling
+    sampling: SamplingParams
     num_prompt_tokens: int = 0
 
 

@@ -4,25 +4,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import check_port, parse_size, setting
+from common.config import (
+    ServiceConfig,
+    drain_timeout_setting,
+    host_setting,
+    log_level_setting,
+    port_setting,
+    setting,
+)
 from services.worker.models.attention_backend import BACKENDS
 
 ROLES = ("prefill", "decode", "both")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+PACKED_WEIGHTS = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
+class WorkerConfig(ServiceConfig):
     """A Tandem worker: model weights, a paged KV pool, step execution and KV transfer."""
 
     model: str = setting("", "model folder (Hugging Face layout)", env="TANDEM_MODEL")
     role: str = setting(
         "both", "which phases this worker runs", choices=ROLES, env="TANDEM_WORKER_ROLE"
     )
-    host: str = setting(
-        "127.0.0.1", "listen address (loopback by default)", env="TANDEM_WORKER_HOST"
-    )
-    port: int = setting(50061, "listen port (0 = any free port)", env="TANDEM_WORKER_PORT")
+    host: str = host_setting("TANDEM_WORKER_HOST")
+    port: int = port_setting(50061, "TANDEM_WORKER_PORT")
     worker_id: str = setting(
         "", "stable id of this worker (default: <role>-<port>)", env="TANDEM_WORKER_ID"
     )
@@ -54,8 +60,8 @@ class WorkerConfig:
     )
     profile_num_tokens: int = setting(
         2048,
-        "tokens of the largest step, profiled on GPU to leave room for activations "
-        "(match the scheduler's max_num_batched_tokens)",
+        "tokens of the largest step, profiled on GPU to leave room for activations; must "
+        "be >= the scheduler's --max-num-batched-tokens (checked when the scheduler connects)",
         env="TANDEM_PROFILE_NUM_TOKENS",
     )
     block_size: int = setting(16, "tokens per KV block", env="TANDEM_BLOCK_SIZE")
@@ -87,7 +93,7 @@ class WorkerConfig:
         "also keep MKL-packed float32 weights for decode-sized batches (up to 30% faster "
         "decode steps, ~2.6x the weights' memory): auto (decode and both workers on CPU when "
         "they fit in half the available memory), on, off",
-        choices=("auto", "on", "off"),
+        choices=PACKED_WEIGHTS,
         env="TANDEM_CPU_PACKED_WEIGHTS",
     )
     cpu_compute_lock: str = setting(
@@ -97,7 +103,11 @@ class WorkerConfig:
         env="TANDEM_CPU_COMPUTE_LOCK",
     )
     kv_transfer_timeout_s: float = setting(
-        60.0, "seconds before a KV send/receive fails", env="TANDEM_KV_TRANSFER_TIMEOUT_S"
+        60.0,
+        "seconds before a KV send/receive over UCX fails; must be <= the scheduler's "
+        "--kv-transfer-timeout-s, the deadline of the whole transfer call (lower, the worker "
+        "reports a stuck transfer itself; checked when the scheduler connects)",
+        env="TANDEM_KV_TRANSFER_TIMEOUT_S",
     )
     kv_transfer_error_handling: bool = setting(
         True,
@@ -107,61 +117,45 @@ class WorkerConfig:
         "mid-transfer can abort the receiving worker",
         env="TANDEM_KV_TRANSFER_ERROR_HANDLING",
     )
-    drain_timeout_s: float = setting(
-        30.0,
-        "on SIGTERM: seconds to let the requests this worker holds finish",
-        env="TANDEM_DRAIN_TIMEOUT_S",
+    drain_timeout_s: float = drain_timeout_setting(
+        "on SIGTERM: seconds to let the requests this worker holds finish"
     )
-    log_level: str = setting("info", "debug, info, warning or error", env="TANDEM_LOG_LEVEL")
+    log_level: str = log_level_setting()
 
     def __post_init__(self) -> None:
-        if not self.drain_timeout_s >= 0:
-            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        self._check_service()
         if not self.model:
             raise ValueError("model is required: --model FOLDER or TANDEM_MODEL")
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        check_port(self.port, "port")
-        if not 1 <= self.block_size <= 1024 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two in 1..1024, got {self.block_size}")
-        if self.num_blocks < 0:
-            raise ValueError(f"num_blocks must be >= 0, got {self.num_blocks}")
-        if parse_size(self.kv_cache_memory) <= 0:
-            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
-        if parse_size(self.swap_space) < 0:
-            raise ValueError(f"swap_space must be >= 0, got {self.swap_space!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+        for name, choices in (
+            ("role", ROLES),
+            ("dtype", DTYPES),
+            ("attention_backend", BACKENDS),
+            ("cpu_packed_weights", PACKED_WEIGHTS),
+        ):
+            self._require(
+                getattr(self, name) in choices, name, f"must be one of {', '.join(choices)}"
             )
-        if self.max_model_len < 0:
-            raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
-        if self.attention_backend not in BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {', '.join(BACKENDS)}, "
-                f"got {self.attention_backend!r}"
-            )
-        if not 1 <= self.cuda_graph_max_batch_size <= 1024:
-            raise ValueError(
-                "cuda_graph_max_batch_size must be in 1..1024, "
-                f"got {self.cuda_graph_max_batch_size}"
-            )
-        if self.profile_num_tokens < 1:
-            raise ValueError(f"profile_num_tokens must be >= 1, got {self.profile_num_tokens}")
-        if self.cpu_packed_weights not in ("auto", "on", "off"):
-            raise ValueError(
-                f"cpu_packed_weights must be auto, on or off, got {self.cpu_packed_weights!r}"
-            )
-        if not self.cpu_compute_lock:
-            raise ValueError("cpu_compute_lock must be auto, off or a file path")
-        if self.torch_threads < 0:
-            raise ValueError(f"torch_threads must be >= 0, got {self.torch_threads}")
-        if not self.kv_transfer_timeout_s > 0:
-            raise ValueError(
-                f"kv_transfer_timeout_s must be positive, got {self.kv_transfer_timeout_s}"
-            )
+        self._require(
+            1 <= self.block_size <= 1024 and not self.block_size & (self.block_size - 1),
+            "block_size",
+            "must be a power of two in 1..1024",
+        )
+        self._at_least(0, "num_blocks", "max_model_len", "torch_threads")
+        self._require(self._size("kv_cache_memory") > 0, "kv_cache_memory", "must be positive")
+        self._require(self._size("swap_space") >= 0, "swap_space", "must be >= 0")
+        self._require(
+            0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]"
+        )
+        self._require(
+            1 <= self.cuda_graph_max_batch_size <= 1024,
+            "cuda_graph_max_batch_size",
+            "must be in 1..1024",
+        )
+        self._at_least(1, "profile_num_tokens")
+        self._require(
+            bool(self.cpu_compute_lock), "cpu_compute_lock", "must be auto, off or a file path"
+        )
+        self._positive("kv_transfer_timeout_s")
 
     @property
     def resolved_worker_id(self) -> str:

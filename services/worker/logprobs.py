@@ -13,12 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+from common.sampling import Logprob
 
 
 @dataclass(frozen=True)
@@ -26,7 +21,7 @@ class PromptLogprobs:
     """Entries for prompt positions start, start + 1, ... (each given the tokens before it)."""
 
     start: int
-    entries: tuple[TokenLogprobs, ...]
+    entries: tuple[Logprob, ...]
 
 
 @dataclass(frozen=True)
@@ -42,7 +37,7 @@ class DeviceLogprobs:
     def tensors(self) -> list[torch.Tensor]:
         return [self.token_ids, self.logprobs, self.top_ids, self.top_logprobs]
 
-    def from_host(self, values: Sequence[Sequence[float]]) -> list[TokenLogprobs]:
+    def from_host(self, values: Sequence[Sequence[float]]) -> list[Logprob]:
         """`values`: this object's `tensors()` as flat host lists (see `to_host`)."""
         token_ids, logprobs, top_ids, top_logprobs = values
         width = self.top_ids.shape[1]
@@ -50,7 +45,7 @@ class DeviceLogprobs:
         for r, keep in enumerate(self.widths):
             at = r * width
             top = tuple((int(top_ids[at + j]), float(top_logprobs[at + j])) for j in range(keep))
-            rows.append(TokenLogprobs(int(token_ids[r]), float(logprobs[r]), top))
+            rows.append(Logprob(int(token_ids[r]), float(logprobs[r]), top))
         return rows
 
 

@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.sampling import Logprob
 from services.worker.batch import ScheduledWork
 from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.kv_cache import KvCache
 from services.worker.logprobs import (
     DeviceLogprobs,
     PromptLogprobs,
-    TokenLogprobs,
     concat,
     prompt_entry_span,
     raw_logprobs,
@@ -39,7 +39,7 @@ PROMPT_LOGITS_CHUNK = 1 << 24
 class StepOutput:
     sampled: dict[str, int]  # request_id -> token id, in plan order
     execute_seconds: float
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # requests that asked
+    logprobs: dict[str, Logprob] = field(default_factory=dict)  # requests that asked
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
@@ -109,7 +109,7 @@ class ModelRunner:
         prompt_tensors = prompt.scores.tensors() if prompt is not None else []
         values = to_host(sample_tensors + prompt_tensors)  # the step's one device-to-host copy
         sampled: dict[str, int] = {}
-        logprobs: dict[str, TokenLogprobs] = {}
+        logprobs: dict[str, Logprob] = {}
         if sample is not None:
             result = sample.from_host(values[: len(sample_tensors)])
             for i, token, entry in zip(samplers, result.token_ids, result.logprobs, strict=True):

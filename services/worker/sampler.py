@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from common.sampling import Logprob, SamplingParams
 from services.worker import logits_processors as lp
-from services.worker.logprobs import DeviceLogprobs, TokenLogprobs, raw_logprobs, to_host
-from services.worker.sampling_params import Sampling
+from services.worker.logprobs import DeviceLogprobs, raw_logprobs, to_host
 from services.worker.seeded_noise import gumbel, random_keys, row_streams, split_key
 
 # Truncated rows sort fully (instead of topk) when the largest top_k reaches this share of V.
@@ -35,7 +35,7 @@ _RACE_CHUNK = 1 << 22
 class SamplingRow:
     """One row of a sampling step: the request's parameters and its tokens so far."""
 
-    sampling: Sampling
+    sampling: SamplingParams
     token_ids: Sequence[int] = ()  # prompt + output so far (what penalties see)
     num_prompt_tokens: int = 0
 
@@ -48,7 +48,7 @@ class SamplingRow:
 @dataclass(frozen=True)
 class SampleResult:
     token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]  # per row; None where the row did not ask
+    logprobs: list[Logprob | None]  # per row; None where the row did not ask
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class DeviceSample:
     def from_host(self, values: Sequence[Sequence[float]]) -> SampleResult:
         """`values`: `tensors()` as flat host lists (see `logprobs.to_host`)."""
         tokens = [int(t) for t in values[0]]
-        per_row: list[TokenLogprobs | None] = [None] * len(tokens)
+        per_row: list[Logprob | None] = [None] * len(tokens)
         if self.logprobs is not None:
             for row, entry in zip(
                 self.logprob_rows, self.logprobs.from_host(values[1:]), strict=True

@@ -6,56 +6,23 @@ import asyncio
 
 import grpc
 
+from common.config import KV_TRANSFER_TIMEOUT_METADATA, PROFILE_NUM_TOKENS_METADATA
 from common.lifecycle import wait_until
 from common.log import get_logger
 from common.pb.tandem.internal.v1 import types_pb2, worker_pb2, worker_pb2_grpc
+from common.sampling_pb import ROLE_TO_PB, logprob_to_pb, sampling_from_pb
 from services.worker.batch import (
     BlockMoves,
     CachedRequestData,
     NewRequestData,
     PlanError,
-    Sampling,
 )
 from services.worker.kv_transfer import KvTransferError
-from services.worker.logprobs import TokenLogprobs
 from services.worker.runner import StepOutput
 from services.worker.worker import KV_LAYOUT, Worker
 
 log = get_logger(__name__)
 SLOW_STEP_S = 2.0  # a step this slow is logged with what it ran
-
-ROLE_TO_PB = {
-    "prefill": types_pb2.WORKER_ROLE_PREFILL,
-    "decode": types_pb2.WORKER_ROLE_DECODE,
-    "both": types_pb2.WORKER_ROLE_BOTH,
-}
-
-
-def sampling_from_pb(pb: types_pb2.SamplingParams) -> Sampling:
-    """Resolved params as sent by the scheduler; 0 means 1 for top_p and repetition_penalty."""
-    return Sampling(
-        temperature=pb.temperature,
-        top_p=pb.top_p or 1.0,
-        top_k=pb.top_k,
-        min_p=pb.min_p,
-        repetition_penalty=pb.repetition_penalty or 1.0,
-        presence_penalty=pb.presence_penalty,
-        frequency_penalty=pb.frequency_penalty,
-        logit_bias=tuple(sorted(pb.logit_bias.items())),
-        seed=pb.seed if pb.HasField("seed") else None,
-        min_tokens=pb.min_tokens,
-        stop_token_ids=tuple(pb.stop_token_ids),
-        logprobs=pb.logprobs if pb.HasField("logprobs") else None,
-        prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
-    )
-
-
-def _logprob_pb(entry: TokenLogprobs) -> types_pb2.TokenLogprob:
-    return types_pb2.TokenLogprob(
-        token_id=entry.token_id,
-        logprob=entry.logprob,
-        top_logprobs=[types_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in entry.top],
-    )
 
 
 def step_response_pb(step_id: int, output: StepOutput) -> worker_pb2.StepResponse:
@@ -66,7 +33,7 @@ def step_response_pb(step_id: int, output: StepOutput) -> worker_pb2.StepRespons
             worker_pb2.SampledToken(
                 request_id=request_id,
                 token_id=token,
-                logprob=None if entry is None else _logprob_pb(entry),
+                logprob=None if entry is None else logprob_to_pb(entry),
             )
         )
     return worker_pb2.StepResponse(
@@ -77,7 +44,7 @@ def step_response_pb(step_id: int, output: StepOutput) -> worker_pb2.StepRespons
             worker_pb2.PromptLogprobs(
                 request_id=request_id,
                 start=scored.start,
-                entries=[_logprob_pb(e) for e in scored.entries],
+                entries=[logprob_to_pb(e) for e in scored.entries],
             )
             for request_id, scored in output.prompt_logprobs.items()
         ],
@@ -116,6 +83,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def DescribeWorker(self, request, context):
         worker = await self._ready(context)
         cfg = worker.model_config
+        # Settings the scheduler checks against its own when it connects, as metadata (the
+        # proto stays as it is). Only a CUDA worker profiles a step's activation memory.
+        limits = [(KV_TRANSFER_TIMEOUT_METADATA, repr(worker.config.kv_transfer_timeout_s))]
+        if worker.device.type == "cuda":
+            limits.append((PROFILE_NUM_TOKENS_METADATA, str(worker.config.profile_num_tokens)))
+        await context.send_initial_metadata(limits)
         return worker_pb2.DescribeWorkerResponse(
             worker_id=worker.worker_id,
             role=ROLE_TO_PB[worker.role],

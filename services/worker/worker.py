@@ -31,9 +31,9 @@ from services.worker.batch import (
 from services.worker.compute_lock import ComputeLock, make_compute_lock
 from services.worker.config import WorkerConfig
 from services.worker.kv_transfer import KvTransferError, UcxTransport
-from services.worker.loading import LoadedWorker, load_worker
 from services.worker.runner import ModelRunner, StepOutput
 from services.worker.staging import StagingBuffers
+from services.worker.startup import LoadedWorker, load_worker
 
 log = get_logger(__name__)
 

@@ -1,1 +1,1 @@
-"""Model implementations that run over the paged KV cache, and the checkpoint loader."""
+"""Model implementations that run over the paged KV cache, and the weight loader."""

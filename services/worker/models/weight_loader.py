@@ -1,4 +1,5 @@
-"""Loads a Hugging Face safetensors checkpoint folder into `LlamaForCausalLM`.
+"""Loads a Hugging Face checkpoint's weights into our `LlamaForCausalLM` modules (the files
+themselves are read by `common.hf_checkpoint_reader`).
 
 Reads the config through `ModelConfig.from_folder`, builds the module skeleton on the meta
 device (no wasted random init), then reads `model.safetensors` or the shards listed in
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from common.hf_checkpoint import iter_tensors
+from common.hf_checkpoint_reader import iter_tensors
 from common.model_config import ModelConfig
 from services.worker.models.attention_backend import AttentionBackend
 from services.worker.models.llama import LlamaForCausalLM

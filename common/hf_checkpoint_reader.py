@@ -2,7 +2,8 @@
 listed in `model.safetensors.index.json`) and its tokenizer.
 
 `config.json` is read by `common.model_config`; building a model from these tensors is the
-worker's job (`services.worker.models.loader`).
+worker's job (`services.worker.models.weight_loader`); building a random-weight checkpoint
+for tests and `make up` is `devtools.checkpoint_builder`'s.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Builds small random-weight Hugging Face checkpoints (tokenizer included) from scratch.
 
 Tandem never downloads models: tests and the embedded default model served by `make up` are
-built here. The tokenizer is a byte-level BPE trained on `common/assets/corpus.txt`; the
+built here. The tokenizer is a byte-level BPE trained on `devtools/assets/corpus.txt`; the
 weights come from transformers' own model classes after `torch.manual_seed(seed)`, with a
 wider init than usual (and non-trivial norm weights and biases) so that logits are far from
 uniform and greedy decoding does not collapse onto one token. The result is an ordinary HF
 folder that both transformers and Tandem's loader read.
 
-CLI: `python -m common.checkpoint_builder --out DIR [--arch llama] [--tiny]`.
+CLI: `python -m devtools.checkpoint_builder --out DIR [--arch llama] [--tiny]`.
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ def build_default_model(out_dir: str | os.PathLike, architecture: str = "llama")
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m common.checkpoint_builder",
+        prog="python -m devtools.checkpoint_builder",
         description="Build a random-weight checkpoint (default: the embedded default model).",
     )
     parser.add_argument("--out", required=True, help="output folder")

@@ -1,5 +1,6 @@
-"""Bringing a worker up: device and dtype, the model with its attention backend, the KV pool
-sized from the memory actually left, the CPU swap space, and the decode CUDA graphs.
+"""Builds a worker's model and KV cache at start: device and dtype, the model with its
+attention backend (weights via `models.weight_loader`), the KV pool sized from the memory
+actually left, the CPU swap space, and the decode CUDA graphs.
 
 On CUDA the pool gets `gpu_memory_utilization` of the device minus what this worker
 already uses (weights; other processes sharing the GPU do not count), minus the activation
@@ -25,7 +26,7 @@ from services.worker.cuda_graphs import DecodeGraphs, graph_buckets
 from services.worker.kv_cache import KvCache
 from services.worker.models.attention_backend import select_backend
 from services.worker.models.attention_metadata import SequenceSlice, build_attention_metadata
-from services.worker.models.loader import load_model
+from services.worker.models.weight_loader import load_model
 
 log = get_logger(__name__)
 

@@ -1,0 +1,730 @@
+"""An in-memory worker for in-process tests of the scheduler's Engine (a `WorkerConnection`).
+
+It mirrors what a real worker does with the Step stream and the KV calls, with a
+deterministic "model" so token streams can be checked exactly:
+
+- A persistent batch keyed by request id, fed by each plan: `is_new` items bring the
+  request's full token list and block table, later items deltas (appended blocks or a
+  replaced table); `dropped_request_ids` leave the batch first. A request samples when a
+  step computes its last known token (`num_computed_before + num_new_tokens` reaches its
+  token count, which includes tokens the worker sampled itself in earlier steps: async
+  scheduling plans step N+1 before N's result arrives).
+- A KV content model: every block holds, slot by slot, the token ids whose KV was written
+  into it. A step writes the tokens it computes into the request's blocks; the sample
+  then reads the whole sequence back from the blocks, so a wrong block table, a missed
+  transfer, a bad prefix-cache hit or a lost copy-on-write / swap changes the token (and is
+  recorded in `kv_errors`). Swap space, block copies and swaps are modelled too.
+- `send_kv` / `receive_kv` between fakes of one `FakeFabric` move block contents under a
+  tag (rendezvous: the send completes when the receive took the data). The receive then
+  waits until step `after_step_id` has executed and gives up if its tag was cancelled (by
+  a step's `cancelled_transfer_tags`, a new step stream or a kill). Like a gRPC handler
+  whose cancellation may come late, a call the client cancels keeps running on the
+  "worker" until its tag is cancelled or its deadline passes: only cancelled tags protect
+  the blocks, as in the real protocol.
+
+Test controls: `kill()` / `revive()`, `set_health()`, `step_delay_s`, `hold_steps()` /
+`release_steps()`, `hang_transfers()` / `fail_transfers()` / `heal_transfers()` (all
+transfers or some tags), `after_kv_received` (a hook run when a receive has written).
+What tests read: `steps`, `planned_request_ids`, `batch`, `kv`, `cancelled_tags_received`,
+`receive_tags` / `send_tags`, `receives_in_progress`, `kv_errors`, `plan_errors`, `is_idle`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.scheduler.worker_types import (
+    KvTransferResult,
+    ModelShape,
+    StepResult,
+    WorkerInfo,
+    WorkerUnavailableError,
+)
+
+VOCAB_SIZE = 1000
+_MODULUS = (1 << 61) - 1
+
+
+def model_token(token_ids: Sequence[int | None], vocab_size: int = VOCAB_SIZE) -> int:
+    """The fake model: the next token is a position-sensitive hash of the whole sequence.
+    (A missing KV slot, None, hashes differently from every token.)"""
+    h = len(token_ids)
+    for t in token_ids:
+        h = (h * 1_000_003 + (t + 1 if t is not None else 0)) % _MODULUS
+    return h % vocab_size
+
+
+def expected_tokens(
+    prompt: Sequence[int],
+    max_tokens: int,
+    stop_token_ids: Sequence[int] = (),
+    vocab_size: int = VOCAB_SIZE,
+) -> list[int]:
+    """The tokens the fake model generates for a prompt, up to max_tokens or a stop token."""
+    tokens, out = list(prompt), []
+    while len(out) < max_tokens:
+        token = model_token(tokens, vocab_size)
+        out.append(token)
+        tokens.append(token)
+        if token in stop_token_ids:
+            break
+    return out
+
+
+def worker_info(
+    worker_id: str,
+    role: str = "both",
+    *,
+    num_blocks: int = 64,
+    block_size: int = 4,
+    num_swap_blocks: int = 0,
+    vocab_size: int = VOCAB_SIZE,
+    max_model_len: int = 512,
+    num_layers: int = 2,
+) -> WorkerInfo:
+    """A small worker description (roles 'prefill', 'decode' or 'both')."""
+    if role not in ("prefill", "decode", "both"):
+        raise ValueError(f"role must be prefill, decode or both, got {role!r}")
+    return WorkerInfo(
+        worker_id=worker_id,
+        address=f"fake-{worker_id}:50000",
+        role=role,
+        model=ModelShape(
+            name="fake",
+            architecture="FakeForCausalLM",
+            vocab_size=vocab_size,
+            max_model_len=max_model_len,
+            eos_token_ids=(),
+            dtype="float32",
+            num_layers=num_layers,
+            num_kv_heads=1,
+            head_dim=8,
+        ),
+        num_blocks=num_blocks,
+        block_size=block_size,
+        block_bytes=64 * block_size,
+        ucx_address=f"ucx://{worker_id}".encode(),
+        num_swap_blocks=num_swap_blocks,
+    )
+
+
+@dataclass
+class _Slot:
+    """One tagged message between two workers."""
+
+    payload: list[list[int | None]] | None = None
+    taken: bool = False
+    dead: bool = False
+
+
+class FakeFabric:
+    """What connects the fakes of one test: the UCX address book, tagged messages, and one
+    change signal every waiter in every fake listens to."""
+
+    def __init__(self) -> None:
+        self.workers: dict[bytes, FakeWorker] = {}
+        self.slots: dict[tuple[bytes, int], _Slot] = {}
+        self._event: asyncio.Event | None = None
+
+    def notify(self) -> None:
+        if self._event is not None:
+            self._event.set()
+            self._event = None
+
+    def next_change(self) -> asyncio.Event:
+        """The event the next `notify` sets: take it right after checking a condition (no
+        await in between), so no change can slip by."""
+        if self._event is None:
+            self._event = asyncio.Event()
+        return self._event
+
+
+@dataclass
+class _Item:
+    """One scheduled request of a plan, copied when the plan is sent (the scheduler's
+    Request objects change afterwards)."""
+
+    request_id: str
+    is_new: bool
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_before: int
+    num_new_tokens: int
+    replaced_table: list[int] | None
+
+
+@dataclass
+class _Plan:
+    step_id: int
+    items: list[_Item]
+    dropped: list[str]
+    swap_out: list[tuple[int, int]]
+    swap_in: list[tuple[int, int]]
+    copies: list[tuple[int, int]]
+    cancelled_transfer_tags: list[int]
+
+
+@dataclass
+class FakeRequest:
+    """A request in the fake worker's persistent batch."""
+
+    request_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class StepRecord:
+    step_id: int
+    scheduled: list[tuple[str, int]]  # (request id, new tokens)
+    dropped: list[str]
+    cancelled_transfer_tags: list[int]
+    sampled: dict[str, int] = field(default_factory=dict)
+
+
+class FakeWorker:
+    """A `WorkerConnection` to an in-memory worker (see the module docstring)."""
+
+    def __init__(self, info: WorkerInfo, fabric: FakeFabric | None = None) -> None:
+        self.info = info
+        self.address = info.address
+        self.fabric = fabric if fabric is not None else FakeFabric()
+        self.fabric.workers[info.ucx_address] = self
+        # -- test controls
+        self.step_delay_s = 0.0
+        self._health = "SERVING"
+        self._killed = False
+        self._closed = False
+        self._held = False
+        self._transfer_fault: str | None = None  # None, "hang" or "fail"
+        self._fault_tags: set[int] | None = None  # the tags it applies to (None: all)
+        # Awaited by a receive after it wrote its blocks, before it answers (tests use it
+        # to make something happen exactly then).
+        self.after_kv_received: Callable[[int], Awaitable[None]] | None = None
+        # -- worker state (lost when killed)
+        self.batch: dict[str, FakeRequest] = {}
+        self.kv: dict[int, list[int | None]] = {}
+        self.swap_kv: dict[int, list[int | None]] = {}
+        self._incarnation = 0
+        self._stream = 0  # 0 = no step stream open
+        self._step_id = 0
+        self.executed_step_id = 0
+        self._plans: deque[_Plan] = deque()
+        self._results: deque[StepResult] = deque()
+        self._stream_error: str | None = None
+        self._cancelled: set[int] = set()
+        self._receives: dict[int, asyncio.Task] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._stepper: asyncio.Task | None = None
+        # -- what the tests look at
+        self.steps: list[StepRecord] = []  # every executed step
+        self.planned_request_ids: set[str] = set()  # requests some sent plan scheduled
+        self.cancelled_tags_received: list[int] = []  # from plans, in arrival order
+        self.receive_tags: list[int] = []  # tags of receive_kv calls
+        self.send_tags: list[int] = []  # tags of send_kv calls
+        self.kv_blocks_received = 0
+        self.kv_errors: list[str] = []  # a sample read KV that does not match its tokens
+        self.plan_errors: list[str] = []  # plans that do not fit the batch (engine bugs)
+        self.num_stream_opens = 0
+
+    # -- test controls ---------------------------------------------------------------------
+    @property
+    def killed(self) -> bool:
+        return self._killed
+
+    def kill(self) -> None:
+        """The process is gone: every call raises WorkerUnavailableError, health answers
+        UNREACHABLE, calls under way fail, peers' sends to it fail."""
+        self._killed = True
+        self._incarnation += 1
+        self._stream = 0
+        self.fabric.notify()
+
+    def revive(self, info: WorkerInfo | None = None) -> None:
+        """A fresh process at the same address: SERVING, no batch, no KV, no stream."""
+        if info is not None:
+            self.info = info
+        self._killed = False
+        self._health = "SERVING"
+        self._incarnation += 1
+        self._stream = 0
+        self._reset_state()
+        self.kv.clear()
+        self.swap_kv.clear()
+        self.fabric.notify()
+
+    def set_health(self, status: str) -> None:
+        """'SERVING' or 'NOT_SERVING' (draining)."""
+        self._health = status
+        self.fabric.notify()
+
+    def hold_steps(self) -> None:
+        """Plans are accepted but no step runs until `release_steps`."""
+        self._held = True
+
+    def release_steps(self) -> None:
+        self._held = False
+        self.fabric.notify()
+
+    def hang_transfers(self, tags: Iterable[int] | None = None) -> None:
+        """send_kv / receive_kv on this worker (only for `tags`, if given) never move data
+        until healed, cancelled, killed or past their deadline."""
+        self._transfer_fault, self._fault_tags = "hang", None if tags is None else set(tags)
+        self.fabric.notify()
+
+    def fail_transfers(self, tags: Iterable[int] | None = None) -> None:
+        """send_kv / receive_kv on this worker (only for `tags`, if given) fail at once."""
+        self._transfer_fault, self._fault_tags = "fail", None if tags is None else set(tags)
+        self.fabric.notify()
+
+    def heal_transfers(self) -> None:
+        self._transfer_fault, self._fault_tags = None, None
+        self.fabric.notify()
+
+    def _faulty(self, tag: int, fault: str) -> bool:
+        return self._transfer_fault == fault and (
+            self._fault_tags is None or tag in self._fault_tags
+        )
+
+    @property
+    def is_idle(self) -> bool:
+        """No request in the batch, no plan waiting to run, no result unread."""
+        return not (self.batch or self._plans or self._results)
+
+    @property
+    def receives_in_progress(self) -> list[int]:
+        return list(self._receives)
+
+    def block_tokens(self, block_id: int) -> list[int | None]:
+        return list(self.kv.get(block_id, [None] * self.info.block_size))
+
+    # -- WorkerConnection ------------------------------------------------------------------
+    async def health(self, timeout_s: float) -> str:
+        await asyncio.sleep(0)
+        return "UNREACHABLE" if self._killed or self._closed else self._health
+
+    async def wait_ready(self, timeout_s: float) -> WorkerInfo:
+        await asyncio.sleep(0)
+        self._check_alive()
+        return self.info
+
+    async def open_step_stream(self) -> None:
+        self._check_alive()
+        self.close_step_stream()
+        self._reset_state()
+        self.num_stream_opens += 1
+        self._stream = self._incarnation * 1_000_000 + self.num_stream_opens
+        stream = self._stream
+        self._stepper = self._spawn(self._run_steps(stream))
+
+    def close_step_stream(self) -> None:
+        """The worker forgets its batch (a real one resets when its stream ends)."""
+        if self._stream:
+            self._stream = 0
+            self._reset_state()
+            self.fabric.notify()
+
+    @property
+    def last_sent_step_id(self) -> int:
+        return self._step_id
+
+    async def send_step(self, plan: Any) -> int:
+        """`plan` is a `PoolStepPlan` (read by attribute, copied now: its requests change)."""
+        cancelled_transfer_tags = list(plan.cancelled_transfer_tags)
+        self._check_alive()
+        if not self._stream:
+            raise WorkerUnavailableError(f"worker {self.address}: no step stream open")
+        self._step_id += 1
+        # A real worker cancels the receives when the plan arrives, before it runs.
+        self._cancel_transfers(cancelled_transfer_tags)
+        self.cancelled_tags_received.extend(cancelled_transfer_tags)
+        items = []
+        for s in plan.scheduled:
+            r = s.request
+            items.append(
+                _Item(
+                    request_id=r.request_id,
+                    is_new=s.is_new,
+                    token_ids=list(r.all_token_ids) if s.is_new else [],
+                    block_ids=list(s.new_block_ids),
+                    num_computed_before=s.num_computed_before,
+                    num_new_tokens=s.num_new_tokens,
+                    replaced_table=list(s.replaced_table) if s.replaced_table else None,
+                )
+            )
+            self.planned_request_ids.add(r.request_id)
+        self._plans.append(
+            _Plan(
+                step_id=self._step_id,
+                items=items,
+                dropped=list(plan.dropped_request_ids),
+                swap_out=list(plan.swap_out),
+                swap_in=list(plan.swap_in),
+                copies=list(plan.block_copies),
+                cancelled_transfer_tags=list(cancelled_transfer_tags),
+            )
+        )
+        self.fabric.notify()
+        await asyncio.sleep(0)
+        return self._step_id
+
+    async def receive_step(self) -> StepResult:
+        self._check_alive()
+        stream = self._stream
+        if not stream:
+            raise WorkerUnavailableError(f"worker {self.address}: no step stream open")
+        await self._until(
+            lambda: bool(self._results) or self._stream_error is not None,
+            None,
+            "receive_step",
+            stream=stream,
+        )
+        if self._results:
+            return self._results.popleft()
+        raise WorkerUnavailableError(f"worker {self.address} step failed: {self._stream_error}")
+
+    async def send_kv(
+        self, tag: int, peer: WorkerInfo, block_ids: list[int], timeout_s: float
+    ) -> KvTransferResult:
+        self._check_alive()
+        self.send_tags.append(tag)
+        task = self._spawn(self._serve_send(tag, peer, list(block_ids), timeout_s))
+        return await asyncio.shield(task)
+
+    async def receive_kv(
+        self, tag: int, block_ids: list[int], timeout_s: float, after_step_id: int
+    ) -> KvTransferResult:
+        self._check_alive()
+        self.receive_tags.append(tag)
+        task = self._spawn(self._serve_receive(tag, list(block_ids), timeout_s, after_step_id))
+        self._receives[tag] = task
+        return await asyncio.shield(task)
+
+    async def close(self) -> None:
+        self._closed = True
+        self._stream = 0
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.fabric.notify()
+
+    # -- internals -----------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self._killed:
+            raise WorkerUnavailableError(f"worker {self.address} is unreachable (killed)")
+        if self._closed:
+            raise WorkerUnavailableError(f"connection to {self.address} is closed")
+
+    def _reset_state(self) -> None:
+        """A new (or no) step stream: the batch is forgotten, step ids restart, receives
+        still waiting are abandoned."""
+        self.batch.clear()
+        self._plans.clear()
+        self._results.clear()
+        self._stream_error = None
+        self._step_id = 0
+        self.executed_step_id = 0
+        self._cancel_transfers(list(self._receives))
+        if self._stepper is not None:
+            self._stepper.cancel()
+            self._stepper = None
+
+    def _cancel_transfers(self, tags: Sequence[int]) -> None:
+        self._cancelled.update(tags)
+        if tags:
+            self.fabric.notify()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # an orphaned call's failure is expected: mark it retrieved
+
+    async def _until(
+        self,
+        predicate: Callable[[], bool],
+        deadline: float | None,
+        what: str,
+        *,
+        stream: int | None = None,
+        failure: Callable[[], str | None] = lambda: None,
+    ) -> None:
+        """Wait until `predicate()`; raise WorkerUnavailableError when this worker is killed
+        or restarted meanwhile, its step stream `stream` ended, `failure()` names a reason,
+        or `deadline` (loop time) passes."""
+        incarnation = self._incarnation
+        loop = asyncio.get_running_loop()
+        while True:
+            self._check_alive()
+            if self._incarnation != incarnation:
+                raise WorkerUnavailableError(f"worker {self.address} restarted during {what}")
+            if stream is not None and self._stream != stream:
+                raise WorkerUnavailableError(f"worker {self.address}: step stream closed")
+            reason = failure()
+            if reason is not None:
+                raise WorkerUnavailableError(f"worker {self.address}: {what}: {reason}")
+            if predicate():
+                return
+            change = self.fabric.next_change()
+            if deadline is None:
+                await change.wait()
+                continue
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise WorkerUnavailableError(f"worker {self.address}: {what} timed out")
+            try:
+                await asyncio.wait_for(change.wait(), remaining)
+            except TimeoutError:
+                pass
+
+    # -- steps -----------------------------------------------------------------------------
+    async def _run_steps(self, stream: int) -> None:
+        """Run the plans of one step stream in order, back to back."""
+        try:
+            while True:
+                await self._until(
+                    lambda: bool(self._plans) and not self._held, None, "step", stream=stream
+                )
+                started = time.perf_counter()
+                if self.step_delay_s:
+                    await asyncio.sleep(self.step_delay_s)
+                    if self._killed or self._stream != stream:
+                        return
+                plan = self._plans.popleft()
+                try:
+                    result = self._execute(plan)
+                except ValueError as exc:  # the real worker aborts the stream
+                    self.plan_errors.append(f"step {plan.step_id}: {exc}")
+                    self._stream_error = f"FAILED_PRECONDITION {exc}"
+                    self.fabric.notify()
+                    return
+                self._results.append(
+                    StepResult(
+                        step_id=plan.step_id,
+                        sampled=result,
+                        execute_seconds=time.perf_counter() - started,
+                    )
+                )
+                self.executed_step_id = plan.step_id
+                self.fabric.notify()
+        except WorkerUnavailableError:
+            return
+
+    def _execute(self, plan: _Plan) -> dict[str, int]:
+        bs = self.info.block_size
+        for request_id in plan.dropped:
+            self.batch.pop(request_id, None)
+        work: list[tuple[FakeRequest, int]] = []
+        for item in plan.items:
+            if item.is_new:
+                if item.request_id in self.batch:
+                    raise ValueError(f"request {item.request_id} is already in the batch")
+                bad = [t for t in item.token_ids if not 0 <= t < self.info.model.vocab_size]
+                if bad:
+                    raise ValueError(f"request {item.request_id} has token ids outside the vocab")
+                request = FakeRequest(
+                    item.request_id,
+                    list(item.token_ids),
+                    self._checked(item.block_ids),
+                    item.num_computed_before,
+                )
+                self.batch[item.request_id] = request
+            else:
+                request = self.batch.get(item.request_id)
+                if request is None:
+                    raise ValueError(f"request {item.request_id} is not in the batch")
+                if item.replaced_table:
+                    request.block_ids = self._checked(item.replaced_table)
+                else:
+                    request.block_ids.extend(self._checked(item.block_ids))
+            end = request.num_computed_tokens + item.num_new_tokens
+            if item.num_new_tokens <= 0 or end > len(request.token_ids):
+                raise ValueError(
+                    f"request {request.request_id}: cannot compute {item.num_new_tokens} "
+                    f"tokens from {request.num_computed_tokens} of {len(request.token_ids)}"
+                )
+            if end > len(request.block_ids) * bs:
+                raise ValueError(
+                    f"request {request.request_id}: {len(request.block_ids)} blocks cannot "
+                    f"hold {end} tokens"
+                )
+            work.append((request, item.num_new_tokens))
+        # Block moves before the forward pass: swap out, swap in, copy-on-write.
+        for device, swap in plan.swap_out:
+            self._check_swap(swap)
+            self.swap_kv[swap] = list(self._block(device))
+        for swap, device in plan.swap_in:
+            self._check_swap(swap)
+            self.kv[self._checked([device])[0]] = list(
+                self.swap_kv.get(swap, [None] * self.info.block_size)
+            )
+        for src, dst in plan.copies:
+            self._checked([src, dst])
+            self.kv[dst] = list(self._block(src))
+        # The forward pass: write the KV of every computed token of the batch, then sample
+        # each request that reaches its last token from what its blocks hold.
+        for request, num_new in work:
+            start = request.num_computed_tokens
+            for pos in range(start, start + num_new):
+                block = self._block(request.block_ids[pos // bs])
+                block[pos % bs] = request.token_ids[pos]
+        sampled: dict[str, int] = {}
+        for request, num_new in work:
+            if request.num_computed_tokens + num_new == len(request.token_ids):
+                seen = [
+                    self._block(request.block_ids[pos // bs])[pos % bs]
+                    for pos in range(len(request.token_ids))
+                ]
+                if seen != request.token_ids:
+                    self.kv_errors.append(
+                        f"step {plan.step_id} request {request.request_id}: KV holds {seen}, "
+                        f"tokens are {request.token_ids} (blocks {request.block_ids})"
+                    )
+                sampled[request.request_id] = model_token(seen, self.info.model.vocab_size)
+        for request, num_new in work:
+            request.num_computed_tokens += num_new
+        for request_id, token in sampled.items():
+            self.batch[request_id].token_ids.append(token)
+        self.steps.append(
+            StepRecord(
+                plan.step_id,
+                [(r.request_id, n) for r, n in work],
+                plan.dropped,
+                plan.cancelled_transfer_tags,
+                dict(sampled),
+            )
+        )
+        return sampled
+
+    def _block(self, block_id: int) -> list[int | None]:
+        block = self.kv.get(block_id)
+        if block is None:
+            block = self.kv[block_id] = [None] * self.info.block_size
+        return block
+
+    def _checked(self, block_ids: Sequence[int]) -> list[int]:
+        bad = [b for b in block_ids if not 0 <= b < self.info.num_blocks]
+        if bad:
+            raise ValueError(f"block ids {bad[:4]} outside the pool of {self.info.num_blocks}")
+        return list(block_ids)
+
+    def _check_swap(self, swap_block: int) -> None:
+        if not 0 <= swap_block < self.info.num_swap_blocks:
+            raise ValueError(f"swap block {swap_block} outside {self.info.num_swap_blocks}")
+
+    # -- KV transfers ----------------------------------------------------------------------
+    def _fault(self, tag: int) -> str | None:
+        return "transfer failed (injected)" if self._faulty(tag, "fail") else None
+
+    async def _serve_send(
+        self, tag: int, peer: WorkerInfo, block_ids: list[int], timeout_s: float
+    ) -> KvTransferResult:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        target = self.fabric.workers.get(peer.ucx_address)
+
+        def peer_gone() -> str | None:
+            if target is None or target.killed:
+                return f"peer {peer.worker_id} unreachable"
+            return self._fault(tag)
+
+        # Gather queued behind the steps already sent (as on the tensor thread).
+        last_sent = self._step_id
+        await self._until(
+            lambda: not self._faulty(tag, "hang") and self.executed_step_id >= last_sent,
+            deadline,
+            f"SendKv {tag:#x}",
+            failure=peer_gone,
+        )
+        self._checked(block_ids)
+        payload = [list(self._block(b)) for b in block_ids]
+        slot = self.fabric.slots.setdefault((peer.ucx_address, tag), _Slot())
+        slot.payload = payload
+        self.fabric.notify()
+
+        def undeliverable() -> str | None:
+            if slot.dead:
+                return "the receiver gave up"
+            return peer_gone()
+
+        try:
+            await self._until(
+                lambda: slot.taken, deadline, f"SendKv {tag:#x}", failure=undeliverable
+            )
+        except WorkerUnavailableError:
+            slot.dead = True
+            raise
+        return KvTransferResult(num_bytes=len(block_ids) * self.info.block_bytes)
+
+    async def _serve_receive(
+        self, tag: int, block_ids: list[int], timeout_s: float, after_step_id: int
+    ) -> KvTransferResult:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        key = (self.info.ucx_address, tag)
+        slot = self.fabric.slots.setdefault(key, _Slot())
+
+        def cancelled() -> str | None:
+            if tag in self._cancelled:
+                return f"transfer {tag:#x} was cancelled"
+            return self._fault(tag)
+
+        try:
+            self._checked(block_ids)
+            await self._until(
+                lambda: not self._faulty(tag, "hang") and slot.payload is not None,
+                deadline,
+                f"ReceiveKv {tag:#x}",
+                failure=cancelled,
+            )
+            if len(slot.payload) != len(block_ids):
+                raise WorkerUnavailableError(
+                    f"ReceiveKv {tag:#x}: {len(slot.payload)} blocks sent, "
+                    f"{len(block_ids)} expected"
+                )
+            slot.taken = True
+            self.fabric.notify()
+            await self._until(
+                lambda: self.executed_step_id >= after_step_id,
+                deadline,
+                f"ReceiveKv {tag:#x}",
+                failure=lambda: (
+                    f"transfer {tag:#x} was cancelled" if tag in self._cancelled else None
+                ),
+            )
+            # Checked and written in one go (no await between), as the real worker does.
+            if tag in self._cancelled:
+                raise WorkerUnavailableError(f"transfer {tag:#x} was cancelled")
+            for block_id, content in zip(block_ids, slot.payload, strict=True):
+                self.kv[block_id] = list(content)
+            self.kv_blocks_received += len(block_ids)
+            if self.after_kv_received is not None:
+                await self.after_kv_received(tag)
+            return KvTransferResult(num_bytes=len(block_ids) * self.info.block_bytes)
+        except BaseException:
+            slot.dead = True
+            self.fabric.notify()
+            raise
+        finally:
+            if self._receives.get(tag) is asyncio.current_task():
+                del self._receives[tag]
+            if slot.taken and not slot.dead:
+                self.fabric.slots.pop(key, None)  # a dead slot stays: late sends fail
+
+
+def make_workers(*infos: WorkerInfo) -> list[FakeWorker]:
+    """Fakes for these workers, connected to each other through one new fabric."""
+    fabric = FakeFabric()
+    return [FakeWorker(info, fabric) for info in infos]
