@@ -29,6 +29,7 @@ help:
 	@echo "make down    stop them"
 	@echo "make status  health of every service"
 	@echo "make test    contracts, lint and the whole test suite"
+	@echo "make unit    the pure, in-process tests only (tests/unit, under a minute)"
 	@echo "make protos  regenerate common/pb from protos/"
 
 $(STAMP): pyproject.toml
@@ -60,6 +61,9 @@ model: $(STAMP)
 
 test: $(STAMP) $(BUF) protos-check lint-protos lint
 	TANDEM_BUF=$(CURDIR)/$(BUF) $(PY) -m pytest $(PYTEST_ARGS)
+
+unit: $(STAMP)
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 up: $(STAMP)
 	$(PY) -m services.stack up $(if $(MODEL),--model "$(MODEL)") --gateway-port $(GATEWAY_PORT) \

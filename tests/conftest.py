@@ -1,4 +1,16 @@
-"""Session-wide pytest fixtures shared by the test suite."""
+"""Fixtures shared by the whole suite, and its layout by kind.
+
+- `tests/unit/`: pure, in-process tests (seconds; `make unit`);
+- `tests/service/`: real process stacks, UCX peers, external tools (`buf`);
+- `tests/gpu/`: Triton kernels, CUDA graphs, GPU end to end (interpreted or skipped on CPU).
+Each test gets the marker of its folder (`-m unit`, `-m service`, `-m gpu`).
+
+Stacks: `api_stack` (one per session, shared by the generation-API modules),
+`module_stacks` (started by a module, stopped when it ends) and `launch_stack` (stopped
+when the test ends). Shared helper modules beside this file: `stack_client` (calls and
+waits on a stack), `hf_reference` (the `transformers` reference), `fake_worker` (an
+in-memory worker for the scheduler's unit tests), `kv_peer` (a UCX peer process).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +27,18 @@ if not torch.cuda.is_available():
 import pytest
 
 from devtools.checkpoint_builder import build_checkpoint
+from tests.stack_client import start_stack
+
+TESTS = Path(__file__).resolve().parent
+KINDS = ("unit", "service", "gpu")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        kind = Path(item.fspath).resolve().relative_to(TESTS).parts[0]
+        if kind not in KINDS:
+            raise pytest.UsageError(f"{item.nodeid}: tests live in tests/{{{','.join(KINDS)}}}/")
+        item.add_marker(getattr(pytest.mark, kind))
 
 
 @pytest.fixture(scope="session")
@@ -37,15 +61,47 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-qwen3", "qwen3")
 
 
+class StackLauncher:
+    """Starts real stacks (default model: the tiny llama) and stops them all at the end of
+    its fixture's scope."""
+
+    def __init__(self, model: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self._model = model
+        self._tmp = tmp_path_factory
+        self._stacks = []
+
+    def __call__(self, model: Path | None = None, *, name: str = "stack", **kwargs):
+        """`kwargs`: StackSpec.on_free_ports arguments (prefill=, decode=, both=, http=,
+        extra_args=), plus env= and ready_timeout_s= for the start."""
+        stack = start_stack(model or self._model, self._tmp.mktemp(name), **kwargs)
+        self._stacks.append(stack)
+        return stack
+
+    def stop_all(self) -> None:
+        while self._stacks:
+            self._stacks.pop().stop()
+
+
 @pytest.fixture(scope="session")
 def api_stack(tiny_llama_dir, tmp_path_factory):
     """One disaggregated stack (prefill + decode worker) on the tiny llama, shared by the
     generation-API test modules."""
-    from services.stack.launcher import Stack, StackSpec
+    launcher = StackLauncher(tiny_llama_dir, tmp_path_factory)
+    yield launcher(name="api-stack")
+    launcher.stop_all()
 
-    spec = StackSpec.on_free_ports(str(tiny_llama_dir))
-    stack = Stack.start(
-        spec, tmp_path_factory.mktemp("api-stack"), ready_timeout_s=180, exit_with_parent=True
-    )
-    yield stack
-    stack.stop()
+
+@pytest.fixture(scope="module")
+def module_stacks(tiny_llama_dir, tmp_path_factory):
+    """Start stacks for one module: `module_stacks(prefill=2, decode=2, ...)`."""
+    launcher = StackLauncher(tiny_llama_dir, tmp_path_factory)
+    yield launcher
+    launcher.stop_all()
+
+
+@pytest.fixture
+def launch_stack(tiny_llama_dir, tmp_path_factory):
+    """Start stacks for one test: `launch_stack(both=1, extra_args=...)`."""
+    launcher = StackLauncher(tiny_llama_dir, tmp_path_factory)
+    yield launcher
+    launcher.stop_all()

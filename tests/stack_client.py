@@ -15,7 +15,7 @@ from common.pb.tandem.internal.v1 import (
     worker_pb2_grpc,
 )
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
-from services.stack.launcher import Stack
+from services.stack.launcher import Stack, StackSpec
 
 
 @dataclass
@@ -154,3 +154,12 @@ class BackgroundStream:
         self._thread.join(timeout_s)
         assert not self._thread.is_alive(), f"stream still open after {timeout_s}s"
         return self
+
+
+def start_stack(model, run_dir, *, ready_timeout_s: float = 180, env=None, **spec_kwargs) -> Stack:
+    """A real stack (every service a process) on free ports, serving `model`; the caller
+    stops it (module stacks: the `module_stacks` fixture in tests/conftest.py does)."""
+    spec = StackSpec.on_free_ports(str(model), **spec_kwargs)
+    return Stack.start(
+        spec, run_dir, env=env, ready_timeout_s=ready_timeout_s, exit_with_parent=True
+    )

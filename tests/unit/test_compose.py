@@ -13,7 +13,7 @@ from services.openai_api.config import OpenAIApiConfig
 from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = {
     "services.worker": WorkerConfig,
     "services.scheduler": SchedulerConfig,

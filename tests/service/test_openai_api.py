@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from services.stack.launcher import Stack, StackSpec
+from services.stack.launcher import Stack
 from tests.hf_reference import hf_greedy, hf_tokenizer
 from tests.stack_client import wait_until_idle
 
@@ -21,13 +21,8 @@ MODEL = "tiny-llama"  # the served id: the checkpoint folder's name
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_llama_dir, tmp_path_factory):
-    spec = StackSpec.on_free_ports(str(tiny_llama_dir), http=True)
-    stack = Stack.start(
-        spec, tmp_path_factory.mktemp("openai-stack"), ready_timeout_s=180, exit_with_parent=True
-    )
-    yield stack
-    stack.stop()
+def stack(module_stacks):
+    return module_stacks(name="openai-stack", http=True)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """Gateway validation, pure: documented defaults and resolved values (every error row of
-docs/api.md goes through the real gateway in tests/test_api_validation.py)."""
+docs/api.md goes through the real gateway in tests/service/test_api_validation.py)."""
 
 from common.pb.tandem.v1 import generate_pb2
 from common.sampling import API_DEFAULT_TEMPERATURE, SamplingParams

@@ -78,7 +78,7 @@ def test_edge_values_do_not_crash():
     logits = torch.randn(5, 10)
     params = rows(
         # k and logprobs above the vocab (values out of their limits never get this far:
-        # SamplingParams refuses them, see tests/test_sampling_params.py)
+        # SamplingParams refuses them, see tests/unit/test_sampling_params.py)
         SamplingParams(temperature=1.0, top_k=1000, logprobs=MAX_LOGPROBS),
         SamplingParams(temperature=1.0, min_p=1.0, top_p=1.0),  # only the top token survives min-p
         SamplingParams(logit_bias=((99, 1.0),)),  # ids outside the vocab are ignored

@@ -19,7 +19,7 @@ import pytest
 
 from common.healthcheck import health_status
 from common.pb.tandem.internal.v1 import types_pb2
-from services.stack.launcher import Stack, StackSpec
+from services.stack.launcher import Stack
 from tests.hf_reference import hf_greedy, hf_tokenizer
 from tests.stack_client import (
     BackgroundStream,
@@ -56,9 +56,10 @@ PREFILL = types_pb2.WORKER_ROLE_PREFILL
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_llama_dir, tmp_path_factory):
-    spec = StackSpec.on_free_ports(
-        str(tiny_llama_dir),
+def stack(module_stacks):
+    return module_stacks(
+        name="faults",
+        ready_timeout_s=240,
         prefill=2,
         decode=2,
         extra_args={
@@ -67,11 +68,6 @@ def stack(tiny_llama_dir, tmp_path_factory):
             "decode": ["--kv-transfer-timeout-s", "10", "--drain-timeout-s", "20"],
         },
     )
-    stack = Stack.start(
-        spec, tmp_path_factory.mktemp("faults"), ready_timeout_s=240, exit_with_parent=True
-    )
-    yield stack
-    stack.stop()
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import torch
 from services.worker.config import WorkerConfig
 from services.worker.worker import Worker
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(

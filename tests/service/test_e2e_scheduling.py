@@ -14,8 +14,8 @@ import pytest
 
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
 from tests.hf_reference import hf_greedy, hf_tokenizer
-from tests.stack_client import generate, greedy_request, wait_until_idle
-from tests.test_e2e import run_concurrently, start_stack
+from tests.service.test_e2e import run_concurrently
+from tests.stack_client import generate, greedy_request, start_stack, wait_until_idle
 
 SMALL_POOLS = {
     "prefill": ["--max-model-len", "96", "--num-blocks", "12"],

@@ -20,7 +20,7 @@ from services.worker.seeded_noise import (
     split_key,
     uniform,
 )
-from tests.test_sampler_stats import fits
+from tests.unit.test_sampler_stats import fits
 
 VOCAB = 1000
 TARGETS = [  # seeded rows under test, drawn at output position 7

@@ -12,8 +12,8 @@ from transformers.generation.logits_process import (
 
 from common.sampling import SamplingParams
 from services.worker.sampler import SamplingRow, sample
-from tests.test_sampler_processors import hf_truncation
-from tests.test_sampler_stats import fits
+from tests.unit.test_sampler_processors import hf_truncation
+from tests.unit.test_sampler_stats import fits
 
 VOCAB = 48
 DRAWS = 4000

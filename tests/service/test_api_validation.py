@@ -18,7 +18,7 @@ from services.gateway.validation import InvalidArgumentError
 from tests.hf_reference import hf_greedy, hf_tokenizer
 from tests.stack_client import generate, greedy_request, pool_stats, wait_until_idle
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIG = 4 * 1024 * 1024 + 1
 
 # (request as a dict for json_format, text the error message must contain). The tiny

@@ -46,10 +46,10 @@ from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
 from services.gateway.config import GatewayConfig
 from services.stack.launcher import free_port
 from tests.hf_reference import hf_generate, hf_tokenizer
+from tests.service.test_api_validation import documented_messages
 from tests.stack_client import generate, greedy_request, wait_until_idle
-from tests.test_api_validation import documented_messages
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 20.0
 # The tiny checkpoint (checked against GetModelInfo by the fixture).
 VOCAB = 1024

@@ -16,7 +16,6 @@ from common.sampling import Logprob
 from services.scheduler.handle import Finished, Tokens
 from services.scheduler.request import FinishReason
 from services.scheduler.session import SessionState, updates_from_events
-from services.stack.launcher import Stack, StackSpec
 from tests.stack_client import wait_until_idle
 
 
@@ -56,13 +55,8 @@ def test_session_state_counts_finished_samples():
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_llama_dir, tmp_path_factory):
-    spec = StackSpec.on_free_ports(str(tiny_llama_dir))
-    stack = Stack.start(
-        spec, tmp_path_factory.mktemp("session"), ready_timeout_s=180, exit_with_parent=True
-    )
-    yield stack
-    stack.stop()
+def stack(module_stacks):
+    return module_stacks(name="session")
 
 
 def submit(request_id: str, max_tokens: int, n: int = 1) -> scheduler_pb2.SessionRequest:

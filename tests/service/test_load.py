@@ -14,7 +14,6 @@ import grpc
 import pytest
 
 from common.pb.tandem.v1 import generate_pb2_grpc
-from services.stack.launcher import Stack, StackSpec
 from tests.hf_reference import hf_greedy, hf_tokenizer
 from tests.stack_client import generate, greedy_request, pool_stats, wait_until_idle
 
@@ -34,20 +33,15 @@ MAX_WAITING = 48
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_llama_dir, tmp_path_factory):
-    spec = StackSpec.on_free_ports(
-        str(tiny_llama_dir),
+def stack(module_stacks):
+    return module_stacks(
+        name="load",
         extra_args={
             "prefill": ["--num-blocks", str(NUM_BLOCKS), "--max-model-len", "256"],
             "decode": ["--num-blocks", str(NUM_BLOCKS), "--max-model-len", "256"],
             "scheduler": ["--max-waiting-requests", str(MAX_WAITING)],
         },
     )
-    stack = Stack.start(
-        spec, tmp_path_factory.mktemp("load"), ready_timeout_s=180, exit_with_parent=True
-    )
-    yield stack
-    stack.stop()
 
 
 @pytest.fixture(scope="module")

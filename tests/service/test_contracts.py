@@ -16,7 +16,7 @@ from services.gateway.server import GenerateServicer
 from services.scheduler.server import SchedulerServicer
 from services.worker.server import WorkerServicer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 SERVICERS = {
     "tandem.v1.GenerateService": GenerateServicer,

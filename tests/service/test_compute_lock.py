@@ -15,7 +15,7 @@ import pytest
 
 from services.worker.compute_lock import ComputeLock, default_lock_path, make_compute_lock
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # A process that takes the lock `rounds` times, recording when it held it.
 _TAKE_TURNS = """

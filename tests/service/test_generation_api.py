@@ -23,8 +23,7 @@ from tests.hf_reference import (
     hf_model,
     hf_tokenizer,
 )
-from tests.stack_client import pool_stats, wait_until_idle
-from tests.test_e2e import start_stack
+from tests.stack_client import pool_stats, start_stack, wait_until_idle
 
 PROMPT = "Once upon a time, the scheduler"
 MESSAGES = [

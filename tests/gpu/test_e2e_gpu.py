@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from tests.hf_reference import hf_greedy, hf_tokenizer
-from tests.stack_client import wait_until_idle
-from tests.test_e2e import WORKLOAD, run_concurrently, start_stack
+from tests.service.test_e2e import WORKLOAD, run_concurrently
+from tests.stack_client import start_stack, wait_until_idle
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -20,11 +20,16 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
-from services.stack.launcher import Stack, StackSpec
 from tests.hf_reference import hf_greedy, hf_tokenizer
-from tests.stack_client import generate, greedy_request, pool_stats, wait_until_idle
+from tests.stack_client import (
+    generate,
+    greedy_request,
+    pool_stats,
+    start_stack,
+    wait_until_idle,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # (prompt, max_tokens): short and long prompts, outputs that cross 16-token blocks.
 WORKLOAD = [
@@ -50,16 +55,9 @@ WORKLOAD = [
 ]
 
 
-def start_stack(model: Path, run_dir: Path, **kwargs) -> Stack:
-    spec = StackSpec.on_free_ports(str(model), **kwargs)
-    return Stack.start(spec, run_dir, ready_timeout_s=180, exit_with_parent=True)
-
-
 @pytest.fixture(scope="module")
-def stack(tiny_llama_dir, tmp_path_factory):
-    stack = start_stack(tiny_llama_dir, tmp_path_factory.mktemp("stack"))
-    yield stack
-    stack.stop()
+def stack(module_stacks):
+    return module_stacks()
 
 
 def expected(model_dir: Path, prompt: str | list[int], max_tokens: int) -> tuple[list[int], str]:

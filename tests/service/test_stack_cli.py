@@ -10,7 +10,7 @@ from services.stack.launcher import _distinct_free_ports
 from tests.hf_reference import hf_greedy, hf_tokenizer
 from tests.stack_client import generate, greedy_request
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def stack_cli(run_dir: Path, *args: str) -> subprocess.CompletedProcess:

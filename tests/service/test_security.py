@@ -42,10 +42,10 @@ from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
 from common.tls import TlsSettings
 from services.gateway.config import GatewayConfig
-from services.stack.launcher import Stack, StackSpec
+from services.stack.launcher import Stack
 from tests.hf_reference import hf_greedy, hf_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "tandem-test-key-4f9c"
 MODEL = "tiny-llama"
 DENIED = "missing or invalid bearer token"
@@ -287,23 +287,14 @@ def test_bad_api_key_settings_raise_naming_the_setting(tmp_path, argv, file_text
 
 
 @pytest.fixture(scope="module")
-def stack(pki, tiny_llama_dir, tmp_path_factory):
+def stack(pki, module_stacks):
     env = {**pki.env(), "TANDEM_API_KEY": API_KEY}
-    spec = StackSpec.on_free_ports(str(tiny_llama_dir), http=True)
     # The launcher's readiness probes (common.healthcheck) read this process's environment,
     # as `make up` does: give them the stack's TLS settings while it starts.
     with pytest.MonkeyPatch.context() as patch:
         for name, value in pki.env().items():
             patch.setenv(name, value)
-        stack = Stack.start(
-            spec,
-            tmp_path_factory.mktemp("secure-stack"),
-            env=env,
-            ready_timeout_s=180,
-            exit_with_parent=True,
-        )
-    yield stack
-    stack.stop()
+        return module_stacks(name="secure-stack", http=True, env=env)
 
 
 def bearer(token: str) -> tuple[tuple[str, str], ...]:
