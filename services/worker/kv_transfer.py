@@ -7,6 +7,12 @@ finds across hosts). Only descriptors travel over gRPC; the bytes travel here.
 A transfer is: the sender gathers its blocks (one contiguous region each, see kv_cache) into
 one buffer and sends it with the transfer's tag; the receiver posts a tagged receive on its
 UCX worker (no endpoint needed), then scatters the buffer into its destination blocks.
+
+A send or receive whose caller gives up (cancelled, timed out) stays posted in UCX (ucxx
+exposes no per-request cancel): its buffer stays referenced until UCX completes the
+request, which a late message or the peer's failure does. Freeing it early let a late
+message land in freed memory (a heap corruption, seen when a client cancelled during a
+transfer). A receive whose sender never sends stays held: `abandoned_bytes` shows it.
 """
 
 from __future__ import annotations
@@ -76,6 +82,8 @@ class UcxTransport:
         self.error_handling = error_handling
         self._endpoints: dict[tuple[str, bytes], object] = {}
         self._connect_lock = asyncio.Lock()
+        # (UCX request, buffer) of sends/receives given up on while UCX still held them.
+        self._abandoned: list[tuple[object, object]] = []
 
     @property
     def address(self) -> bytes:
@@ -86,8 +94,11 @@ class UcxTransport:
         key = (peer_id, peer_address)
         try:
             endpoint = await self._endpoint(key)
-            await asyncio.wait_for(
-                endpoint.send(payload, tag=tag, force_tag=True), timeout=self.timeout_s
+            endpoint._ep.raise_on_error()  # ucxx's Endpoint.send, keeping the request
+            if endpoint.closed:
+                raise RuntimeError("endpoint closed")
+            await self._complete(
+                endpoint._ep.tag_send(self._array(payload), self._tag(tag)), payload
             )
         except Exception as exc:  # any UCX failure leaves the endpoint unusable
             self._endpoints.pop(key, None)
@@ -97,10 +108,50 @@ class UcxTransport:
         """Receive exactly nbytes tagged `tag` from any peer (into `out` when given)."""
         buffer = np.empty(nbytes, dtype=np.uint8) if out is None else out
         try:
-            await asyncio.wait_for(self._ucxx.recv(buffer, tag=tag), timeout=self.timeout_s)
+            worker = self._ucxx.core._get_ctx().worker  # ucxx.recv, keeping the request
+            await self._complete(worker.tag_recv(self._array(buffer), self._tag(tag)), buffer)
         except Exception as exc:
             raise KvTransferError(f"receive of tag {tag:#x} failed: {exc!r}") from exc
         return buffer
+
+    @staticmethod
+    def _array(buffer):
+        from ucxx._lib.arr import Array
+
+        return Array(buffer)
+
+    @staticmethod
+    def _tag(tag: int):
+        from ucxx.types import Tag
+
+        return Tag(tag)
+
+    async def _complete(self, request, buffer) -> None:
+        """Wait for a UCX request; if this wait ends first (timeout, cancel, error), keep
+        `buffer` alive beside the request until UCX is done with it."""
+        try:
+            await asyncio.wait_for(request.wait(), timeout=self.timeout_s)
+        except BaseException:
+            if not request.completed:
+                self._abandoned.append((request, buffer))
+                log.warning(
+                    "ucx_request_abandoned",
+                    held=len(self._abandoned),
+                    held_bytes=self.abandoned_bytes,
+                )
+            raise
+        finally:
+            self.reap_abandoned()
+
+    def reap_abandoned(self) -> int:
+        """Let go of the buffers of abandoned requests UCX has completed; returns how many
+        are still held."""
+        self._abandoned = [(r, b) for r, b in self._abandoned if not r.completed]
+        return len(self._abandoned)
+
+    @property
+    def abandoned_bytes(self) -> int:
+        return sum(b.nbytes for _, b in self._abandoned)
 
     async def _endpoint(self, key: tuple[str, bytes]):
         async with self._connect_lock:

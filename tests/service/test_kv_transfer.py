@@ -132,3 +132,42 @@ def test_an_idle_transport_with_error_handling_does_not_wake_a_thousand_times_a_
         return switches
 
     assert asyncio.run(idle_switches()) < 200
+
+
+@pytest.mark.parametrize("error_handling", [True, False], ids=["tcp", "shm"])
+def test_a_receive_given_up_on_keeps_its_buffer_until_ucx_lets_go(error_handling):
+    """A receive cancelled by its caller (the scheduler gave up on the transfer) stays
+    posted in UCX: its buffer must outlive it, else the late message lands in freed memory.
+    The transport holds it until the late message completes it; transfers with other tags
+    still arrive intact (sent to this process's own worker)."""
+    import numpy as np
+
+    from services.worker.kv_transfer import UcxTransport
+
+    async def scenario() -> None:
+        transport = UcxTransport(timeout_s=5.0, error_handling=error_handling)
+        try:
+            address = transport.address
+            received = asyncio.ensure_future(transport.receive(0xA1, 1 << 20))
+            await asyncio.sleep(0.05)  # posted in UCX
+            received.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await received
+            assert transport.reap_abandoned() == 1 and transport.abandoned_bytes == 1 << 20
+            late = np.full(1 << 20, 7, dtype=np.uint8)
+            await transport.send("self", address, 0xA1, late)  # lands in the held buffer
+            deadline = asyncio.get_running_loop().time() + 5
+            while transport.reap_abandoned():
+                assert asyncio.get_running_loop().time() < deadline, "never released"
+                await asyncio.sleep(0.01)
+            payload = np.arange(1 << 20, dtype=np.uint8)
+            got, _ = await asyncio.gather(
+                transport.receive(0xA2, payload.nbytes),
+                transport.send("self", address, 0xA2, payload),
+            )
+            assert np.array_equal(got, payload)
+            assert transport.abandoned_bytes == 0
+        finally:
+            await transport.close()
+
+    asyncio.run(scenario())
