@@ -1,0 +1,131 @@
+"""What the engine does when a worker or a transfer fails, or a worker drains or comes
+back: requests start over from prompt + tokens so far (their KV is lost; the tokens
+already streamed stay and none is repeated), a failed worker leaves placement, a rejoining
+one gets an empty pool, and the engine reports whether it can still serve.
+
+A mixin of `Engine` (it uses the engine's pools, handles, hand-off and finishing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from common.log import bind_request, get_logger
+from services.scheduler.handle import RequestHandle, Stage
+from services.scheduler.pool import Pool
+from services.scheduler.request import FinishReason
+
+log = get_logger(__name__)
+
+
+class Recovery:
+    def _restart(self, handle: RequestHandle, why: str) -> None:
+        """Start a request over from its prompt + tokens so far (its KV is lost): the
+        tokens already streamed stay, the next one is computed again, none is repeated."""
+        if handle.done:
+            return
+        self._release(handle)
+        handle.num_restarts += 1
+        if handle.num_restarts > self.resilience.max_restarts:
+            self._finish(
+                handle,
+                FinishReason.ABORT,
+                ("UNAVAILABLE", f"gave up after {handle.num_restarts - 1} restarts: {why}"),
+            )
+            return
+        request = handle.request
+        request.num_computed_tokens = 0
+        request.num_pending_tokens = 0  # a dead worker's steps in flight never answer
+        self.num_restarted_requests += 1
+        with bind_request(request.request_id):
+            log.warning("request_restarted", reason=why, restarts=handle.num_restarts)
+        self._requeue(handle)
+
+    def _fail_pool(self, pool: Pool, why: str) -> None:
+        """The worker is gone or hung: stop using it; its requests start over elsewhere."""
+        if not pool.healthy:
+            return
+        pool.healthy = False
+        self.num_worker_failures += 1
+        log.error("worker_failed", worker_id=pool.info.worker_id, error=why)
+        loop = self._loops.pop(id(pool), None)
+        if loop is not None:
+            loop.cancel()
+        pool.client.close_step_stream()
+        pool.scheduler.forget_cancelled_transfers()
+        affected = [
+            h
+            for h in self._handles.values()
+            if (h.transfer is not None and pool in (h.transfer.src, h.transfer.dst))
+            or (h.transfer is None and h.pool is pool and h.stage is not Stage.RECOVERING)
+        ]
+        for handle in affected:
+            self._restart(handle, f"worker {pool.info.worker_id} failed: {why}")
+        self._update_serving()
+        if not self.handoff.fail_if_stranded():
+            self.handoff.wake_decode_pools()
+
+    def _transfer_failed(self, handle: RequestHandle, src: Pool, dst: Pool, error) -> None:
+        """Both sides' blocks are already free. Find out which worker broke (it does not
+        answer a health check), fail it, then start the request over."""
+        handle.hold_nothing()
+        with bind_request(handle.request.request_id):
+            log.warning(
+                "kv_transfer_failed",
+                src=src.info.worker_id,
+                dst=dst.info.worker_id,
+                error=str(error),
+            )
+        self._spawn(self._recover_transfer(handle, src, dst, str(error)), "kv-recover")
+
+    async def _recover_transfer(self, handle: RequestHandle, src: Pool, dst: Pool, why: str):
+        statuses = await asyncio.gather(
+            *(p.client.health(self.resilience.health_timeout_s) for p in (src, dst))
+        )
+        for pool, status in zip((src, dst), statuses, strict=True):
+            if status == "UNREACHABLE":
+                self._fail_pool(pool, f"unreachable after a failed KV transfer ({why})")
+        self._restart(handle, f"KV transfer failed: {why}")
+
+    def _set_draining(self, pool: Pool, draining: bool) -> None:
+        pool.draining = draining
+        log.info("worker_draining" if draining else "worker_serving", worker_id=pool.info.worker_id)
+        self._update_serving()
+        if not draining:
+            self.handoff.wake_decode_pools()
+
+    async def _rejoin(self, pool: Pool) -> None:
+        """A failed worker answers again: start it over with an empty pool."""
+        if self._make_scheduler is None:
+            return
+        info = await pool.client.wait_ready(timeout_s=self.resilience.health_timeout_s)
+        reference = next((p.info for p in self.pools if p is not pool), pool.info)
+        if (info.model.num_layers, info.block_bytes, info.block_size) != (
+            reference.model.num_layers,
+            reference.block_bytes,
+            reference.block_size,
+        ) or info.role != pool.info.role:
+            raise ValueError(f"worker at {info.address} came back with another model or role")
+        scheduler = self._make_scheduler(info)  # checks its settings before any stream opens
+        await pool.client.open_step_stream()
+        pool.info = info
+        pool.scheduler = scheduler
+        pool.idle_since_last_result = True
+        pool.draining = False
+        pool.healthy = True
+        log.info("worker_rejoined", worker_id=info.worker_id, address=info.address)
+        self._start_loop(pool)
+        self._update_serving()
+
+    def _update_serving(self) -> None:
+        """SERVING needs a worker that runs prompts and, disaggregated, one that decodes."""
+        prompts = any(p.accepting and p.runs_prompts for p in self.pools)
+        decodes = not self.handoff.decode_pools or any(
+            p.accepting for p in self.handoff.decode_pools
+        )
+        serving = prompts and decodes
+        if serving != self.serving:
+            self.serving = serving
+            log.warning("engine_serving" if serving else "engine_not_serving")
+            if self._on_serving_change is not None:
+                self._on_serving_change(serving)
