@@ -313,8 +313,7 @@ class Engine(Recovery):
             if item.finish_reason is not None:
                 self._finish(handle, item.finish_reason)
         for request in update.ready_for_handoff:
-            if not request.is_finished:
-                self.handoff.enqueue(self._handles[request.request_id])
+            self.handoff.enqueue(self._handles[request.request_id])
 
     def _requeue(self, handle: RequestHandle) -> None:
         """A preempted request recomputes from its prompt + tokens so far in a prefill pool."""

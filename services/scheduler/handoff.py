@@ -92,8 +92,6 @@ class KvHandoff:
         rid = handle.request.request_id
         transfer.src.blocks.free(rid)
         transfer.dst.scheduler.cancel_transfer(transfer.tag, rid)
-        if not transfer.dst.healthy:
-            transfer.dst.scheduler.forget_cancelled_transfers()
         transfer.src.wakeup.set()
         transfer.dst.wakeup.set()
 

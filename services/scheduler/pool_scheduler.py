@@ -105,9 +105,14 @@ class PoolScheduler:
     def forget_cancelled_transfers(self) -> None:
         """The worker is gone (a new step stream, which drops every receive, comes before
         any reuse): free the blocks held for cancelled receives now."""
+        self._take_cancels()
+
+    def _take_cancels(self) -> list[int]:
+        """Free the blocks held for cancelled receives; the tags not yet sent."""
         for key in self._held_for_cancels:
             self.blocks.free(key)
-        self._held_for_cancels, self._pending_cancels = [], []
+        tags, self._held_for_cancels, self._pending_cancels = self._pending_cancels, [], []
+        return tags
 
     # -- introspection ---------------------------------------------------------------------
     def schedulable_tokens(self, request: Request) -> int:
@@ -141,9 +146,7 @@ class PoolScheduler:
     def schedule(self) -> PoolStepPlan:
         plan = PoolStepPlan()
         # This step tells the worker; blocks it allocates are written only after that.
-        tags = self._pending_cancels
-        self.forget_cancelled_transfers()
-        plan.cancelled_transfer_tags = tags
+        plan.cancelled_transfer_tags = self._take_cancels()
         budget = self._schedule_running(plan)
         if not (plan.preempted or plan.swapped_out):  # memory is short: admit nobody now
             budget = self._swap_in(plan, budget)

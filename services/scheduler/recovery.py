@@ -52,7 +52,6 @@ class Recovery:
         if loop is not None:
             loop.cancel()
         pool.client.close_step_stream()
-        pool.scheduler.forget_cancelled_transfers()
         affected = [
             h
             for h in self._handles.values()
@@ -61,13 +60,16 @@ class Recovery:
         ]
         for handle in affected:
             self._restart(handle, f"worker {pool.info.worker_id} failed: {why}")
+        # Its transfers are cancelled now; the worker forgets every receive anyway.
+        pool.scheduler.forget_cancelled_transfers()
         self._update_serving()
         if not self.handoff.fail_if_stranded():
             self.handoff.wake_decode_pools()
 
     def _transfer_failed(self, handle: RequestHandle, src: Pool, dst: Pool, error) -> None:
-        """Both sides' blocks are already free. Find out which worker broke (it does not
-        answer a health check), fail it, then start the request over."""
+        """The transfer's blocks are released (the decode side's held until its tag is
+        sent). Find out which worker broke (it does not answer a health check), fail it,
+        then start the request over."""
         handle.hold_nothing()
         with bind_request(handle.request.request_id):
             log.warning(

@@ -4,7 +4,7 @@ reads worker protobufs besides the gRPC client itself."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, fields
 
 from common.pb.tandem.internal.v1 import types_pb2, worker_pb2
 from common.sampling_pb import ROLE_FROM_PB, logprob_from_pb, sampling_to_pb
@@ -16,8 +16,9 @@ from services.scheduler.worker_types import ModelShape, StepResult, WorkerInfo
 def _worker_sampling(request: Request) -> types_pb2.SamplingParams:
     """The request's sampling as a worker gets it: with the request's stop tokens (the ones
     min_tokens holds back)."""
-    stop_token_ids = tuple(sorted(request.stop_token_ids))
-    return sampling_to_pb(replace(request.sampling, stop_token_ids=stop_token_ids))
+    message = sampling_to_pb(request.sampling)
+    message.stop_token_ids[:] = sorted(request.stop_token_ids)
+    return message
 
 
 def _copies(pairs: list[tuple[int, int]]) -> list[worker_pb2.BlockCopy]:
@@ -60,31 +61,13 @@ def plan_to_pb(step_id: int, plan: PoolStepPlan) -> worker_pb2.StepRequest:
 
 
 def model_from_pb(pb: types_pb2.ModelDescription) -> ModelShape:
-    return ModelShape(
-        name=pb.name,
-        architecture=pb.architecture,
-        vocab_size=pb.vocab_size,
-        max_model_len=pb.max_model_len,
-        eos_token_ids=tuple(pb.eos_token_ids),
-        dtype=pb.dtype,
-        num_layers=pb.num_layers,
-        num_kv_heads=pb.num_kv_heads,
-        head_dim=pb.head_dim,
-    )
+    """`ModelShape` mirrors `ModelDescription` field for field."""
+    values = {f.name: getattr(pb, f.name) for f in fields(ModelShape)}
+    return ModelShape(**values | {"eos_token_ids": tuple(pb.eos_token_ids)})
 
 
 def model_to_pb(model: ModelShape) -> types_pb2.ModelDescription:
-    return types_pb2.ModelDescription(
-        name=model.name,
-        architecture=model.architecture,
-        vocab_size=model.vocab_size,
-        max_model_len=model.max_model_len,
-        eos_token_ids=list(model.eos_token_ids),
-        dtype=model.dtype,
-        num_layers=model.num_layers,
-        num_kv_heads=model.num_kv_heads,
-        head_dim=model.head_dim,
-    )
+    return types_pb2.ModelDescription(**asdict(model))
 
 
 def worker_info_from_pb(address: str, d: worker_pb2.DescribeWorkerResponse) -> WorkerInfo:

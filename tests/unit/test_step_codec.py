@@ -1,0 +1,31 @@
+"""The scheduler's protobuf conversions: the model description and the worker's sampling."""
+
+from dataclasses import fields
+
+from common.pb.tandem.internal.v1 import types_pb2
+from common.sampling import SamplingParams
+from services.scheduler.request import Request
+from services.scheduler.step_codec import _worker_sampling, model_from_pb, model_to_pb
+from services.scheduler.worker_types import ModelShape
+
+
+def test_model_shape_mirrors_the_model_description_both_ways():
+    assert {f.name for f in fields(ModelShape)} == {
+        f.name for f in types_pb2.ModelDescription.DESCRIPTOR.fields
+    }
+    pb = types_pb2.ModelDescription(
+        name="m", architecture="llama", vocab_size=10, max_model_len=64, eos_token_ids=[2, 3],
+        dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8,
+    )  # fmt: skip
+    shape = model_from_pb(pb)
+    assert shape.eos_token_ids == (2, 3) and shape.max_model_len == 64
+    assert model_to_pb(shape) == pb
+
+
+def test_the_worker_gets_the_requests_stop_tokens_inside_its_sampling():
+    request = Request(
+        "r", [1, 2], 4, sampling=SamplingParams(min_tokens=2, seed=5), stop_token_ids={9, 3}
+    )
+    message = _worker_sampling(request)
+    assert list(message.stop_token_ids) == [3, 9]
+    assert (message.min_tokens, message.seed) == (2, 5) and not message.HasField("logprobs")
