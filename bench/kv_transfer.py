@@ -1,13 +1,24 @@
-"""KV-transfer bandwidth over UCX between two processes vs a plain memcpy of the same bytes.
+"""KV-transfer bandwidth and latency between two processes, by path, vs a memcpy of the
+same bytes.
 
-A sender and a receiver process each own a `KvCache` and a `UcxTransport` (what workers
-use). Each round the sender gathers N scattered blocks into one reused staging buffer and sends it
-as one tagged message; the receiver receives into its own reused buffer and scatters it into
-N other blocks (exactly what workers do). Reported: GB/s of the whole
-path (gather + UCX + scatter, as the receiver sees it), of the UCX message alone, and of a
-`torch` copy of the same bytes in one process. JSON goes to bench/results/.
+Paths measured, each from "the source blocks are final" to "the blocks are in place in
+the receiver's pool" (what a decode step waits for), for 1, 16 and 32 blocks of a
+Llama-3-8B-shaped bf16 pool (2 MiB per block: 2, 32 and 64 MiB):
 
-    python -m bench.kv_transfer [--blocks 32] [--rounds 10]
+- `shared_memory_pull` (the default between same-host CPU workers): the receiver copies
+  the blocks straight out of the owner's shared pool (`kv_pull`: one copy per run of
+  consecutive blocks, on the receiver's tensor thread, no staging, no message);
+- `ucx_tcp` (UCX with peer-failure handling, the default across hosts): the sender
+  gathers into a staging buffer and sends one tagged message; the receiver receives into
+  its own staging buffer and scatters it into its blocks;
+- `ucx_shm` (UCX without peer-failure handling: shared memory, the unsafe fast path of
+  before): the same, over shared memory.
+
+Source blocks are scattered (every other block) and land on consecutive blocks, as a
+hand-off's do. Every path's result is checked bit for bit. JSON goes to
+bench/results/kv_transfer_cpu.json.
+
+    python -m bench.kv_transfer [--blocks 1 16 32] [--rounds 10]
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ import os
 import platform
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -27,69 +39,179 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 # A Llama-3-8B-shaped block: 32 layers, 8 KV heads of 128, 16 tokens, bf16 -> 2 MiB.
 GEOMETRY = dict(block_size=16, num_layers=32, num_kv_heads=8, head_dim=128)
+DTYPE = torch.bfloat16
 
 
-def make_cache(num_blocks: int, dtype: torch.dtype):
+def make_cache(num_blocks: int, storage=None):
     from services.worker.kv_cache import KvCache
 
-    return KvCache(num_blocks=num_blocks, dtype=dtype, **GEOMETRY)
+    return KvCache(num_blocks=num_blocks, dtype=DTYPE, storage=storage, **GEOMETRY)
 
 
-def receiver(conn, num_blocks: int, dtype_name: str, rounds: int, per_round: int) -> None:
+def source_blocks(count: int) -> list[int]:
+    return list(range(0, 2 * count, 2))
+
+
+def dest_blocks(count: int) -> list[int]:
+    return list(range(1, count + 1))
+
+
+def fill(cache) -> None:
+    generator = torch.Generator().manual_seed(0)
+    cache.data.view(torch.int16).copy_(
+        torch.randint(-30000, 30000, cache.data.shape, dtype=torch.int16, generator=generator)
+    )
+
+
+# -- shared-memory pull ------------------------------------------------------------------
+def pool_owner(conn, num_blocks: int) -> None:
+    """A worker whose pool lives in shared memory, its blocks final."""
+    from services.worker.kv_cache import KvCache
+    from services.worker.kv_shared import SharedPool
+
+    pool = SharedPool(num_blocks * KvCache.bytes_per_block(dtype=DTYPE, **GEOMETRY))
+    fill(make_cache(num_blocks, pool.pool))
+    conn.send_bytes(pool.info.to_json())  # raw bytes and JSON: never pickle
+    conn.recv_bytes()  # until the bench is done
+
+
+def measure_pull(sizes: list[int], rounds: int) -> dict[int, dict]:
+    from common.kv_shared_memory import SharedMemoryInfo
+    from services.worker.kv_pull import KvPuller, KvSource
+
+    num_blocks = 2 * max(sizes) + 1
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    owner = ctx.Process(target=pool_owner, args=(child, num_blocks), daemon=True)
+    owner.start()
+    info = SharedMemoryInfo.from_json(parent.recv_bytes())
+    cache = make_cache(num_blocks)
+    reference = make_cache(num_blocks)
+    fill(reference)
+    executor = ThreadPoolExecutor(max_workers=1)  # the receiving worker's tensor thread
+
+    async def on_thread(fn, *args):
+        return await asyncio.wrap_future(executor.submit(fn, *args))
+
+    puller = KvPuller(cache, on_thread, lambda tag: False, timeout_s=30.0)
+
+    async def no_wait():
+        return None
+
+    async def run() -> dict[int, dict]:
+        puller.peer("owner", info)  # mapped once per peer, as a worker does
+        out = {}
+        for count in sizes:
+            src, dst = source_blocks(count), dest_blocks(count)
+            times = []
+            for r in range(rounds + 1):
+                cache.data[dst].zero_()
+                start = time.perf_counter()
+                await puller.pull(r, KvSource("owner", info, tuple(src)), dst, no_wait)
+                times.append(time.perf_counter() - start)
+            intact = torch.equal(
+                cache.data[dst].view(torch.int16), reference.data[src].view(torch.int16)
+            )
+            out[count] = {"seconds": times[1:], "bit_identical": intact}
+        return out
+
+    try:
+        return asyncio.run(run())
+    finally:
+        puller.close()
+        executor.shutdown()
+        parent.send_bytes(b"done")
+        owner.join(10)
+
+
+# -- UCX (staging buffers, gather / scatter) ------------------------------------------------
+def ucx_receiver(conn, num_blocks: int, sizes: list[int], rounds: int, error_handling: bool):
     from services.worker.kv_transfer import UcxTransport
     from services.worker.staging import StagingBuffers
 
     async def run() -> None:
-        cache = make_cache(num_blocks, getattr(torch, dtype_name))
-        transport = UcxTransport(error_handling=False)  # the shared-memory path measured
+        cache = make_cache(num_blocks)
+        transport = UcxTransport(error_handling=error_handling)
         conn.send_bytes(transport.address)  # raw bytes and JSON: never pickle
-        dst = list(range(num_blocks - per_round, num_blocks))
         staging = StagingBuffers()
-        timings = []
-        for r in range(rounds):
-            conn.send_bytes(b"ready")
-            buffer = staging.acquire(per_round * cache.block_bytes)
-            start = time.perf_counter()
-            await transport.receive(tag=r + 1, nbytes=buffer.nbytes, out=buffer)
-            received = time.perf_counter()
-            payload = torch.from_numpy(buffer).view(per_round, cache.block_bytes)
-            cache.scatter_blocks(dst, payload)
-            timings.append((received - start, time.perf_counter() - start))
-            staging.release(buffer)
-        checksum = float(cache.data[dst].float().sum())
-        conn.send_bytes(json.dumps([timings, checksum]).encode())
+        results = {}
+        tag = 0
+        for count in sizes:
+            dst = dest_blocks(count)
+            timings = []
+            for _ in range(rounds + 1):
+                tag += 1
+                conn.send_bytes(b"ready")
+                buffer = staging.acquire(count * cache.block_bytes)
+                start = time.perf_counter()
+                await transport.receive(tag=tag, nbytes=buffer.nbytes, out=buffer)
+                payload = torch.from_numpy(buffer).view(count, cache.block_bytes)
+                cache.scatter_blocks(dst, payload)
+                timings.append(time.perf_counter() - start)
+                staging.release(buffer)
+            results[count] = {
+                "seconds": timings[1:],
+                "checksum": float(cache.data[dst].float().sum()),
+            }
+        conn.send_bytes(json.dumps(results).encode())
         await transport.close()
 
     asyncio.run(run())
 
 
-async def sender(conn, num_blocks: int, dtype: torch.dtype, rounds: int, per_round: int):
+def ucx_sender(conn, sizes: list[int], rounds: int, error_handling: bool) -> None:
+    """Runs in its own process (one UCX context per process), spawning the receiver."""
     from services.worker.kv_transfer import UcxTransport
     from services.worker.staging import StagingBuffers
 
-    cache = make_cache(num_blocks, dtype)
-    cache.data.copy_(torch.randn(cache.data.shape, dtype=torch.float32).to(dtype))
-    transport = UcxTransport(error_handling=False)
-    address = conn.recv_bytes()
-    src = list(range(0, 2 * per_round, 2))  # scattered source blocks
-    staging = StagingBuffers()
-    sends = []
-    for r in range(rounds):
-        assert conn.recv_bytes() == b"ready"
-        buffer = staging.acquire(per_round * cache.block_bytes)
-        start = time.perf_counter()
-        cache.gather_blocks(src, out=torch.from_numpy(buffer).view(per_round, -1))
-        gathered = time.perf_counter()
-        await transport.send("bench-peer", address, tag=r + 1, payload=buffer)
-        sends.append((gathered - start, time.perf_counter() - gathered))
-        staging.release(buffer)
-    timings, checksum = json.loads(conn.recv_bytes())
-    expected = float(cache.data[src].float().sum())
-    await transport.close()
-    return sends, timings, checksum == expected
+    num_blocks = 2 * max(sizes) + 1
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    receiver = ctx.Process(
+        target=ucx_receiver, args=(child, num_blocks, sizes, rounds, error_handling)
+    )
+    receiver.start()
+
+    async def run() -> dict:
+        cache = make_cache(num_blocks)
+        fill(cache)
+        transport = UcxTransport(error_handling=error_handling)
+        address = parent.recv_bytes()
+        staging = StagingBuffers()
+        tag = 0
+        for count in sizes:
+            src = source_blocks(count)
+            for _ in range(rounds + 1):
+                tag += 1
+                assert parent.recv_bytes() == b"ready"
+                buffer = staging.acquire(count * cache.block_bytes)
+                cache.gather_blocks(src, out=torch.from_numpy(buffer).view(count, -1))
+                await transport.send("bench-peer", address, tag=tag, payload=buffer)
+                staging.release(buffer)
+        results = json.loads(parent.recv_bytes())
+        for count in sizes:
+            expected = float(cache.data[source_blocks(count)].float().sum())
+            entry = results[str(count)]
+            entry["bit_identical"] = entry.pop("checksum") == expected
+        await transport.close()
+        return results
+
+    results = asyncio.run(run())
+    receiver.join(60)
+    conn.send_bytes(json.dumps(results).encode())
 
 
-def memcpy_gbps(nbytes: int, rounds: int) -> float:
+def measure_ucx(sizes: list[int], rounds: int, error_handling: bool) -> dict[int, dict]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=ucx_sender, args=(child, sizes, rounds, error_handling))
+    process.start()
+    results = json.loads(parent.recv_bytes())
+    process.join(60)
+    return {int(k): v for k, v in results.items()}
+
+
+def memcpy_seconds(nbytes: int, rounds: int) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8).random_()
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -98,59 +220,72 @@ def memcpy_gbps(nbytes: int, rounds: int) -> float:
         start = time.perf_counter()
         dst.copy_(src)
         times.append(time.perf_counter() - start)
-    return nbytes / statistics.median(times) / 1e9
+    return statistics.median(times)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--blocks", type=int, default=32, help="blocks per transfer")
+    parser.add_argument("--blocks", type=int, nargs="+", default=[1, 16, 32])
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--out", default=str(RESULTS / "kv_transfer_cpu.json"))
     args = parser.parse_args()
-    dtype = getattr(torch, args.dtype)
-    num_blocks = 2 * args.blocks + 1
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(
-        target=receiver, args=(child, num_blocks, args.dtype, args.rounds + 1, args.blocks)
-    )
-    proc.start()
-    sends, timings, intact = asyncio.run(
-        sender(parent, num_blocks, dtype, args.rounds + 1, args.blocks)
-    )
-    proc.join(timeout=60)
-    block_bytes = make_cache(1, dtype).block_bytes
-    nbytes = args.blocks * block_bytes
-    # Round 0 includes endpoint creation: reported apart.
-    ucx = statistics.median(t[0] for t in timings[1:])
-    whole = statistics.median(t[1] for t in timings[1:])
+    sizes = sorted(set(args.blocks))
+    block_bytes = make_cache(1).block_bytes
+    paths = {
+        "shared_memory_pull": measure_pull(sizes, args.rounds),
+        "ucx_tcp": measure_ucx(sizes, args.rounds, error_handling=True),
+        "ucx_shm": measure_ucx(sizes, args.rounds, error_handling=False),
+    }
+    rows = []
+    for count in sizes:
+        nbytes = count * block_bytes
+        memcpy = memcpy_seconds(nbytes, args.rounds)
+        row = {
+            "blocks": count,
+            "bytes": nbytes,
+            "memcpy_us": round(memcpy * 1e6, 1),
+            "memcpy_gbps": round(nbytes / memcpy / 1e9, 2),
+        }
+        for name, results in paths.items():
+            seconds = statistics.median(results[count]["seconds"])
+            row[f"{name}_us"] = round(seconds * 1e6, 1)
+            row[f"{name}_gbps"] = round(nbytes / seconds / 1e9, 2)
+            row[f"{name}_of_memcpy"] = round(memcpy / seconds, 3)
+            row[f"{name}_bit_identical"] = results[count]["bit_identical"]
+        rows.append(row)
     report = {
         "benchmark": "kv_transfer",
-        "geometry": {**GEOMETRY, "dtype": args.dtype, "block_bytes": block_bytes},
-        "blocks_per_transfer": args.blocks,
-        "bytes_per_transfer": nbytes,
+        "what": "source blocks final -> blocks in place in the receiver's pool, median",
+        "geometry": {
+            **GEOMETRY,
+            "dtype": str(DTYPE).removeprefix("torch."),
+            "block_bytes": block_bytes,
+        },
         "rounds": args.rounds,
-        "bit_identical": intact,
-        "first_transfer_ms_incl_connect": round(timings[0][1] * 1e3, 2),
-        "receive_path_gbps": round(nbytes / whole / 1e9, 2),
-        "ucx_message_gbps": round(nbytes / ucx / 1e9, 2),
-        "sender_gather_gbps": round(nbytes / statistics.median(s[0] for s in sends[1:]) / 1e9, 2),
-        "sender_send_gbps": round(nbytes / statistics.median(s[1] for s in sends[1:]) / 1e9, 2),
-        "memcpy_gbps_same_bytes": round(memcpy_gbps(nbytes, args.rounds), 2),
+        "rows": rows,
         "machine": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
             "torch": torch.__version__,
         },
     }
-    report["ucx_over_memcpy"] = round(
-        report["ucx_message_gbps"] / report["memcpy_gbps_same_bytes"], 2
-    )
-    print(json.dumps(report, indent=2))
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "kv_transfer_cpu.json"
+    header = f"{'blocks':>6} {'MiB':>5} {'memcpy':>14}" + "".join(f" {name:>24}" for name in paths)
+    print(header)
+    for row in rows:
+        line = (
+            f"{row['blocks']:>6} {row['bytes'] >> 20:>5} "
+            f"{row['memcpy_us']:>8.0f}us {row['memcpy_gbps']:>4.1f}"
+        )
+        for name in paths:
+            line += (
+                f" {row[f'{name}_us']:>8.0f}us {row[f'{name}_gbps']:>5.2f}GB/s "
+                f"{row[f'{name}_of_memcpy']:>4.0%}"
+            )
+        print(line)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
 

@@ -38,7 +38,9 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.kv_shared_memory import SharedMemoryInfo
 from services.scheduler.worker_types import (
+    KvPullSource,
     KvTransferResult,
     ModelShape,
     StepResult,
@@ -86,8 +88,10 @@ def worker_info(
     vocab_size: int = VOCAB_SIZE,
     max_model_len: int = 512,
     num_layers: int = 2,
+    shared_memory: bool = False,
 ) -> WorkerInfo:
-    """A small worker description (roles 'prefill', 'decode' or 'both')."""
+    """A small worker description (roles 'prefill', 'decode' or 'both'); `shared_memory`:
+    its pool can be pulled from by the other shared-memory fakes (one "host")."""
     if role not in ("prefill", "decode", "both"):
         raise ValueError(f"role must be prefill, decode or both, got {role!r}")
     return WorkerInfo(
@@ -110,6 +114,7 @@ def worker_info(
         block_bytes=64 * block_size,
         ucx_address=f"ucx://{worker_id}".encode(),
         num_swap_blocks=num_swap_blocks,
+        shared_memory=SharedMemoryInfo("fake-host", 0, 0, 0, b"") if shared_memory else None,
     )
 
 
@@ -228,6 +233,7 @@ class FakeWorker:
         self.cancelled_tags_received: list[int] = []  # from plans, in arrival order
         self.receive_tags: list[int] = []  # tags of receive_kv calls
         self.send_tags: list[int] = []  # tags of send_kv calls
+        self.pull_tags: list[int] = []  # receive_kv calls that copy from a peer's pool
         self.kv_blocks_received = 0
         self.kv_errors: list[str] = []  # a sample read KV that does not match its tokens
         self.plan_errors: list[str] = []  # plans that do not fit the batch (engine bugs)
@@ -398,11 +404,21 @@ class FakeWorker:
         return await asyncio.shield(task)
 
     async def receive_kv(
-        self, tag: int, block_ids: list[int], timeout_s: float, after_step_id: int
+        self,
+        tag: int,
+        block_ids: list[int],
+        timeout_s: float,
+        after_step_id: int,
+        source: KvPullSource | None = None,
     ) -> KvTransferResult:
         self._check_alive()
         self.receive_tags.append(tag)
-        task = self._spawn(self._serve_receive(tag, list(block_ids), timeout_s, after_step_id))
+        if source is not None:
+            self.pull_tags.append(tag)
+            serve = self._serve_pull(tag, list(block_ids), timeout_s, after_step_id, source)
+        else:
+            serve = self._serve_receive(tag, list(block_ids), timeout_s, after_step_id)
+        task = self._spawn(serve)
         self._receives[tag] = task
         return await asyncio.shield(task)
 
@@ -722,6 +738,48 @@ class FakeWorker:
                 del self._receives[tag]
             if slot.taken and not slot.dead:
                 self.fabric.slots.pop(key, None)  # a dead slot stays: late sends fail
+
+    async def _serve_pull(
+        self,
+        tag: int,
+        block_ids: list[int],
+        timeout_s: float,
+        after_step_id: int,
+        source: KvPullSource,
+    ) -> KvTransferResult:
+        """Copy blocks straight out of a peer's pool once the peer has run the step that
+        makes them final (the fake writes a step's KV at once, not layer by layer)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        peer = self.fabric.workers[source.worker.ucx_address]
+
+        def failure() -> str | None:
+            if tag in self._cancelled:
+                return f"transfer {tag:#x} was cancelled"
+            if peer._killed:
+                return f"{peer.address} exited before its KV was final"
+            return self._fault(tag)
+
+        try:
+            self._checked(block_ids)
+            await self._until(
+                lambda: (
+                    not self._faulty(tag, "hang")
+                    and peer.executed_step_id >= source.ready_step_id
+                    and self.executed_step_id >= after_step_id
+                ),
+                deadline,
+                f"ReceiveKv {tag:#x}",
+                failure=failure,
+            )
+            for block_id, src in zip(block_ids, source.block_ids, strict=True):
+                self.kv[block_id] = peer.block_tokens(src)
+            self.kv_blocks_received += len(block_ids)
+            if self.after_kv_received is not None:
+                await self.after_kv_received(tag)
+            return KvTransferResult(num_bytes=len(block_ids) * self.info.block_bytes)
+        finally:
+            if self._receives.get(tag) is asyncio.current_task():
+                del self._receives[tag]
 
 
 def make_workers(*infos: WorkerInfo) -> list[FakeWorker]:

@@ -159,6 +159,7 @@ async def connect(
         vocab_size=model.vocab_size,
         deployment_salt=config.prefix_cache_salt.encode() or secrets.token_bytes(16),
         kv_transfer_timeout_s=config.kv_transfer_timeout_s,
+        kv_transfer_streaming=config.kv_transfer_streaming,
         async_scheduling=config.async_scheduling,
         resilience=resilience(config),
         make_scheduler=functools.partial(pool_scheduler, config),

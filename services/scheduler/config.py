@@ -47,6 +47,13 @@ class SchedulerConfig(ServiceConfig):
         "which bounds only the UCX part of the transfer (checked when the workers connect)",
         env="TANDEM_KV_TRANSFER_TIMEOUT_S",
     )
+    kv_transfer_streaming: bool = setting(
+        True,
+        "start a prompt's KV transfer when its last chunk is scheduled, not when it is "
+        "done: a same-host decode worker copies each layer as the prefill worker finishes "
+        "it (off: the transfer starts after the prompt's result comes back)",
+        env="TANDEM_KV_TRANSFER_STREAMING",
+    )
     preemption_mode: str = setting(
         "recompute",
         "when a pool runs out of blocks: recompute (drop the KV, recompute it later) or "

@@ -71,6 +71,7 @@ class Engine(Recovery):
         *,
         deployment_salt: bytes,
         kv_transfer_timeout_s: float = 60.0,
+        kv_transfer_streaming: bool = True,
         async_scheduling: bool = True,
         resilience: Resilience | None = None,
         make_scheduler: Callable[[WorkerInfo], PoolScheduler] | None = None,
@@ -108,6 +109,7 @@ class Engine(Recovery):
                 handle, FinishReason.ABORT, ("UNAVAILABLE", message)
             ),
             transfer_failed=self._transfer_failed,
+            streaming=kv_transfer_streaming,
         )
         r = self.resilience
         self.monitor = PoolMonitor(
@@ -208,6 +210,8 @@ class Engine(Recovery):
         return await wait_until(lambda: not self._handles, timeout_s)
 
     async def close(self) -> None:
+        for pool in self.pools:
+            pool.stop_receiving()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -273,14 +277,23 @@ class Engine(Recovery):
             pool.wakeup.clear()
             if pool.info.role == "decode":
                 self.handoff.pull(pool)
+                self._migrate(pool)  # draining: what is idle here leaves with its KV
             plan = pool.scheduler.schedule()
             for victim in plan.preempted:
                 self._requeue(self._handles[victim.request_id])
             if not plan.is_empty:
-                await pool.client.send_step(plan)
+                step_id = await pool.client.send_step(plan)
+                if not pool.scheduler.runs_decodes:  # last prompt chunks: stream their KV
+                    for item in plan.scheduled:
+                        if item.samples:
+                            handle = self._handles[item.request.request_id]
+                            handle.prompt_step = (pool, step_id)
+                            self.handoff.stream(handle)
                 return
         if pool.scheduler.num_steps_in_flight:
-            result = await pool.client.receive_step()
+            result = await self._next_result(pool)
+            if result is None:
+                return  # woken with room for a plan: plan before the result comes
             pool.counters.record_step(result, pool.idle_since_last_result)
             pool.idle_since_last_result = False
             self._apply(pool, result)
@@ -288,6 +301,27 @@ class Engine(Recovery):
         pool.idle_since_last_result = True
         await asyncio.sleep(0)  # never starve other tasks, even if woken already
         await pool.wakeup.wait()
+
+    async def _next_result(self, pool: Pool) -> StepResult | None:
+        """The oldest step's result; None if the pool was woken first while it has room
+        for another plan (a worker that stops answering must still get the next plan: it
+        carries the tags of transfers given up on, whose blocks are held until it goes)."""
+        if pool.scheduler.num_steps_in_flight >= self.max_steps_in_flight:
+            if pool.receiving is None:
+                return await pool.client.receive_step()
+        elif pool.receiving is None:
+            pool.receiving = asyncio.ensure_future(pool.client.receive_step())
+        receiving = pool.receiving
+        if not receiving.done() and pool.scheduler.num_steps_in_flight < self.max_steps_in_flight:
+            woken = asyncio.ensure_future(pool.wakeup.wait())
+            try:
+                await asyncio.wait((receiving, woken), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                woken.cancel()
+            if not receiving.done():
+                return None
+        pool.receiving = None
+        return await receiving
 
     def _apply(self, pool: Pool, result: StepResult) -> None:
         """Route what the pool's scheduler made of a step's result."""
@@ -342,6 +376,8 @@ class Engine(Recovery):
         request, stage = handle.request, handle.stage
         handle.hold_nothing()
         if stage in (Stage.PREFILL, Stage.DECODE):
+            if handle.transfer is not None:  # streamed while its prompt ran
+                self.handoff.cancel(handle, free_source=False)
             handle.pool.scheduler.release(request)
             handle.pool.wakeup.set()
         elif stage is Stage.HANDOFF:

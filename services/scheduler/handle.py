@@ -4,6 +4,8 @@ Every stage change goes through a method of `RequestHandle`, checked against the
 table of allowed moves (`_NEXT`):
 
     PREFILL -> HANDOFF -> TRANSFER -> DECODE        the disaggregated path
+    DECODE -> HANDOFF (-> DECODE)                   a draining decode pool hands it on with
+                                                    its KV (or takes it back before the move)
     PREFILL -> PREFILL, DECODE -> PREFILL           preempted: recompute in a prefill pool
     any live stage -> RECOVERING                    released (finishing, or starting over)
     RECOVERING -> PREFILL | DONE                    started over, or finished
@@ -21,7 +23,7 @@ from services.scheduler.request import FinishReason, Logprob, Request
 
 class Stage(enum.Enum):
     PREFILL = "prefill"  # queued or running in a prefill-capable pool
-    HANDOFF = "handoff"  # prompt done; holds prefill blocks until a decode pool has room
+    HANDOFF = "handoff"  # holds its blocks (prompt done, or draining) until pulled
     TRANSFER = "transfer"  # KV moving over UCX; holds blocks in both pools
     DECODE = "decode"  # in a decode pool
     RECOVERING = "recovering"  # holds nothing; about to start over after a failure
@@ -30,9 +32,9 @@ class Stage(enum.Enum):
 
 _NEXT = {
     Stage.PREFILL: {Stage.PREFILL, Stage.HANDOFF, Stage.RECOVERING},
-    Stage.HANDOFF: {Stage.TRANSFER, Stage.RECOVERING},
+    Stage.HANDOFF: {Stage.TRANSFER, Stage.DECODE, Stage.RECOVERING},
     Stage.TRANSFER: {Stage.DECODE, Stage.RECOVERING},
-    Stage.DECODE: {Stage.PREFILL, Stage.RECOVERING},
+    Stage.DECODE: {Stage.PREFILL, Stage.HANDOFF, Stage.RECOVERING},
     Stage.RECOVERING: {Stage.RECOVERING, Stage.PREFILL, Stage.DONE},
     Stage.DONE: set(),
 }
@@ -65,12 +67,14 @@ class Finished:
 
 @dataclass(eq=False)
 class Transfer:
-    """A KV transfer in flight: its task, both pools and its UCX tag."""
+    """A KV transfer: its task, both pools and its tag. A transfer streamed while the
+    prompt still runs can end first: `done` until the prompt's result comes in."""
 
     task: asyncio.Task
     src: Pool
     dst: Pool
     tag: int
+    done: bool = False
 
 
 @dataclass(eq=False)
@@ -84,6 +88,15 @@ class RequestHandle:
     transfer: Transfer | None = None
     # Times the request started over after a worker or a transfer failed.
     num_restarts: int = 0
+    # The pool and step that compute (or computed) the prompt's last chunk: its KV there
+    # is final once that worker has run the step.
+    prompt_step: tuple[Pool, int] | None = None
+
+    def ready_step_in(self, pool: Pool) -> int:
+        """The step of `pool` after which the request's KV there is final (0: already)."""
+        if self.prompt_step is None or self.prompt_step[0] is not pool:
+            return 0
+        return self.prompt_step[1]
 
     @property
     def done(self) -> bool:
@@ -102,8 +115,16 @@ class RequestHandle:
         self.pool = pool
 
     def await_handoff(self) -> None:
-        """Prompt done in a prefill pool: holds its blocks there until a decode pool pulls it."""
+        """Prompt done in a prefill pool, or leaving a draining decode pool: holds its blocks
+        there until a decode pool pulls it."""
         self._move(Stage.HANDOFF)
+
+    def stay(self) -> None:
+        """A move off a draining decode pool called off before it started: that pool
+        (still `pool`, still holding the blocks) keeps the request."""
+        if self.pool.info.role != "decode":
+            raise AssertionError(f"request {self.request.request_id}: only decode pools keep")
+        self._move(Stage.DECODE)
 
     def start_transfer(self, transfer: Transfer | None) -> None:
         """Blocks allocated in the decode pool; KV moving (None: nothing to move)."""

@@ -1,14 +1,22 @@
 """The prefill → decode handoff: choose a decode pool, reuse what it already holds, move
-the rest of the request's KV over UCX, and hand the request to the decode pool.
+the rest of the request's KV, and hand the request to the decode pool.
 
 A request whose prompt is done waits here, holding its prefill blocks, until a decode pool
 pulls it: each decode pool calls `pull` when it plans a step (as vLLM's scheduler admits
 requests waiting for remote KV inside `schedule()`), and takes the waiting hand-offs that
 choose it, in order. Its full blocks are looked up in each decode pool's prefix cache first;
-only the blocks that pool lacks are allocated and sent (`ReceiveKv` on the decode worker
-and `SendKv` on the prefill worker, same UCX tag, issued together). The receive is applied
-only after the decode worker has run every step planned before its blocks were allocated
+only the blocks that pool lacks are allocated and moved. Between workers on one host the
+decode worker copies them out of the prefill worker's shared pool (`ReceiveKv` with a
+source: no `SendKv`); otherwise `ReceiveKv` on the decode worker and `SendKv` on the
+prefill worker, same UCX tag, issued together. The received blocks are written only after
+the decode worker has run every step planned before they were allocated
 (`after_step_id`), so a step still in flight can never write into freshly received KV.
+
+Streamed (`stream`): when the step computing a prompt's last chunk is sent and a same-host
+decode pool would take it now, the transfer starts at once and copies each layer as the
+prefill worker writes it; the request moves on when both the transfer and the prompt's
+result are in. A streamed transfer that fails before the result only drops its decode
+side: the prompt is then handed off as usual.
 
 A transfer that is cancelled (the request ended) or fails (a peer died, a timeout) frees
 the prefill side's blocks at once. Its tag goes to the decode worker with that pool's next
@@ -26,9 +34,10 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 
 from common.log import bind_request, get_logger
-from services.scheduler.handle import RequestHandle, Transfer
+from services.scheduler.handle import RequestHandle, Stage, Transfer
 from services.scheduler.placement import DecodeCandidate, choose_decode
 from services.scheduler.pool import Pool
+from services.scheduler.worker_types import KvPullSource
 
 log = get_logger(__name__)
 
@@ -41,11 +50,13 @@ class KvHandoff:
         spawn: Callable[[Coroutine, str], asyncio.Task],
         fail: Callable[[RequestHandle, str], None],
         transfer_failed: Callable[[RequestHandle, Pool, Pool, BaseException], None],
+        streaming: bool = True,
     ) -> None:
         """`fail` ends a request no decode pool can take; `transfer_failed` is told about a
         transfer that failed (both sides' blocks already released)."""
         self.decode_pools = list(decode_pools)
         self.timeout_s = timeout_s
+        self.streaming = streaming
         self._spawn = spawn
         self._fail = fail
         self._transfer_failed = transfer_failed
@@ -54,8 +65,15 @@ class KvHandoff:
         self._tag_counter = 0
 
     def enqueue(self, handle: RequestHandle) -> None:
-        """The request's prompt is done: wait for a decode pool to pull it."""
+        """The request's prompt is done: wait for a decode pool to pull it (or, streamed
+        already, for its transfer to end)."""
         handle.await_handoff()
+        transfer = handle.transfer
+        if transfer is not None:  # streamed while the prompt ran (see `stream`)
+            handle.start_transfer(transfer)
+            if transfer.done:
+                self._arrive(handle, transfer.src, transfer.dst)
+            return
         self.queue.append(handle)
         if not self.fail_if_stranded():
             self.wake_decode_pools()
@@ -78,19 +96,22 @@ class KvHandoff:
     def remove(self, handle: RequestHandle) -> None:
         self.queue.remove(handle)
 
-    def cancel(self, handle: RequestHandle) -> None:
-        """Give up the handle's transfer now: stop both calls and release both sides."""
+    def cancel(self, handle: RequestHandle, free_source: bool = True) -> None:
+        """Give up the handle's transfer now: stop both calls and release both sides (the
+        source side only when `free_source`: a prompt still running keeps its blocks in
+        its pool's scheduler, which frees them)."""
         transfer = handle.transfer
         if transfer is not None:
             transfer.task.cancel()
-            self._release(handle)
+            self._release(handle, free_source)
 
-    def _release(self, handle: RequestHandle) -> None:
+    def _release(self, handle: RequestHandle, free_source: bool = True) -> None:
         """Free the transfer's blocks: the prefill side's now, the decode side's once the
         step that tells the worker the tag is dead is planned (see the module docstring)."""
         transfer, handle.transfer = handle.transfer, None
         rid = handle.request.request_id
-        transfer.src.blocks.free(rid)
+        if free_source:
+            transfer.src.blocks.free(rid)
         transfer.dst.scheduler.cancel_transfer(transfer.tag, rid)
         transfer.src.wakeup.set()
         transfer.dst.wakeup.set()
@@ -99,36 +120,59 @@ class KvHandoff:
         """`pool` plans a step: start the waiting hand-offs that choose it, in order. Stops
         at the first that no pool has room for, or that chooses another pool (woken)."""
         while self.queue and pool.accepting:
-            healthy = [p for p in self.decode_pools if p.accepting]  # draining ones: no
             handle = self.queue[0]
-            request = handle.request
-            computed = request.num_computed_tokens
-            hits = [
-                p.blocks.cached_prefix(request.block_hashes, request.all_token_ids, computed)
-                for p in healthy
-            ]
-            needed = healthy[0].blocks.blocks_for_tokens(computed)
-            choice = choose_decode(
-                [
-                    DecodeCandidate(
-                        transfer_blocks=needed - len(h),
-                        consumed_blocks=p.blocks.blocks_needed(
-                            request.request_id, computed, hits=h
-                        ),
-                        free_blocks=p.blocks.num_free_blocks,
-                    )
-                    for p, h in zip(healthy, hits, strict=True)
-                ]
-            )
+            choice = self._choose(handle.request)
             if choice is None:
                 return  # wait until a decode pool frees blocks
-            if healthy[choice] is not pool:
-                healthy[choice].wakeup.set()
+            dst, hits = choice
+            if dst is not pool:
+                dst.wakeup.set()
                 return
             self.queue.popleft()
-            self._start(handle, pool, hits[choice])
+            self._start(handle, pool, hits)
 
-    def _start(self, handle: RequestHandle, dst: Pool, hits: list[int]) -> None:
+    def stream(self, handle: RequestHandle) -> None:
+        """The step just sent (`handle.prompt_step`) computes the last chunk of the handle's
+        prompt in a prefill pool: if a same-host decode pool would take it now, start the transfer
+        already; the decode worker copies each layer as the prefill worker finishes it.
+        Otherwise (or with a hand-off queue ahead of it) it waits for the prompt as usual."""
+        src = handle.pool
+        if not self.streaming or self.queue or handle.transfer is not None:
+            return
+        choice = self._choose(handle.request)
+        if choice is None:
+            return
+        dst, hits = choice
+        whole = dst.blocks.blocks_for_tokens(handle.request.num_computed_tokens)
+        if dst.info.can_pull_from(src.info) and len(hits) < whole:
+            self._start(handle, dst, hits, streamed=True)
+
+    def _choose(self, request) -> tuple[Pool, list[int]] | None:
+        """The decode pool placement picks for the request now, and its cached blocks."""
+        healthy = [p for p in self.decode_pools if p.accepting]  # draining ones: no
+        if not healthy:
+            return None
+        computed = request.num_computed_tokens
+        hits = [
+            p.blocks.cached_prefix(request.block_hashes, request.all_token_ids, computed)
+            for p in healthy
+        ]
+        needed = healthy[0].blocks.blocks_for_tokens(computed)
+        choice = choose_decode(
+            [
+                DecodeCandidate(
+                    transfer_blocks=needed - len(h),
+                    consumed_blocks=p.blocks.blocks_needed(request.request_id, computed, hits=h),
+                    free_blocks=p.blocks.num_free_blocks,
+                )
+                for p, h in zip(healthy, hits, strict=True)
+            ]
+        )
+        return None if choice is None else (healthy[choice], hits[choice])
+
+    def _start(
+        self, handle: RequestHandle, dst: Pool, hits: list[int], streamed: bool = False
+    ) -> None:
         request, src = handle.request, handle.pool
         rid = request.request_id
         dst_blocks, _ = dst.blocks.allocate(rid, request.num_computed_tokens, hits=hits)
@@ -146,7 +190,11 @@ class KvHandoff:
             self._transfer(handle, src, dst, tag, src_blocks, dst_blocks, after_step),
             f"kv-{rid}",
         )
-        handle.start_transfer(Transfer(task, src, dst, tag))
+        transfer = Transfer(task, src, dst, tag)
+        if streamed:  # the prompt still runs; `enqueue` moves it on
+            handle.transfer = transfer
+        else:
+            handle.start_transfer(transfer)
 
     async def _transfer(
         self,
@@ -162,23 +210,42 @@ class KvHandoff:
         (the request ended) it stops both; `cancel` has released the blocks."""
         rid = handle.request.request_id
         started = time.perf_counter()
-        calls = [
-            asyncio.ensure_future(
-                dst.client.receive_kv(tag, dst_blocks, self.timeout_s, after_step)
-            ),
-            asyncio.ensure_future(src.client.send_kv(tag, dst.info, src_blocks, self.timeout_s)),
-        ]
+        if dst.info.can_pull_from(src.info):  # same host: the decode worker copies them
+            source = KvPullSource(src.info, src_blocks, handle.ready_step_in(src))
+            calls = [
+                asyncio.ensure_future(
+                    dst.client.receive_kv(tag, dst_blocks, self.timeout_s, after_step, source)
+                )
+            ]
+        else:
+            calls = [
+                asyncio.ensure_future(
+                    dst.client.receive_kv(tag, dst_blocks, self.timeout_s, after_step)
+                ),
+                asyncio.ensure_future(
+                    src.client.send_kv(tag, dst.info, src_blocks, self.timeout_s)
+                ),
+            ]
         try:
             done, _ = await asyncio.wait(calls, return_when=asyncio.FIRST_EXCEPTION)
         finally:
             for call in calls:
                 call.cancel()
         error = next((c.exception() for c in done if c.exception() is not None), None)
+        if error is not None and handle.stage is Stage.PREFILL:
+            # Streamed while the prompt still runs: drop the decode side; the finished
+            # prompt is handed off as usual (a dead worker is found by its step stream).
+            self._release(handle, free_source=False)
+            with bind_request(rid):
+                log.warning("kv_stream_failed", dst=dst.info.worker_id, error=str(error))
+            return
         if error is not None:
             self._release(handle)
             self._transfer_failed(handle, src, dst, error)
             return
         dst.counters.kv_blocks_received += len(dst_blocks)
+        dst.counters.kv_transfers += 1
+        dst.counters.kv_source_lag_s += calls[0].result().source_lag_seconds
         with bind_request(rid):
             log.debug(
                 "kv_transferred",
@@ -187,7 +254,11 @@ class KvHandoff:
                 blocks=len(dst_blocks),
                 bytes=calls[0].result().num_bytes,
                 seconds=round(time.perf_counter() - started, 5),
+                source_lag_ms=round(calls[0].result().source_lag_seconds * 1e3, 3),
             )
+        if handle.stage is Stage.PREFILL:  # streamed, and the prompt's result is not in yet
+            handle.transfer.done = True
+            return
         self._arrive(handle, src, dst)
 
     def _arrive(self, handle: RequestHandle, src: Pool, dst: Pool) -> None:

@@ -21,6 +21,8 @@ class PoolCounters:
     busy_interval_s: float = 0.0
     busy_execute_s: float = 0.0  # execute time of the steps that closed those intervals
     kv_blocks_received: int = 0
+    kv_transfers: int = 0
+    kv_source_lag_s: float = 0.0  # summed over pulls that reported it
     kv_blocks_reused: int = 0
     _last_result: float | None = None
 
@@ -61,6 +63,13 @@ class Pool:
     draining: bool = False
     idle_since_last_result: bool = True
     counters: PoolCounters = field(default_factory=PoolCounters)
+    # The wait for the oldest step's result, when the loop may stop waiting to plan.
+    receiving: asyncio.Future | None = None
+
+    def stop_receiving(self) -> None:
+        if self.receiving is not None:
+            self.receiving.cancel()
+            self.receiving = None
 
     @property
     def accepting(self) -> bool:

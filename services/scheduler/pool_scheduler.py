@@ -17,7 +17,8 @@ Each step:
    (sample 0) has planned every full prompt block, then start from those blocks.
 
 `num_computed_tokens` advances when a step is planned; full blocks whose tokens are known
-are then offered to the prefix cache. Pure Python.
+are then offered to the prefix cache. A draining decode pool can hand its requests to
+another decode pool with their KV (`pool_migration.py`). Pure Python.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 from collections import deque
 
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.pool_migration import Migration
 from services.scheduler.request import Request
 from services.scheduler.step_plan import PoolStepPlan, SampledToken, ScheduledRequest, StepUpdate
 from services.scheduler.worker_types import StepResult
@@ -32,7 +34,7 @@ from services.scheduler.worker_types import StepResult
 PREEMPTION_MODES = ("recompute", "swap")
 
 
-class PoolScheduler:
+class PoolScheduler(Migration):
     """Waiting, running and swapped queues of one worker, and its block managers."""
 
     def __init__(
@@ -63,13 +65,24 @@ class PoolScheduler:
         self._held_for_cancels: list[str] = []
         # Per step sent and not yet answered, oldest first: the requests it computes.
         self._in_flight: deque[dict[str, Request]] = deque()
+        # Draining: requests leave with their KV (pool_migration.py); those that left
+        # stay in the worker's batch until their blocks here are freed.
+        self.migrating = False
+        self._leaving: dict[str, Request] = {}
         self.num_prefix_hit_tokens = 0
         self.num_preemptions = 0
         self.num_swap_outs = 0
+        self.num_migrations_out = 0
+        # Tokens computed at prompt positions, or recomputing output after a preemption or
+        # a restart (every position before the last sampled token): a request that arrives
+        # with its KV adds none.
+        self.num_prompt_tokens_computed = 0
 
     # -- queue changes -------------------------------------------------------------------
     def add(self, request: Request, front: bool = False) -> None:
         """Queue a request; its blocks here (if any) must already cover num_computed_tokens."""
+        if request.request_id in self._leaving:  # left, and back before it was dropped
+            self._drop_from_worker(self._leaving.pop(request.request_id))
         if front:
             self.waiting.appendleft(request)
         else:
@@ -147,10 +160,14 @@ class PoolScheduler:
         plan = PoolStepPlan()
         # This step tells the worker; blocks it allocates are written only after that.
         plan.cancelled_transfer_tags = self._take_cancels()
-        budget = self._schedule_running(plan)
-        if not (plan.preempted or plan.swapped_out):  # memory is short: admit nobody now
-            budget = self._swap_in(plan, budget)
-            self._admit_waiting(plan, budget)
+        self._drop_departed()
+        if self.migrating:  # nothing new runs; swapped requests come back to leave with KV
+            self._swap_in(plan, self.max_num_batched_tokens)
+        else:
+            budget = self._schedule_running(plan)
+            if not (plan.preempted or plan.swapped_out):  # memory is short: admit nobody now
+                budget = self._swap_in(plan, budget)
+                self._admit_waiting(plan, budget)
         plan.dropped_request_ids, self._pending_drops = self._pending_drops, []
         if not plan.is_empty:  # the caller sends every plan that is not empty
             self._in_flight.append({s.request.request_id: s.request for s in plan.scheduled})
@@ -160,8 +177,9 @@ class PoolScheduler:
         """Apply the result of the oldest step in flight: gather prompt logprobs, append
         each sampled token (one pending token becomes known), release requests that finish,
         and take prompts done in a pool that does not decode out of the queues (they keep
-        their blocks) for the hand-off. A token for a request that finished or was aborted
-        while the step ran is dropped."""
+        their blocks) for the hand-off, as well as, while migrating, every request no step
+        in flight computes for any more. A token for a request that finished or was
+        aborted while the step ran is dropped."""
         if not self._in_flight:
             raise ValueError(f"step {result.step_id}: no step of this pool is in flight")
         scheduled = self._in_flight.popleft()
@@ -195,6 +213,7 @@ class PoolScheduler:
             elif not self.runs_decodes and self.is_running(request):
                 self.detach(request)
                 update.ready_for_handoff.append(request)
+        update.ready_for_handoff.extend(self.take_migrations())
         return update
 
     @property
@@ -321,6 +340,8 @@ class PoolScheduler:
         is_new = rid not in self._on_worker
         added, copies = self.blocks.allocate(rid, start + num_new, start, hits or ())
         plan.block_copies.extend(copies)
+        prompt_end = max(len(request.prompt_token_ids), request.num_known_tokens - 1)
+        self.num_prompt_tokens_computed += max(0, min(start + num_new, prompt_end) - start)
         request.num_computed_tokens = start + num_new
         samples = request.num_computed_tokens == request.num_tokens
         if samples:

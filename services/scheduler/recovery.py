@@ -1,7 +1,9 @@
 """What the engine does when a worker or a transfer fails, or a worker drains or comes
 back: requests start over from prompt + tokens so far (their KV is lost; the tokens
 already streamed stay and none is repeated), a failed worker leaves placement, a rejoining
-one gets an empty pool, and the engine reports whether it can still serve.
+one gets an empty pool, and the engine reports whether it can still serve. A draining
+decode worker's requests move to a decode pool that accepts, KV and all, and go on there
+with nothing recomputed; with none accepting, they run to the end where they are.
 
 A mixin of `Engine` (it uses the engine's pools, handles, hand-off and finishing).
 """
@@ -51,6 +53,7 @@ class Recovery:
         loop = self._loops.pop(id(pool), None)
         if loop is not None:
             loop.cancel()
+        pool.stop_receiving()
         pool.client.close_step_stream()
         affected = [
             h
@@ -63,6 +66,7 @@ class Recovery:
         # Its transfers are cancelled now; the worker forgets every receive anyway.
         pool.scheduler.forget_cancelled_transfers()
         self._update_serving()
+        self._plan_migrations()
         if not self.handoff.fail_if_stranded():
             self.handoff.wake_decode_pools()
 
@@ -93,8 +97,38 @@ class Recovery:
         pool.draining = draining
         log.info("worker_draining" if draining else "worker_serving", worker_id=pool.info.worker_id)
         self._update_serving()
+        self._plan_migrations()
         if not draining:
             self.handoff.wake_decode_pools()
+
+    def _plan_migrations(self) -> None:
+        """A draining decode pool hands its requests on (with their KV) while another
+        decode pool accepts; otherwise it keeps them to the end, taking back those whose
+        move has not started (a pool that accepts again must not pull its own)."""
+        target = any(p.accepting for p in self.handoff.decode_pools)
+        for pool in self.handoff.decode_pools:
+            migrate = pool.healthy and pool.draining and target
+            if migrate == pool.scheduler.migrating:
+                continue
+            pool.scheduler.migrating = migrate
+            if pool.healthy:
+                log.info(
+                    "worker_migrating" if migrate else "worker_migration_stopped",
+                    worker_id=pool.info.worker_id,
+                )
+            if migrate:
+                self._migrate(pool)
+            else:
+                for handle in reversed([h for h in self.handoff.queue if h.pool is pool]):
+                    self.handoff.remove(handle)
+                    handle.stay()
+                    pool.scheduler.take_back(handle.request)
+            pool.wakeup.set()
+
+    def _migrate(self, pool: Pool) -> None:
+        """Hand on what a migrating pool holds with no step in flight (none otherwise)."""
+        for request in pool.scheduler.take_migrations():
+            self.handoff.enqueue(self._handles[request.request_id])
 
     async def _rejoin(self, pool: Pool) -> None:
         """A failed worker answers again: start it over with an empty pool."""
@@ -118,6 +152,7 @@ class Recovery:
         log.info("worker_rejoined", worker_id=info.worker_id, address=info.address)
         self._start_loop(pool)
         self._update_serving()
+        self._plan_migrations()
 
     def _update_serving(self) -> None:
         """SERVING needs a worker that runs prompts and, disaggregated, one that decodes."""

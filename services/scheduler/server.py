@@ -125,6 +125,8 @@ def pool_stats(pool: Pool) -> scheduler_pb2.PoolStats:
         healthy=pool.healthy,
         draining=pool.draining,
         kv_blocks_received=counters.kv_blocks_received,
+        kv_transfers=counters.kv_transfers,
+        kv_source_lag_ms_total=counters.kv_source_lag_s * 1e3,
         kv_blocks_reused=counters.kv_blocks_reused,
         steps=counters.steps,
         mean_execute_ms=counters.mean_execute_ms,
@@ -132,6 +134,8 @@ def pool_stats(pool: Pool) -> scheduler_pb2.PoolStats:
         mean_step_overhead_ms=counters.mean_step_overhead_ms,
         num_swap_blocks=0 if swap is None else swap.num_blocks,
         num_free_swap_blocks=0 if swap is None else swap.num_free_blocks,
+        kv_migrations_out=pool.scheduler.num_migrations_out,
+        prompt_tokens_computed=pool.scheduler.num_prompt_tokens_computed,
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, fields
 
+from common.kv_shared_memory import shared_memory_from_pb
 from common.pb.tandem.internal.v1 import types_pb2, worker_pb2
 from common.sampling_pb import ROLE_FROM_PB, logprob_from_pb, sampling_to_pb
 from services.scheduler.pool_scheduler import PoolStepPlan
@@ -81,6 +82,9 @@ def worker_info_from_pb(address: str, d: worker_pb2.DescribeWorkerResponse) -> W
         block_bytes=d.kv_cache.block_bytes,
         ucx_address=d.ucx_address,
         num_swap_blocks=d.kv_cache.num_swap_blocks,
+        shared_memory=(
+            shared_memory_from_pb(d.kv_shared_memory) if d.HasField("kv_shared_memory") else None
+        ),
     )
 
 

@@ -14,10 +14,12 @@ import grpc
 from common.config import KV_TRANSFER_TIMEOUT_METADATA, PROFILE_NUM_TOKENS_METADATA
 from common.grpc_server import open_channel
 from common.healthcheck import channel_health_status
+from common.kv_shared_memory import shared_memory_to_pb
 from common.pb.tandem.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.scheduler.pool_scheduler import PoolStepPlan
 from services.scheduler.step_codec import plan_to_pb, step_result_from_pb, worker_info_from_pb
 from services.scheduler.worker_types import (
+    KvPullSource,
     KvTransferResult,
     StepResult,
     WorkerInfo,
@@ -144,20 +146,32 @@ class WorkerClient:
         return KvTransferResult(num_bytes=response.num_bytes)
 
     async def receive_kv(
-        self, tag: int, block_ids: list[int], timeout_s: float, after_step_id: int
+        self,
+        tag: int,
+        block_ids: list[int],
+        timeout_s: float,
+        after_step_id: int,
+        source: KvPullSource | None = None,
     ) -> KvTransferResult:
-        try:
-            response = await self._stub.ReceiveKv(
-                worker_pb2.ReceiveKvRequest(
-                    transfer_tag=tag, block_ids=block_ids, after_step_id=after_step_id
-                ),
-                timeout=timeout_s,
+        request = worker_pb2.ReceiveKvRequest(
+            transfer_tag=tag, block_ids=block_ids, after_step_id=after_step_id
+        )
+        if source is not None:
+            request.source.CopyFrom(
+                worker_pb2.KvSource(
+                    worker_id=source.worker.worker_id,
+                    shared_memory=shared_memory_to_pb(source.worker.shared_memory),
+                    block_ids=source.block_ids,
+                    ready_step_id=source.ready_step_id,
+                )
             )
+        try:
+            response = await self._stub.ReceiveKv(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise WorkerUnavailableError(
                 f"ReceiveKv on {self.address} failed: {exc.code().name} {exc.details()}"
             ) from exc
-        return KvTransferResult(num_bytes=response.num_bytes)
+        return KvTransferResult(response.num_bytes, response.source_lag_seconds)
 
     async def close(self) -> None:
         self.close_step_stream()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from common.kv_shared_memory import SharedMemoryInfo
 from services.scheduler.request import Logprob
 from services.scheduler.step_plan import PoolStepPlan
 
@@ -52,6 +53,14 @@ class WorkerInfo:
     ucx_address: bytes
     num_swap_blocks: int = 0
     limits: WorkerLimits | None = None  # None: an older worker that sends no limits
+    # Its KV pool in shared memory, when it has one (a CPU worker): same-host peers pull.
+    shared_memory: SharedMemoryInfo | None = None
+
+    def can_pull_from(self, source: WorkerInfo) -> bool:
+        """This worker can copy KV straight out of `source`'s pool (same host)."""
+        return source.shared_memory is not None and source.shared_memory.reachable_from(
+            self.shared_memory
+        )
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,18 @@ class StepResult:
 @dataclass(frozen=True)
 class KvTransferResult:
     num_bytes: int
+    # Pulled while the source computed it: the source's last layer done -> blocks in place.
+    source_lag_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class KvPullSource:
+    """A receive that copies blocks out of a same-host worker's shared pool; the blocks are
+    final once that worker has run step `ready_step_id` (0: final already)."""
+
+    worker: WorkerInfo
+    block_ids: list[int]
+    ready_step_id: int = 0
 
 
 class WorkerConnection(Protocol):
@@ -99,7 +120,12 @@ class WorkerConnection(Protocol):
     ) -> KvTransferResult: ...
 
     async def receive_kv(
-        self, tag: int, block_ids: list[int], timeout_s: float, after_step_id: int
+        self,
+        tag: int,
+        block_ids: list[int],
+        timeout_s: float,
+        after_step_id: int,
+        source: KvPullSource | None = None,
     ) -> KvTransferResult: ...
 
     async def close(self) -> None: ...

@@ -117,6 +117,13 @@ class WorkerConfig(ServiceConfig):
         "mid-transfer can abort the receiving worker",
         env="TANDEM_KV_TRANSFER_ERROR_HANDLING",
     )
+    kv_transfer_shared_memory: bool = setting(
+        True,
+        "keep a CPU worker's KV pool in shared memory (a memfd): a same-host peer copies "
+        "blocks straight out of it, layer by layer while they are computed, instead of over "
+        "UCX; off = every transfer uses UCX",
+        env="TANDEM_KV_TRANSFER_SHARED_MEMORY",
+    )
     drain_timeout_s: float = drain_timeout_setting(
         "on SIGTERM: seconds to let the requests this worker holds finish"
     )

@@ -8,12 +8,16 @@ other side. The per-layer K and V caches that attention kernels use are strided 
 (`data[:, layer, 0]`, `data[:, layer, 1]`) of shape `[num_blocks, block_size, kv_heads,
 head_dim]`; writing through them writes `data`.
 
+The memory may come from outside (`storage`: the shared-memory pool of `kv_shared`). A
+forward pass reports each layer it finishes (`layer_written`) to `on_layer_written`, if
+set: the shared pool's progress header, which same-host peers stream from.
+
 The cache does not allocate blocks to sequences; the scheduler owns block ids.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -31,8 +35,10 @@ class KvCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         zeroed: bool = True,
+        storage: torch.Tensor | None = None,
     ) -> None:
-        """`zeroed=False` leaves memory untouched until used (swap space)."""
+        """`zeroed=False` leaves memory untouched until used (swap space); `storage`, a
+        uint8 tensor of exactly the pool's bytes, is used as the pool (not cleared)."""
         for name, value in (
             ("num_blocks", num_blocks),
             ("block_size", block_size),
@@ -51,18 +57,29 @@ class KvCache:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
+        shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+        self.on_layer_written: Callable[[int], None] | None = None
+        if storage is not None:
+            expected = num_blocks * self.bytes_per_block(
+                block_size, num_layers, num_kv_heads, head_dim, dtype
+            )
+            if storage.dtype != torch.uint8 or storage.numel() != expected:
+                raise ValueError(f"KvCache storage must be {expected} uint8 elements")
+            self.data = storage.view(dtype).view(shape)
+            return
         make = torch.zeros if zeroed else torch.empty
-        self.data = make(
-            (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim),
-            dtype=dtype,
-            device=self.device,
-        )
+        self.data = make(shape, dtype=dtype, device=self.device)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache) of one layer, each `[num_blocks, block_size, kv_heads, head_dim]`."""
         if not 0 <= index < self.num_layers:
             raise ValueError(f"layer index {index} out of range [0, {self.num_layers})")
         return self.data[:, index, 0], self.data[:, index, 1]
+
+    def layer_written(self, index: int) -> None:
+        """A forward pass finished layer `index` (its KV is in the pool)."""
+        if self.on_layer_written is not None:
+            self.on_layer_written(index)
 
     @property
     def block_bytes(self) -> int:

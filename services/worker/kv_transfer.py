@@ -10,9 +10,13 @@ UCX worker (no endpoint needed), then scatters the buffer into its destination b
 
 A send or receive whose caller gives up (cancelled, timed out) stays posted in UCX (ucxx
 exposes no per-request cancel): its buffer stays referenced until UCX completes the
-request, which a late message or the peer's failure does. Freeing it early let a late
-message land in freed memory (a heap corruption, seen when a client cancelled during a
-transfer). A receive whose sender never sends stays held: `abandoned_bytes` shows it.
+request. Freeing it early let a late message land in freed memory (a heap corruption, seen
+when a client cancelled during a transfer). A send completes when the peer receives it or
+fails. A receive is completed at once by a 1-byte message with its tag that this worker
+sends itself (UCX completes a receive with a shorter message, without error); the real
+message, if it still comes, then finds no receive and its sender times out (one already
+arriving completes the receive instead, leaving the byte unmatched; tags are not reused).
+`abandoned_bytes` shows what is still held.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ class KvTransferError(RuntimeError):
 # TCP/RDMA transports that peer-failure handling uses, traffic wakes it through its event
 # fd anyway. Shared memory (error handling off) keeps ucxx's 1 ms.
 QUIET_EPOLL_TIMEOUT_MS = 100
+# Bound on the 1-byte message that completes an abandoned receive (microseconds normally).
+SELF_SEND_TIMEOUT_S = 5.0
 
 
 def _slow_idle_progress_thread(epoll_timeout_ms: int) -> None:
@@ -84,6 +90,7 @@ class UcxTransport:
         self._connect_lock = asyncio.Lock()
         # (UCX request, buffer) of sends/receives given up on while UCX still held them.
         self._abandoned: list[tuple[object, object]] = []
+        self._closed = False
 
     @property
     def address(self) -> bytes:
@@ -109,10 +116,30 @@ class UcxTransport:
         buffer = np.empty(nbytes, dtype=np.uint8) if out is None else out
         try:
             worker = self._ucxx.core._get_ctx().worker  # ucxx.recv, keeping the request
-            await self._complete(worker.tag_recv(self._array(buffer), self._tag(tag)), buffer)
+            request = worker.tag_recv(self._array(buffer), self._tag(tag))
+            try:
+                await self._complete(request, buffer)
+            except BaseException:
+                if not request.completed:
+                    await self._complete_abandoned_receive(tag)
+                raise
         except Exception as exc:
             raise KvTransferError(f"receive of tag {tag:#x} failed: {exc!r}") from exc
         return buffer
+
+    async def _complete_abandoned_receive(self, tag: int) -> None:
+        """Send this worker a 1-byte message tagged `tag` (through a cached loopback
+        endpoint), which completes the receive given up on so its buffer can be let go."""
+        if self._closed:
+            return
+        try:
+            await asyncio.wait_for(
+                self.send("loopback", self.address, tag, np.zeros(1, dtype=np.uint8)),
+                timeout=SELF_SEND_TIMEOUT_S,
+            )
+        except Exception as exc:  # the receive stays held, as before
+            log.warning("ucx_abandoned_receive_not_completed", tag=tag, error=repr(exc)[:500])
+        self.reap_abandoned()
 
     @staticmethod
     def _array(buffer):
@@ -171,6 +198,7 @@ class UcxTransport:
             return endpoint
 
     async def close(self) -> None:
+        self._closed = True
         for endpoint in self._endpoints.values():
             try:
                 await endpoint.close()

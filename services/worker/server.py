@@ -7,6 +7,7 @@ import asyncio
 import grpc
 
 from common.config import KV_TRANSFER_TIMEOUT_METADATA, PROFILE_NUM_TOKENS_METADATA
+from common.kv_shared_memory import shared_memory_from_pb, shared_memory_to_pb
 from common.lifecycle import wait_until
 from common.log import get_logger
 from common.pb.tandem.internal.v1 import types_pb2, worker_pb2, worker_pb2_grpc
@@ -17,6 +18,7 @@ from services.worker.batch import (
     NewRequestData,
     PlanError,
 )
+from services.worker.kv_pull import KvSource
 from services.worker.kv_transfer import KvTransferError
 from services.worker.runner import StepOutput
 from services.worker.worker import KV_LAYOUT, Worker
@@ -48,6 +50,15 @@ def step_response_pb(step_id: int, output: StepOutput) -> worker_pb2.StepRespons
             )
             for request_id, scored in output.prompt_logprobs.items()
         ],
+    )
+
+
+def kv_source_from_pb(source: worker_pb2.KvSource) -> KvSource:
+    return KvSource(
+        worker_id=source.worker_id,
+        shared_memory=shared_memory_from_pb(source.shared_memory),
+        block_ids=tuple(source.block_ids),
+        ready_step_id=source.ready_step_id,
     )
 
 
@@ -113,6 +124,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             ucx_address=worker.transport.address,
             num_active_requests=len(worker.batch),
             device=str(worker.device),
+            kv_shared_memory=(
+                None if worker.shared_pool is None else shared_memory_to_pb(worker.shared_pool.info)
+            ),
         )
 
     async def Step(self, request_iterator, context):
@@ -193,7 +207,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     swap_in=[(c.src, c.dst) for c in plan.swap_in],
                     copies=[(c.src, c.dst) for c in plan.block_copies],
                 )
-                future = worker.submit_step(plan.finished_request_ids, new, cached, moves)
+                future = worker.submit_step(
+                    plan.finished_request_ids, new, cached, moves, plan.step_id
+                )
                 submitted.put_nowait((plan.step_id, new, asyncio.wrap_future(future)))
         finally:
             submitted.put_nowait(None)
@@ -214,6 +230,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def ReceiveKv(self, request, context):
         worker = await self._ready(context)
         try:
+            if request.HasField("source"):
+                result = await worker.pull_kv(
+                    request.transfer_tag,
+                    kv_source_from_pb(request.source),
+                    list(request.block_ids),
+                    request.after_step_id,
+                )
+                return worker_pb2.ReceiveKvResponse(
+                    num_bytes=result.num_bytes,
+                    seconds=result.seconds,
+                    source_lag_seconds=result.source_lag_seconds,
+                )
             result = await worker.receive_kv(
                 request.transfer_tag, list(request.block_ids), request.after_step_id
             )

@@ -24,6 +24,7 @@ from common.model_config import ModelConfig
 from services.worker.config import WorkerConfig
 from services.worker.cuda_graphs import DecodeGraphs, graph_buckets
 from services.worker.kv_cache import KvCache
+from services.worker.kv_shared import SharedPool
 from services.worker.models.attention_backend import select_backend
 from services.worker.models.attention_metadata import SequenceSlice, build_attention_metadata
 from services.worker.models.weight_loader import load_model
@@ -43,6 +44,7 @@ class LoadedWorker:
     device: torch.device
     swap_cache: KvCache | None
     graphs: DecodeGraphs | None
+    shared_pool: SharedPool | None = None  # the pool's memory, when same-host peers map it
 
 
 def resolve_device(name: str) -> torch.device:
@@ -179,7 +181,15 @@ def load_worker(config: WorkerConfig, worker_id: str) -> LoadedWorker:
             f"one request of max_model_len={max_model_len} tokens: raise "
             f"kv_cache_memory/num_blocks/gpu_memory_utilization or lower max_model_len"
         )
-    kv_cache = KvCache(num_blocks=num_blocks, device=device, **geometry)
+    shared_pool = None
+    if device.type == "cpu" and config.kv_transfer_shared_memory:
+        shared_pool = SharedPool(num_blocks * KvCache.bytes_per_block(**geometry))
+    kv_cache = KvCache(
+        num_blocks=num_blocks,
+        device=device,
+        storage=None if shared_pool is None else shared_pool.pool,
+        **geometry,
+    )
     graphs = None
     if use_graphs:
         graphs = DecodeGraphs(model, kv_cache, buckets, max_model_len)
@@ -203,8 +213,11 @@ def load_worker(config: WorkerConfig, worker_id: str) -> LoadedWorker:
         num_blocks=num_blocks,
         kv_pool_mib=round(num_blocks * kv_cache.block_bytes / 2**20, 1),
         swap_blocks=num_swap_blocks,
+        shared_pool=shared_pool is not None,
         max_model_len=max_model_len,
         seconds=round(time.perf_counter() - started, 2),
         **{k: round(v, 3) for k, v in sizing.items()},
     )
-    return LoadedWorker(model, model_config, kv_cache, max_model_len, device, swap_cache, graphs)
+    return LoadedWorker(
+        model, model_config, kv_cache, max_model_len, device, swap_cache, graphs, shared_pool
+    )

@@ -30,6 +30,7 @@ from services.worker.batch import (
 )
 from services.worker.compute_lock import ComputeLock, make_compute_lock
 from services.worker.config import WorkerConfig
+from services.worker.kv_pull import KvPuller, KvSource, PullResult
 from services.worker.kv_transfer import KvTransferError, UcxTransport
 from services.worker.runner import ModelRunner, StepOutput
 from services.worker.staging import StagingBuffers
@@ -72,6 +73,10 @@ class Worker:
         self.max_model_len = loaded.max_model_len
         self.device = loaded.device
         self.runner = ModelRunner(loaded.model, loaded.kv_cache, loaded.device, loaded.graphs)
+        self.shared_pool = loaded.shared_pool
+        self._running_step_id = 0
+        if self.shared_pool is not None:
+            self.kv_cache.on_layer_written = self._layer_written
         self.batch = PersistentBatch(
             loaded.kv_cache.block_size, loaded.kv_cache.num_blocks, loaded.model_config.vocab_size
         )
@@ -86,6 +91,12 @@ class Worker:
         self._step_done = asyncio.Condition()
         self._cancelled_tags: OrderedDict[int, None] = OrderedDict()
         self._receives: dict[int, asyncio.Task] = {}
+        self.puller = KvPuller(
+            self.kv_cache,
+            self._copy_on_tensor_thread,
+            lambda tag: tag in self._cancelled_tags,
+            config.kv_transfer_timeout_s,
+        )
 
     @classmethod
     async def load(cls, config: WorkerConfig, worker_id: str) -> Worker:
@@ -107,27 +118,41 @@ class Worker:
     async def _on_tensor_thread(self, fn, *args):
         return await asyncio.wrap_future(self._submit(fn, *args))
 
+    async def _copy_on_tensor_thread(self, fn, *args):
+        """Block copies streamed from a peer: on the tensor thread (ordered with the steps)
+        but without the host's compute lock, which the peer holds while it computes them."""
+        return await asyncio.wrap_future(self._executor.submit(fn, *args))
+
     def submit_step(
         self,
         finished_ids: Sequence[str],
         new: Sequence[NewRequestData],
         cached: Sequence[CachedRequestData],
         moves: BlockMoves = NO_MOVES,
+        step_id: int = 0,
     ) -> concurrent.futures.Future:
         """Queue a whole step on the tensor thread: apply the plan to the persistent batch,
         the block moves, the forward pass, the progress. Steps run in submission order and
         back to back (the next starts when the previous ends, with no round trip through
         the event loop). The future holds the StepOutput, or the PlanError."""
-        return self._submit(self._run_step, finished_ids, new, cached, moves)
+        return self._submit(self._run_step, finished_ids, new, cached, moves, step_id)
 
-    def _run_step(self, finished_ids, new, cached, moves: BlockMoves) -> StepOutput:
+    def _run_step(self, finished_ids, new, cached, moves: BlockMoves, step_id: int) -> StepOutput:
         work = self.batch.apply(finished_ids, new, cached)
         if moves:
             self._check_moves(moves)
             self._move_blocks(moves)
+        if self.shared_pool is not None:  # peers stream this step's KV layer by layer
+            self._running_step_id = step_id
+            self.shared_pool.step_started(step_id)
         output = self.runner.execute(work)
+        if self.shared_pool is not None:
+            self.shared_pool.step_done(step_id, self.kv_cache.num_layers)
         self.batch.complete(work, output.sampled)
         return output
+
+    def _layer_written(self, layer: int) -> None:
+        self.shared_pool.layer_done(self._running_step_id, layer)
 
     async def step(
         self,
@@ -138,7 +163,9 @@ class Worker:
         moves: BlockMoves = NO_MOVES,
     ) -> StepOutput:
         """Run one step now and mark it executed."""
-        output = await asyncio.wrap_future(self.submit_step(finished_ids, new, cached, moves))
+        output = await asyncio.wrap_future(
+            self.submit_step(finished_ids, new, cached, moves, step_id)
+        )
         await self.mark_executed(step_id)
         return output
 
@@ -177,9 +204,14 @@ class Worker:
         """Forget every request (its scheduler went away or a new one took over); step ids
         restart and receives still waiting are abandoned. The batch is cleared on the
         tensor thread, after any step still queued there."""
-        self._executor.submit(self.batch.clear)
+        self._executor.submit(self._clear)
         self.executed_step_id = 0
         self.cancel_transfers(list(self._receives))
+
+    def _clear(self) -> None:
+        self.batch.clear()
+        if self.shared_pool is not None:
+            self.shared_pool.reset()
 
     def cancel_transfers(self, tags: Iterable[int]) -> None:
         """The scheduler gave up on these receives: none of them may write into the pool
@@ -243,6 +275,21 @@ class Worker:
         self.staging.release(buffer)
         return TransferResult(nbytes, time.perf_counter() - started)
 
+    async def pull_kv(
+        self, tag: int, source: KvSource, block_ids: Sequence[int], after_step_id: int = 0
+    ) -> PullResult:
+        """Copy blocks out of a same-host peer's shared pool (see kv_pull)."""
+        self._check_blocks(block_ids)
+        if tag in self._cancelled_tags:
+            raise KvTransferError(f"transfer {tag:#x} was cancelled")
+        self._receives[tag] = asyncio.current_task()
+        try:
+            return await self.puller.pull(
+                tag, source, block_ids, lambda: self.wait_for_step(after_step_id)
+            )
+        finally:
+            self._receives.pop(tag, None)
+
     def _check_blocks(self, block_ids: Sequence[int]) -> None:
         if not block_ids:
             raise KvTransferError("a transfer needs at least one block")
@@ -253,6 +300,7 @@ class Worker:
             )
 
     async def close(self) -> None:
+        self.puller.close()
         await self.transport.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self.compute_lock is not None:

@@ -420,8 +420,9 @@ def test_gateway_drains_on_sigterm(stack, reference):
 
 
 def test_decode_worker_drains_on_sigterm_without_losing_a_request(stack, reference):
-    """A SIGTERMed worker finishes what it holds (no request starts over), takes nothing
-    new, exits cleanly, and rejoins when started again."""
+    """A SIGTERMed decode worker hands what it holds to the other decode worker with its
+    KV, or finishes it (no request starts over either way: test_drain_migration.py), takes
+    nothing new, exits cleanly, and rejoins when started again."""
     wait_healthy_pools(stack)
     before = pool_stats(stack)
     streams = start_streams(stack)

@@ -66,6 +66,7 @@ async def cluster(
     resilience: Resilience = FAST,
     kv_transfer_timeout_s: float = 2.0,
     max_model_len: int = 512,
+    kv_transfer_streaming: bool = True,
 ):
     """Fake workers and an Engine over them, built as `bootstrap.connect` builds them."""
     config = SchedulerConfig(
@@ -87,6 +88,7 @@ async def cluster(
         vocab_size=VOCAB_SIZE,
         deployment_salt=b"in-process-tests",
         kv_transfer_timeout_s=kv_transfer_timeout_s,
+        kv_transfer_streaming=kv_transfer_streaming,
         async_scheduling=async_scheduling,
         resilience=resilience,
         make_scheduler=functools.partial(pool_scheduler, config),

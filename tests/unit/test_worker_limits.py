@@ -135,6 +135,7 @@ def fake_worker(device: str) -> SimpleNamespace:
         kv_cache=cache,
         swap_cache=None,
         transport=SimpleNamespace(address=b"ucx"),
+        shared_pool=None,
         batch=[],
         device=torch.device(device),
     )

@@ -166,6 +166,7 @@ class LlamaModel(nn.Module):
         rope = self.rotary_emb.tables(positions, hidden.dtype)
         for index, layer in enumerate(self.layers):
             hidden = layer(hidden, rope, kv_cache.layer(index), meta)
+            kv_cache.layer_written(index)
         return self.norm(hidden)
 
 

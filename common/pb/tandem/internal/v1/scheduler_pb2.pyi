@@ -108,7 +108,7 @@ class GetPoolStatsResponse(_message.Message):
     def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., num_requests: _Optional[int] = ..., integrity_errors: _Optional[_Iterable[str]] = ..., num_waiting_requests: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., worker_failures: _Optional[int] = ..., restarted_requests: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "num_blocks", "num_free_blocks", "num_requests", "num_cached_blocks", "prefix_hit_tokens", "evictions", "preemptions", "kv_blocks_received", "kv_blocks_reused", "steps", "mean_execute_ms", "mean_step_interval_ms", "num_swap_blocks", "num_free_swap_blocks", "swap_outs", "healthy", "draining", "mean_step_overhead_ms")
+    __slots__ = ("worker_id", "role", "address", "num_blocks", "num_free_blocks", "num_requests", "num_cached_blocks", "prefix_hit_tokens", "evictions", "preemptions", "kv_blocks_received", "kv_blocks_reused", "steps", "mean_execute_ms", "mean_step_interval_ms", "num_swap_blocks", "num_free_swap_blocks", "swap_outs", "healthy", "draining", "mean_step_overhead_ms", "kv_migrations_out", "prompt_tokens_computed", "kv_transfers", "kv_source_lag_ms_total")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,10 @@ class PoolStats(_message.Message):
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     MEAN_STEP_OVERHEAD_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_MIGRATIONS_OUT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_LAG_MS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _types_pb2.WorkerRole
     address: str
@@ -151,4 +155,8 @@ class PoolStats(_message.Message):
     healthy: bool
     draining: bool
     mean_step_overhead_ms: float
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., kv_blocks_reused: _Optional[int] = ..., steps: _Optional[int] = ..., mean_execute_ms: _Optional[float] = ..., mean_step_interval_ms: _Optional[float] = ..., num_swap_blocks: _Optional[int] = ..., num_free_swap_blocks: _Optional[int] = ..., swap_outs: _Optional[int] = ..., healthy: _Optional[bool] = ..., draining: _Optional[bool] = ..., mean_step_overhead_ms: _Optional[float] = ...) -> None: ...
+    kv_migrations_out: int
+    prompt_tokens_computed: int
+    kv_transfers: int
+    kv_source_lag_ms_total: float
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., kv_blocks_reused: _Optional[int] = ..., steps: _Optional[int] = ..., mean_execute_ms: _Optional[float] = ..., mean_step_interval_ms: _Optional[float] = ..., num_swap_blocks: _Optional[int] = ..., num_free_swap_blocks: _Optional[int] = ..., swap_outs: _Optional[int] = ..., healthy: _Optional[bool] = ..., draining: _Optional[bool] = ..., mean_step_overhead_ms: _Optional[float] = ..., kv_migrations_out: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_source_lag_ms_total: _Optional[float] = ...) -> None: ...

@@ -12,7 +12,7 @@ class DescribeWorkerRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeWorkerResponse(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "kv_cache", "ucx_address", "num_active_requests", "device")
+    __slots__ = ("worker_id", "role", "model", "kv_cache", "ucx_address", "num_active_requests", "device", "kv_shared_memory")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class DescribeWorkerResponse(_message.Message):
     UCX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    KV_SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _types_pb2.WorkerRole
     model: _types_pb2.ModelDescription
@@ -27,7 +28,24 @@ class DescribeWorkerResponse(_message.Message):
     ucx_address: bytes
     num_active_requests: int
     device: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.WorkerRole, str]] = ..., model: _Optional[_Union[_types_pb2.ModelDescription, _Mapping]] = ..., kv_cache: _Optional[_Union[_types_pb2.KvCacheDescription, _Mapping]] = ..., ucx_address: _Optional[bytes] = ..., num_active_requests: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    kv_shared_memory: KvSharedMemory
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.WorkerRole, str]] = ..., model: _Optional[_Union[_types_pb2.ModelDescription, _Mapping]] = ..., kv_cache: _Optional[_Union[_types_pb2.KvCacheDescription, _Mapping]] = ..., ucx_address: _Optional[bytes] = ..., num_active_requests: _Optional[int] = ..., device: _Optional[str] = ..., kv_shared_memory: _Optional[_Union[KvSharedMemory, _Mapping]] = ...) -> None: ...
+
+class KvSharedMemory(_message.Message):
+    __slots__ = ("host_id", "pid", "fd", "num_bytes", "token", "pool_offset")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    FD_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    POOL_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    pid: int
+    fd: int
+    num_bytes: int
+    token: bytes
+    pool_offset: int
+    def __init__(self, host_id: _Optional[str] = ..., pid: _Optional[int] = ..., fd: _Optional[int] = ..., num_bytes: _Optional[int] = ..., token: _Optional[bytes] = ..., pool_offset: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("step_id", "new_requests", "cached_requests", "finished_request_ids", "swap_out", "swap_in", "block_copies", "cancelled_transfer_tags")
@@ -140,19 +158,35 @@ class SendKvResponse(_message.Message):
     def __init__(self, num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class ReceiveKvRequest(_message.Message):
-    __slots__ = ("transfer_tag", "block_ids", "after_step_id")
+    __slots__ = ("transfer_tag", "block_ids", "after_step_id", "source")
     TRANSFER_TAG_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     AFTER_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
     transfer_tag: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     after_step_id: int
-    def __init__(self, transfer_tag: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., after_step_id: _Optional[int] = ...) -> None: ...
+    source: KvSource
+    def __init__(self, transfer_tag: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., after_step_id: _Optional[int] = ..., source: _Optional[_Union[KvSource, _Mapping]] = ...) -> None: ...
+
+class KvSource(_message.Message):
+    __slots__ = ("worker_id", "shared_memory", "block_ids", "ready_step_id")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    READY_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    shared_memory: KvSharedMemory
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    ready_step_id: int
+    def __init__(self, worker_id: _Optional[str] = ..., shared_memory: _Optional[_Union[KvSharedMemory, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., ready_step_id: _Optional[int] = ...) -> None: ...
 
 class ReceiveKvResponse(_message.Message):
-    __slots__ = ("num_bytes", "seconds")
+    __slots__ = ("num_bytes", "seconds", "source_lag_seconds")
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_LAG_SECONDS_FIELD_NUMBER: _ClassVar[int]
     num_bytes: int
     seconds: float
-    def __init__(self, num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    source_lag_seconds: float
+    def __init__(self, num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., source_lag_seconds: _Optional[float] = ...) -> None: ...

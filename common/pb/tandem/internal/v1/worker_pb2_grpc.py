@@ -91,7 +91,9 @@ class WorkerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReceiveKv(self, request, context):
-        """ReceiveKv receives one tagged message over UCX into the listed blocks.
+        """ReceiveKv fills the listed blocks: from one tagged UCX message (matched
+        by a SendKv on the peer), or, when `source` is set, by copying them
+        straight out of a same-host peer's shared-memory pool (no SendKv).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

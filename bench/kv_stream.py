@@ -1,0 +1,160 @@
+"""Layer-wise KV streaming: how long after the prefill worker finishes a prompt's last
+layer its KV is in place on the decode worker, streamed (the transfer starts when the
+prompt's last chunk is scheduled and copies each layer as it is written) vs after the
+prompt (the transfer starts when the prefill step's result reaches the scheduler).
+
+Runs the real stack (1 prefill + 1 decode worker, same host: the shared-memory pull) on a
+12-layer model with 2,048-token prompts, once per mode, and reads the decode pool's
+`mean_kv_source_lag_ms` (prefill's last layer done -> blocks in place, measured by the
+decode worker on the host's monotonic clock) and the time to first token. Also reported:
+one layer's compute (the prefill step's time / layers) and one layer's transfer (a
+layer's bytes of the prompt's blocks at the pull's measured bandwidth), the yardstick the
+streamed gap is held to. JSON goes to bench/results/kv_stream_cpu.json.
+
+    python -m bench.kv_stream [--prompt-len 2048] [--requests 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+from bench.models import bench_model
+from bench.report import machine_info
+from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
+from services.stack.launcher import Stack, StackSpec
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MODEL = "llama-150m-4k"
+
+
+def pool_stats(address: str) -> scheduler_pb2.GetPoolStatsResponse:
+    with grpc.insecure_channel(address) as channel:
+        return scheduler_pb2_grpc.SchedulerServiceStub(channel).GetPoolStats(
+            scheduler_pb2.GetPoolStatsRequest(), timeout=10
+        )
+
+
+def first_token_seconds(address: str, prompt: list[int]) -> float:
+    request = generate_pb2.GenerateRequest(max_tokens=2)
+    request.token_ids.ids.extend(prompt)
+    request.sampling.temperature = 0.0
+    with grpc.insecure_channel(address) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        start = time.perf_counter()
+        for response in stub.Generate(request, timeout=300):
+            if response.token_ids:
+                first = time.perf_counter() - start
+                break
+        else:
+            raise RuntimeError("no token came back")
+    return first
+
+
+def run_mode(model: Path, streaming: bool, prompts: list[list[int]], max_len: int) -> dict:
+    spec = StackSpec.on_free_ports(
+        str(model),
+        extra_args={
+            "scheduler": [
+                "--kv-transfer-streaming",
+                "true" if streaming else "false",
+                "--max-num-batched-tokens",
+                str(max_len),
+            ],
+            "prefill": ["--max-model-len", str(max_len)],
+            "decode": ["--max-model-len", str(max_len)],
+        },
+    )
+    run_dir = Path(tempfile.mkdtemp(prefix=f"bench-kv-stream-{streaming}-"))
+    stack = Stack.start(spec, run_dir, ready_timeout_s=300, exit_with_parent=True)
+    try:
+        first_token_seconds(spec.gateway_address, prompts[0])  # warm up (not counted)
+        before = pool_stats(spec.scheduler_address)
+        ttfts = [first_token_seconds(spec.gateway_address, p) for p in prompts[1:]]
+        after = pool_stats(spec.scheduler_address)
+    finally:
+        stack.stop()
+    decode = next(p for p in after.pools if p.role == 2)  # WORKER_ROLE_DECODE
+    prefill = next(p for p in after.pools if p.role == 1)
+    decode_before = next(p for p in before.pools if p.role == 2)
+    prefill_before = next(p for p in before.pools if p.role == 1)
+    transfers = decode.kv_transfers - decode_before.kv_transfers
+    lag_total = decode.kv_source_lag_ms_total - decode_before.kv_source_lag_ms_total
+    steps = prefill.steps - prefill_before.steps
+    execute_total = (
+        prefill.mean_execute_ms * prefill.steps
+        - prefill_before.mean_execute_ms * prefill_before.steps
+    )
+    return {
+        "streaming": streaming,
+        "requests": len(ttfts),
+        "transfers": transfers,
+        "mean_source_lag_ms": round(lag_total / max(1, transfers), 3),
+        "ttft_p50_ms": round(statistics.median(ttfts) * 1e3, 1),
+        "prefill_step_ms": round(execute_total / max(1, steps), 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--prompt-len", type=int, default=2048)
+    parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument(
+        "--pull-gbps",
+        type=float,
+        default=None,
+        help="the pull's bandwidth for the per-layer transfer yardstick "
+        "(default: from bench/results/kv_transfer_cpu.json, 64 MiB row)",
+    )
+    parser.add_argument("--out", default=str(RESULTS / "kv_stream_cpu.json"))
+    args = parser.parse_args()
+    model = bench_model(MODEL)
+    config = json.loads((model / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    kv_heads = config["num_key_value_heads"]
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    rng = random.Random(0)
+    vocab = config["vocab_size"]
+    prompts = [
+        [rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(args.requests + 1)
+    ]
+    max_len = args.prompt_len + 16
+    modes = [run_mode(model, streaming, prompts, max_len) for streaming in (False, True)]
+    pull_gbps = args.pull_gbps
+    if pull_gbps is None:
+        rows = json.loads((RESULTS / "kv_transfer_cpu.json").read_text())["rows"]
+        pull_gbps = max(rows, key=lambda r: r["bytes"])["shared_memory_pull_gbps"]
+    layer_bytes = 2 * args.prompt_len * kv_heads * head_dim * 4  # K and V, fp32
+    compute_ms = modes[1]["prefill_step_ms"] / layers
+    report = {
+        "benchmark": "kv_stream",
+        "model": MODEL,
+        "num_layers": layers,
+        "prompt_len": args.prompt_len,
+        "one_layer_compute_ms": round(compute_ms, 2),
+        "one_layer_bytes": layer_bytes,
+        "one_layer_transfer_ms": round(layer_bytes / (pull_gbps * 1e9) * 1e3, 3),
+        "pull_gbps_used": pull_gbps,
+        "after_prompt": modes[0],
+        "streamed": modes[1],
+        "machine": machine_info(),
+    }
+    print(json.dumps(report, indent=2))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Where a worker's KV pool lives in shared memory, as both the worker and the scheduler
+see it (`KvSharedMemory` in worker.proto), and its protobuf conversions."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from common.pb.tandem.internal.v1 import worker_pb2
+
+HEADER_BYTES = 4096  # the progress header before the pool
+
+
+@dataclass(frozen=True)
+class SharedMemoryInfo:
+    host_id: str  # equal on two workers that can open each other's memfd by /proc path
+    pid: int
+    fd: int
+    num_bytes: int
+    token: bytes
+    pool_offset: int = HEADER_BYTES
+
+    def to_json(self) -> bytes:
+        return json.dumps({**asdict(self), "token": self.token.hex()}).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> SharedMemoryInfo:
+        fields = json.loads(data)
+        return cls(**{**fields, "token": bytes.fromhex(fields["token"])})
+
+    def reachable_from(self, other: SharedMemoryInfo | None) -> bool:
+        """A worker described by `other` can map this pool."""
+        return other is not None and other.host_id == self.host_id
+
+
+def shared_memory_to_pb(info: SharedMemoryInfo) -> worker_pb2.KvSharedMemory:
+    return worker_pb2.KvSharedMemory(
+        host_id=info.host_id,
+        pid=info.pid,
+        fd=info.fd,
+        num_bytes=info.num_bytes,
+        token=info.token,
+        pool_offset=info.pool_offset,
+    )
+
+
+def shared_memory_from_pb(message: worker_pb2.KvSharedMemory) -> SharedMemoryInfo:
+    return SharedMemoryInfo(
+        message.host_id,
+        message.pid,
+        message.fd,
+        message.num_bytes,
+        message.token,
+        message.pool_offset,
+    )

@@ -1,0 +1,136 @@
+"""Receiving KV by copying it out of a same-host peer's shared pool (see `kv_shared`).
+
+The receive waits until the steps planned before its blocks were allocated have run here
+(`after_step_id`), then copies each layer of the source blocks into its own blocks as
+soon as the peer reports that layer final: the layers the peer has finished go in one
+copy, the rest follow as it finishes them. Copies run on the tensor thread, so they are
+ordered with this worker's steps, and each first checks the transfer was not cancelled.
+
+A transfer fails (`KvTransferError`) when the peer exits before the blocks are final
+(its pidfd turns readable), when the peer's progress stalls for `timeout_s`, or when it
+is cancelled. Mappings are cached per peer and dropped when the peer changes or exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from common.kv_shared_memory import SharedMemoryInfo
+from common.log import get_logger
+from services.worker.kv_cache import KvCache
+from services.worker.kv_shared import PeerPool, block_runs, copy_layers
+from services.worker.kv_transfer import KvTransferError
+
+log = get_logger(__name__)
+POLL_S = 0.0005  # between looks at the peer's progress while it computes
+
+
+@dataclass(frozen=True)
+class KvSource:
+    worker_id: str
+    shared_memory: SharedMemoryInfo
+    block_ids: tuple[int, ...]
+    ready_step_id: int = 0
+
+
+@dataclass(frozen=True)
+class PullResult:
+    num_bytes: int
+    seconds: float
+    source_lag_seconds: float  # peer's last layer done -> blocks here (0: not streamed)
+
+
+class KvPuller:
+    def __init__(
+        self,
+        kv_cache: KvCache,
+        on_tensor_thread: Callable[..., Awaitable],
+        is_cancelled: Callable[[int], bool],
+        timeout_s: float,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self._on_tensor_thread = on_tensor_thread
+        self._is_cancelled = is_cancelled
+        self.timeout_s = timeout_s
+        self._peers: dict[str, PeerPool] = {}
+
+    def peer(self, worker_id: str, info: SharedMemoryInfo) -> PeerPool:
+        """The peer's pool, mapped once (again if the peer came back as another process)."""
+        peer = self._peers.get(worker_id)
+        if peer is not None and peer.info == info:
+            return peer
+        if peer is not None:
+            self.forget(worker_id)
+        try:
+            peer = PeerPool(info, self.kv_cache.data.shape[1:], self.kv_cache.dtype)
+        except (OSError, ValueError) as exc:
+            raise KvTransferError(f"cannot map the shared pool of {worker_id}: {exc}") from exc
+        self._peers[worker_id] = peer
+        log.info("kv_peer_mapped", peer=worker_id, pid=info.pid, mib=info.num_bytes >> 20)
+        return peer
+
+    def forget(self, worker_id: str) -> None:
+        peer = self._peers.pop(worker_id, None)
+        if peer is not None:
+            peer.close()
+
+    async def pull(
+        self,
+        tag: int,
+        source: KvSource,
+        block_ids: Sequence[int],
+        wait_for_step: Callable[[], Awaitable[None]],
+    ) -> PullResult:
+        started = time.perf_counter()
+        if len(source.block_ids) != len(block_ids):
+            raise KvTransferError(
+                f"{len(source.block_ids)} source blocks for {len(block_ids)} destination blocks"
+            )
+        peer = self.peer(source.worker_id, source.shared_memory)
+        bad = [b for b in source.block_ids if not 0 <= b < peer.num_blocks]
+        if bad:
+            raise KvTransferError(f"source block ids {bad[:4]} outside the peer's pool")
+        await wait_for_step()
+        runs = block_runs(source.block_ids, block_ids)
+        num_layers, copied = self.kv_cache.num_layers, 0
+        stalled_since = time.monotonic()
+        while copied < num_layers:
+            ready = peer.layers_ready(source.ready_step_id, num_layers)
+            if ready > copied:
+                await self._on_tensor_thread(self._copy, tag, peer.data, runs, copied, ready)
+                copied, stalled_since = ready, time.monotonic()
+                continue
+            if not peer.alive:
+                self.forget(source.worker_id)
+                raise KvTransferError(f"{source.worker_id} exited before its KV was final")
+            if time.monotonic() - stalled_since > self.timeout_s:
+                raise KvTransferError(
+                    f"{source.worker_id} made no progress on step {source.ready_step_id} "
+                    f"for {self.timeout_s}s"
+                )
+            if self._is_cancelled(tag):
+                raise KvTransferError(f"transfer {tag:#x} was cancelled")
+            await asyncio.sleep(POLL_S)
+        lag = 0.0
+        if source.ready_step_id:
+            done_ns = peer.done_ns(source.ready_step_id)
+            if done_ns is not None:
+                lag = max(0.0, (time.monotonic_ns() - done_ns) / 1e9)
+        if not peer.alive:  # its memory stays mapped until we let go: the copy is whole
+            self.forget(source.worker_id)
+        nbytes = len(block_ids) * self.kv_cache.block_bytes
+        return PullResult(nbytes, time.perf_counter() - started, lag)
+
+    def _copy(self, tag: int, source, runs, first_layer: int, end_layer: int) -> None:
+        """On the tensor thread: a cancel seen here comes before any step that reuses the
+        blocks (the scheduler sends the tag with the step that frees them)."""
+        if self._is_cancelled(tag):
+            raise KvTransferError(f"transfer {tag:#x} was cancelled")
+        copy_layers(self.kv_cache.data, source, runs, first_layer, end_layer)
+
+    def close(self) -> None:
+        for worker_id in list(self._peers):
+            self.forget(worker_id)

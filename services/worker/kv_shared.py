@@ -1,0 +1,166 @@
+"""The KV pool in shared memory, and copying blocks out of a same-host peer's pool.
+
+A CPU worker's pool lives in a memfd: a 4 KiB header, then the pool tensor (the layout of
+`kv_cache`). A peer on the same host (same boot, same PID namespace) opens it as
+`/proc/<pid>/fd/<fd>`, checks the random token at its start, maps it read-only, and
+copies the blocks it needs straight from the owner's pool into its own: one copy, no
+staging buffer on either side, no message. The receiver does every write into its own
+pool (on its tensor thread, ordered with its steps), so cancelling a transfer needs no
+help from the owner; and an owner killed mid-transfer cannot hurt the receiver: its
+mapping keeps the memory alive, and the owner's exit shows on a pidfd.
+
+The header carries the owner's progress, written on its tensor thread: the step it runs
+and how many layers of that step have written their KV (`progress = step * LAYER_SLOTS +
+layers`), and when the last completed step finished its last layer (CLOCK_MONOTONIC is
+one clock for every process on the host). A receiver streams a prompt's KV layer by layer
+while the owner still computes it: layer `l` of a block is final once the owner reports
+layer `l` done for the step that writes the block's last tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import secrets
+import select
+import time
+import warnings
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from common.kv_shared_memory import HEADER_BYTES, SharedMemoryInfo
+
+TOKEN_BYTES = 16
+LAYER_SLOTS = 1 << 12  # layers per step in the progress word (a model has fewer)
+_PROGRESS, _DONE_STEP, _DONE_NS = 0, 1, 2  # int64 words after the token
+
+
+def host_id() -> str:
+    """Equal for two processes that can open each other's memfds by /proc path: the
+    host's boot id and the PID namespace."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip()
+    return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+
+
+class SharedPool:
+    """The owner's side: the memfd, the pool bytes in it, and the progress header."""
+
+    def __init__(self, pool_bytes: int) -> None:
+        if pool_bytes <= 0:
+            raise ValueError(f"pool_bytes must be positive, got {pool_bytes}")
+        self.num_bytes = HEADER_BYTES + pool_bytes
+        self.fd = os.memfd_create("tandem-kv-pool", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, self.num_bytes)
+        # Every page is allocated now (as torch.zeros would): no faults while serving.
+        self._map = mmap.mmap(self.fd, self.num_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        self.token = secrets.token_bytes(TOKEN_BYTES)
+        self._map[:TOKEN_BYTES] = self.token
+        self._words = np.frombuffer(self._map, dtype=np.int64, count=3, offset=TOKEN_BYTES)
+        self.pool = torch.frombuffer(self._map, dtype=torch.uint8, offset=HEADER_BYTES)
+        self.info = SharedMemoryInfo(host_id(), os.getpid(), self.fd, self.num_bytes, self.token)
+
+    def step_started(self, step_id: int) -> None:
+        self._words[_PROGRESS] = step_id * LAYER_SLOTS
+
+    def layer_done(self, step_id: int, layer: int) -> None:
+        self._words[_PROGRESS] = step_id * LAYER_SLOTS + layer + 1
+
+    def step_done(self, step_id: int, num_layers: int) -> None:
+        self._words[_DONE_NS] = time.monotonic_ns()
+        self._words[_DONE_STEP] = step_id
+        self._words[_PROGRESS] = step_id * LAYER_SLOTS + num_layers
+
+    def reset(self) -> None:
+        """Step ids start over (a new scheduler)."""
+        self._words[:] = 0
+
+
+class PeerPool:
+    """A same-host peer's pool, mapped read-only, and its liveness."""
+
+    def __init__(self, info: SharedMemoryInfo, block_shape: Sequence[int], dtype: torch.dtype):
+        """`block_shape`: one block's shape in this pool's layout (the peer's must match)."""
+        self.info = info
+        self.pidfd = os.pidfd_open(info.pid)  # first: the token check below pins the process
+        try:
+            fd = os.open(f"/proc/{info.pid}/fd/{info.fd}", os.O_RDONLY)
+            try:
+                if os.fstat(fd).st_size != info.num_bytes:
+                    raise ValueError("the peer's shared pool has another size than described")
+                self._map = mmap.mmap(
+                    fd,
+                    info.num_bytes,
+                    flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                    prot=mmap.PROT_READ,
+                )
+            finally:
+                os.close(fd)
+            if self._map[:TOKEN_BYTES] != info.token:
+                raise ValueError("the peer's shared pool has another token than described")
+        except BaseException:
+            os.close(self.pidfd)
+            raise
+        self._words = np.frombuffer(self._map, dtype=np.int64, count=3, offset=TOKEN_BYTES)
+        with warnings.catch_warnings():  # read-only on purpose: this side never writes
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(self._map, dtype=torch.uint8, offset=info.pool_offset)
+        block_bytes = math.prod(block_shape) * torch.empty((), dtype=dtype).element_size()
+        if flat.numel() % block_bytes:
+            raise ValueError("the peer's shared pool is not a whole number of blocks")
+        self.data = flat.view(dtype).view(flat.numel() // block_bytes, *block_shape)
+        self.num_blocks = self.data.shape[0]
+
+    def layers_ready(self, step_id: int, num_layers: int) -> int:
+        """Layers whose KV is final for blocks that step `step_id` completes (0 = now)."""
+        if step_id == 0:
+            return num_layers
+        step, layers = divmod(int(self._words[_PROGRESS]), LAYER_SLOTS)
+        if step > step_id:
+            return num_layers
+        return layers if step == step_id else 0
+
+    def done_ns(self, step_id: int) -> int | None:
+        """When step `step_id` finished its last layer (monotonic ns), if it is the last
+        step the peer completed."""
+        done_ns, done_step = int(self._words[_DONE_NS]), int(self._words[_DONE_STEP])
+        return done_ns if done_step == step_id else None
+
+    @property
+    def alive(self) -> bool:
+        poller = select.poll()
+        poller.register(self.pidfd, select.POLLIN)
+        return not poller.poll(0)  # a pidfd turns readable when its process exits
+
+    def close(self) -> None:
+        """Let go of the mapping: it is unmapped once no tensor views it (never before: a
+        copy still queued with a view keeps it)."""
+        self.data = self._words = self._map = None
+        os.close(self.pidfd)
+
+
+def block_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, count) runs where both block lists go up by one together."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+def copy_layers(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    runs: Sequence[tuple[int, int, int]],
+    first_layer: int,
+    end_layer: int,
+) -> None:
+    """dst[d + i, layers] = src[s + i, layers] for every run: one strided copy per run
+    (block-major pools: a block's layers are contiguous)."""
+    for s, d, n in runs:
+        dst[d : d + n, first_layer:end_layer].copy_(src[s : s + n, first_layer:end_layer])

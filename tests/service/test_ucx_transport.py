@@ -1,0 +1,125 @@
+"""A receive given up on (timed out, cancelled) is completed by the transport itself and its
+buffer let go, instead of staying posted in UCX until a message that may never come.
+
+The transport sends its own worker a 1-byte message with the abandoned tag; the real
+message, sent late from another process (one UCX context per process), then finds no
+receive and its sender times out, while later transfers between the two processes still
+arrive intact. A send given up on is not touched: it stays held until it is received.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from services.worker.kv_transfer import KvTransferError, UcxTransport
+
+ROOT = Path(__file__).resolve().parents[2]
+MIB = 1 << 20
+NEVER_SENT, CANCELLED, AFTERWARDS = 0xB1, 0xB2, 0xB3
+
+
+async def _released(transport: UcxTransport, within_s: float = 2.0) -> None:
+    deadline = asyncio.get_running_loop().time() + within_s
+    while transport.reap_abandoned():
+        assert asyncio.get_running_loop().time() < deadline, "abandoned receive never released"
+        await asyncio.sleep(0.01)
+    assert transport.abandoned_bytes == 0
+
+
+@pytest.mark.parametrize("error_handling", [True, False], ids=["tcp", "shm"])
+def test_an_abandoned_receive_is_released_and_a_late_message_harms_nothing(error_handling):
+    async def scenario() -> None:
+        transport = UcxTransport(timeout_s=0.3, error_handling=error_handling)
+        peer = None
+        try:
+            with pytest.raises(KvTransferError, match="receive"):
+                await transport.receive(NEVER_SENT, MIB)
+            await _released(transport)
+
+            received = asyncio.ensure_future(transport.receive(CANCELLED, MIB))
+            await asyncio.sleep(0.05)  # posted in UCX
+            received.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await received
+            await _released(transport)
+
+            transport.timeout_s = 30.0  # the peer process takes a few seconds to start
+            peer = subprocess.Popen(
+                [sys.executable, "-c", f"from {__name__} import _peer; _peer()"],
+                cwd=ROOT,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env={**os.environ, "PYTHONPATH": str(ROOT)},
+            )
+            hello = json.dumps({"address": transport.address.hex(), "eh": error_handling})
+            peer.stdin.write(hello + "\n")
+            peer.stdin.close()
+            got = await transport.receive(AFTERWARDS, MIB)
+            report = json.loads(await asyncio.to_thread(peer.stdout.readline))
+            assert await asyncio.to_thread(peer.wait, 30) == 0
+            assert report["late"].startswith("KvTransferError"), report  # nobody received it
+            assert np.array_equal(got, np.arange(MIB, dtype=np.uint8))
+            assert transport.reap_abandoned() == 0 and transport.abandoned_bytes == 0
+        finally:
+            if peer is not None and peer.poll() is None:
+                peer.kill()
+            await transport.close()
+
+    asyncio.run(scenario())
+
+
+def _peer() -> None:
+    """Other process: sends the abandoned tag's real message late, then a normal transfer."""
+    from common.log import setup_logging
+
+    setup_logging("ucx-peer", "warning")  # logs to stderr; stdout carries the report
+    hello = json.loads(sys.stdin.readline())
+    address = bytes.fromhex(hello["address"])
+
+    async def main() -> None:
+        transport = UcxTransport(timeout_s=1.0, error_handling=hello["eh"])
+        try:
+            await transport.send("test", address, NEVER_SENT, np.full(MIB, 7, dtype=np.uint8))
+            late = "sent"
+        except KvTransferError as exc:
+            late = repr(exc)
+        transport.timeout_s = 30.0
+        await transport.send("test", address, AFTERWARDS, np.arange(MIB, dtype=np.uint8))
+        print(json.dumps({"late": late}), flush=True)
+        await transport.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("error_handling", [True, False], ids=["tcp", "shm"])
+def test_an_abandoned_send_is_held_until_received(error_handling):
+    """Sends are not completed by the transport: a send nobody receives yet keeps its buffer
+    until a receive takes it (here on this process's own worker)."""
+
+    async def scenario() -> None:
+        transport = UcxTransport(timeout_s=0.3, error_handling=error_handling)
+        # Kept open: `send` drops a failed endpoint, which would cancel or strand the send.
+        endpoint = await transport._endpoint(("self", transport.address))
+        try:
+            payload = np.full(MIB, 5, dtype=np.uint8)
+            with pytest.raises(KvTransferError, match="send"):
+                await transport.send("self", transport.address, 0xC1, payload)
+            await asyncio.sleep(0.5)
+            assert transport.reap_abandoned() == 1 and transport.abandoned_bytes == MIB
+            got = await transport.receive(0xC1, MIB)
+            assert np.array_equal(got, payload)
+            await _released(transport)
+        finally:
+            await endpoint.close()
+            await transport.close()
+
+    asyncio.run(scenario())

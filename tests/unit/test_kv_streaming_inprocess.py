@@ -1,0 +1,151 @@
+"""Prompt KV pulled from a same-host prefill worker's shared pool, started when the
+prompt's last chunk is scheduled (streamed), in-process against fake workers: exact
+streams, no UCX send, the transfer under way while the prompt still runs, and every way
+it can end early (the first token finishes the request, an abort, a failed stream, a
+worker killed mid-stream) leaves nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.scheduler.handle import Stage
+from tests.fake_worker import worker_info
+from tests.unit.test_engine_inprocess import (
+    assert_aborted,
+    assert_clean,
+    assert_exact,
+    cluster,
+    collect,
+    prompt,
+    run,
+    submit,
+    until,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def shared(worker_id: str, role: str):
+    return worker_info(worker_id, role, shared_memory=True)
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_same_host_handoffs_pull_from_the_prefill_pool_and_stream_exact_tokens(streaming):
+    async def scenario():
+        async with cluster(
+            shared("p0", "prefill"),
+            shared("d0", "decode"),
+            max_num_batched_tokens=8,  # long prompts come in chunks
+            kv_transfer_streaming=streaming,
+        ) as c:
+            p0, d0 = c.worker("p0"), c.worker("d0")
+            p0.step_delay_s = 0.02
+            cases = [(prompt(i, length), 4 + i) for i, length in enumerate([1, 5, 8, 13, 21])]
+            handles = [submit(c, f"r{i}", p, n) for i, (p, n) in enumerate(cases)]
+            seen_stages = set()
+
+            async def watch():
+                while True:
+                    if d0.receives_in_progress:
+                        seen_stages.update(h.stage for h in handles if h.transfer is not None)
+                    await asyncio.sleep(0.001)
+
+            watcher = asyncio.create_task(watch())
+            streams = await asyncio.gather(*(collect(h.events) for h in handles))
+            watcher.cancel()
+            for stream, (p, n) in zip(streams, cases, strict=True):
+                assert_exact(stream, p, n)
+            assert p0.send_tags == []  # nothing over UCX
+            assert d0.pull_tags == d0.receive_tags and d0.receive_tags
+            assert c.pool("d0").counters.kv_blocks_received == d0.kv_blocks_received
+            # Streamed: receives under way while the prompt's step still ran.
+            assert (Stage.PREFILL in seen_stages) is streaming
+            await assert_clean(c)
+
+    run(scenario())
+
+
+def test_a_first_token_that_ends_the_request_cancels_its_streamed_transfer():
+    async def scenario():
+        async with cluster(shared("p0", "prefill"), shared("d0", "decode")) as c:
+            p0, d0 = c.worker("p0"), c.worker("d0")
+            p0.step_delay_s = 0.05
+            p = prompt(2, 9)
+            stream = await collect(submit(c, "one", p, 1).events)
+            assert_exact(stream, p, 1)
+            (tag,) = d0.receive_tags  # it was streaming when the first token ended it
+            # The next request's step tells the decode worker the dead tag.
+            assert_exact(await collect(submit(c, "b", prompt(3, 5), 4).events), prompt(3, 5), 4)
+            assert tag in d0.cancelled_tags_received
+            await until(lambda: not d0.receives_in_progress)
+            await assert_clean(c)
+
+    run(scenario())
+
+
+def test_abort_while_the_prompt_runs_ends_its_stream():
+    async def scenario():
+        async with cluster(shared("p0", "prefill"), shared("d0", "decode")) as c:
+            p0, d0 = c.worker("p0"), c.worker("d0")
+            p0.hold_steps()
+            p = prompt(4, 10)
+            handle = submit(c, "a", p, 5)
+            await until(lambda: bool(d0.receives_in_progress), what="the stream started")
+            assert handle.stage is Stage.PREFILL
+            assert c.engine.abort("a")
+            assert_aborted(await collect(handle.events), p, 5)
+            p0.release_steps()
+            assert_exact(await collect(submit(c, "b", prompt(5, 6), 5).events), prompt(5, 6), 5)
+            await until(lambda: not d0.receives_in_progress)
+            await assert_clean(c)
+
+    run(scenario())
+
+
+def test_a_failed_stream_falls_back_to_the_handoff_after_the_prompt():
+    async def scenario():
+        async with cluster(shared("p0", "prefill"), shared("d0", "decode")) as c:
+            p0, d0 = c.worker("p0"), c.worker("d0")
+            p0.hold_steps()
+            d0.fail_transfers()
+            p = prompt(6, 11)
+            handle = submit(c, "a", p, 6)
+            await until(lambda: len(d0.receive_tags) == 1, what="the stream started")
+            await until(lambda: handle.transfer is None, what="the stream failed")
+            d0.heal_transfers()
+            p0.release_steps()
+            assert_exact(await collect(handle.events), p, 6)
+            assert len(d0.receive_tags) == 2  # the stream, then the hand-off's pull
+            assert c.engine.num_restarted_requests == 0
+            await assert_clean(c)
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("victim", ["prefill", "decode"])
+def test_a_worker_killed_mid_stream_restarts_the_request_elsewhere(victim):
+    async def scenario():
+        async with cluster(
+            shared("p0", "prefill"),
+            shared("p1", "prefill"),
+            shared("d0", "decode"),
+            shared("d1", "decode"),
+        ) as c:
+            for w in c.workers:
+                w.hold_steps()
+            p = prompt(8, 10)
+            handle = submit(c, "a", p, 6)
+            await until(lambda: handle.transfer is not None, what="the stream started")
+            transfer = handle.transfer
+            dead = transfer.src if victim == "prefill" else transfer.dst
+            c.worker(dead.info.worker_id).kill()
+            for w in c.workers:
+                w.release_steps()
+            assert_exact(await collect(handle.events), p, 6)
+            assert c.engine.num_worker_failures == 1
+            assert c.engine.num_restarted_requests == 1
+            await assert_clean(c)
+
+    run(scenario())
