@@ -15,7 +15,9 @@ Llama-3-8B-shaped bf16 pool (2 MiB per block: 2, 32 and 64 MiB):
   before): the same, over shared memory.
 
 Source blocks are scattered (every other block) and land on consecutive blocks, as a
-hand-off's do. Every path's result is checked bit for bit. JSON goes to
+hand-off's do. Every path's result is checked bit for bit. The memcpy reference is a
+`copy_` of the same bytes between two private buffers on the receiver's tensor thread,
+timed between the pull's rounds (the box's memory bandwidth drifts by 2x between runs). JSON goes to
 bench/results/kv_transfer_cpu.json.
 
     python -m bench.kv_transfer [--blocks 1 16 32] [--rounds 10]
@@ -69,10 +71,16 @@ def pool_owner(conn, num_blocks: int) -> None:
     from services.worker.kv_cache import KvCache
     from services.worker.kv_shared import SharedPool
 
-    pool = SharedPool(num_blocks * KvCache.bytes_per_block(dtype=DTYPE, **GEOMETRY))
+    pool = SharedPool(
+        num_blocks * KvCache.bytes_per_block(dtype=DTYPE, **GEOMETRY), GEOMETRY["num_layers"]
+    )
     fill(make_cache(num_blocks, pool.pool))
     conn.send_bytes(pool.info.to_json())  # raw bytes and JSON: never pickle
     conn.recv_bytes()  # until the bench is done
+
+
+def same_blocks(cache, dst: list[int], reference, src: list[int]) -> bool:
+    return torch.equal(cache.data[dst].view(torch.int16), reference.data[src].view(torch.int16))
 
 
 def measure_pull(sizes: list[int], rounds: int) -> dict[int, dict]:
@@ -85,10 +93,12 @@ def measure_pull(sizes: list[int], rounds: int) -> dict[int, dict]:
     owner = ctx.Process(target=pool_owner, args=(child, num_blocks), daemon=True)
     owner.start()
     info = SharedMemoryInfo.from_json(parent.recv_bytes())
-    cache = make_cache(num_blocks)
-    reference = make_cache(num_blocks)
-    fill(reference)
-    executor = ThreadPoolExecutor(max_workers=1)  # the receiving worker's tensor thread
+    # The receiving worker's tensor thread: every torch op runs there, as in a worker (a
+    # second thread running parallel torch ops makes a second OpenMP team, and both slow).
+    executor = ThreadPoolExecutor(max_workers=1)
+    cache = executor.submit(make_cache, num_blocks).result()
+    reference = executor.submit(make_cache, num_blocks).result()
+    executor.submit(fill, reference).result()
 
     async def on_thread(fn, *args):
         return await asyncio.wrap_future(executor.submit(fn, *args))
@@ -103,16 +113,19 @@ def measure_pull(sizes: list[int], rounds: int) -> dict[int, dict]:
         out = {}
         for count in sizes:
             src, dst = source_blocks(count), dest_blocks(count)
-            times = []
-            for r in range(rounds + 1):
-                cache.data[dst].zero_()
+            memcpy = await on_thread(CopyTimer, count * cache.block_bytes)
+            times, copies = [], []
+            for r in range(rounds + 1):  # memcpy rounds interleaved: the same conditions
                 start = time.perf_counter()
                 await puller.pull(r, KvSource("owner", info, tuple(src)), dst, no_wait)
                 times.append(time.perf_counter() - start)
-            intact = torch.equal(
-                cache.data[dst].view(torch.int16), reference.data[src].view(torch.int16)
-            )
-            out[count] = {"seconds": times[1:], "bit_identical": intact}
+                copies.append(await on_thread(memcpy.time))
+            intact = await on_thread(same_blocks, cache, dst, reference, src)
+            out[count] = {
+                "seconds": times[1:],
+                "memcpy_seconds": copies[1:],
+                "bit_identical": intact,
+            }
         return out
 
     try:
@@ -211,16 +224,19 @@ def measure_ucx(sizes: list[int], rounds: int, error_handling: bool) -> dict[int
     return {int(k): v for k, v in results.items()}
 
 
-def memcpy_seconds(nbytes: int, rounds: int) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8).random_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(rounds):
+class CopyTimer:
+    """A memcpy of the same bytes between two private buffers (torch `copy_`, the same
+    threads as the pull), timed once per call."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.src = torch.empty(nbytes, dtype=torch.uint8).random_()
+        self.dst = torch.empty_like(self.src)
+        self.dst.copy_(self.src)
+
+    def time(self) -> float:
         start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        self.dst.copy_(self.src)
+        return time.perf_counter() - start
 
 
 def main() -> None:
@@ -232,7 +248,10 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "kv_transfer_cpu.json"))
     args = parser.parse_args()
     sizes = sorted(set(args.blocks))
-    block_bytes = make_cache(1).block_bytes
+    from services.worker.kv_cache import KvCache
+
+    # No torch op on this thread before the pull: it would start a second OpenMP team.
+    block_bytes = KvCache.bytes_per_block(dtype=DTYPE, **GEOMETRY)
     paths = {
         "shared_memory_pull": measure_pull(sizes, args.rounds),
         "ucx_tcp": measure_ucx(sizes, args.rounds, error_handling=True),
@@ -241,7 +260,7 @@ def main() -> None:
     rows = []
     for count in sizes:
         nbytes = count * block_bytes
-        memcpy = memcpy_seconds(nbytes, args.rounds)
+        memcpy = statistics.median(paths["shared_memory_pull"][count]["memcpy_seconds"])
         row = {
             "blocks": count,
             "bytes": nbytes,

@@ -119,6 +119,7 @@ class KvPuller:
             done_ns = peer.done_ns(source.ready_step_id)
             if done_ns is not None:
                 lag = max(0.0, (time.monotonic_ns() - done_ns) / 1e9)
+                log.debug("kv_pulled", tag=tag, blocks=len(block_ids), source_lag_ms=lag * 1e3)
         if not peer.alive:  # its memory stays mapped until we let go: the copy is whole
             self.forget(source.worker_id)
         nbytes = len(block_ids) * self.kv_cache.block_bytes

@@ -11,8 +11,8 @@ mapping keeps the memory alive, and the owner's exit shows on a pidfd.
 
 The header carries the owner's progress, written on its tensor thread: the step it runs
 and how many layers of that step have written their KV (`progress = step * LAYER_SLOTS +
-layers`), and when the last completed step finished its last layer (CLOCK_MONOTONIC is
-one clock for every process on the host). A receiver streams a prompt's KV layer by layer
+layers`), and, for its last 16 steps, when each finished its last layer (CLOCK_MONOTONIC
+is one clock for every process on the host). A receiver streams a prompt's KV layer by layer
 while the owner still computes it: layer `l` of a block is final once the owner reports
 layer `l` done for the step that writes the block's last tokens.
 """
@@ -35,7 +35,9 @@ from common.kv_shared_memory import HEADER_BYTES, SharedMemoryInfo
 
 TOKEN_BYTES = 16
 LAYER_SLOTS = 1 << 12  # layers per step in the progress word (a model has fewer)
-_PROGRESS, _DONE_STEP, _DONE_NS = 0, 1, 2  # int64 words after the token
+RING = 16  # recent steps whose last layer's end time the header keeps
+_PROGRESS = 0  # int64 words after the token: progress, then RING x (step, last layer ns)
+_WORDS = 1 + 2 * RING
 
 
 def host_id() -> str:
@@ -49,9 +51,10 @@ def host_id() -> str:
 class SharedPool:
     """The owner's side: the memfd, the pool bytes in it, and the progress header."""
 
-    def __init__(self, pool_bytes: int) -> None:
-        if pool_bytes <= 0:
-            raise ValueError(f"pool_bytes must be positive, got {pool_bytes}")
+    def __init__(self, pool_bytes: int, num_layers: int) -> None:
+        if pool_bytes <= 0 or not 0 < num_layers < LAYER_SLOTS:
+            raise ValueError(f"bad shared pool: {pool_bytes} bytes, {num_layers} layers")
+        self.num_layers = num_layers
         self.num_bytes = HEADER_BYTES + pool_bytes
         self.fd = os.memfd_create("tandem-kv-pool", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, self.num_bytes)
@@ -59,24 +62,35 @@ class SharedPool:
         self._map = mmap.mmap(self.fd, self.num_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self._map[:TOKEN_BYTES] = self.token
-        self._words = np.frombuffer(self._map, dtype=np.int64, count=3, offset=TOKEN_BYTES)
+        self._words = np.frombuffer(self._map, dtype=np.int64, count=_WORDS, offset=TOKEN_BYTES)
         self.pool = torch.frombuffer(self._map, dtype=torch.uint8, offset=HEADER_BYTES)
         self.info = SharedMemoryInfo(host_id(), os.getpid(), self.fd, self.num_bytes, self.token)
+        self._stamped = 0  # the last step whose last layer's time is in the ring
 
     def step_started(self, step_id: int) -> None:
         self._words[_PROGRESS] = step_id * LAYER_SLOTS
 
     def layer_done(self, step_id: int, layer: int) -> None:
+        if layer + 1 == self.num_layers:
+            self._stamp(step_id)
         self._words[_PROGRESS] = step_id * LAYER_SLOTS + layer + 1
 
-    def step_done(self, step_id: int, num_layers: int) -> None:
-        self._words[_DONE_NS] = time.monotonic_ns()
-        self._words[_DONE_STEP] = step_id
-        self._words[_PROGRESS] = step_id * LAYER_SLOTS + num_layers
+    def step_done(self, step_id: int) -> None:
+        """The step ended (a step with no forward pass reports no layer)."""
+        if self._stamped != step_id:
+            self._stamp(step_id)
+        self._words[_PROGRESS] = step_id * LAYER_SLOTS + self.num_layers
+
+    def _stamp(self, step_id: int) -> None:
+        slot = 1 + 2 * (step_id % RING)
+        self._words[slot + 1] = time.monotonic_ns()
+        self._words[slot] = step_id
+        self._stamped = step_id
 
     def reset(self) -> None:
         """Step ids start over (a new scheduler)."""
         self._words[:] = 0
+        self._stamped = 0
 
 
 class PeerPool:
@@ -104,7 +118,7 @@ class PeerPool:
         except BaseException:
             os.close(self.pidfd)
             raise
-        self._words = np.frombuffer(self._map, dtype=np.int64, count=3, offset=TOKEN_BYTES)
+        self._words = np.frombuffer(self._map, dtype=np.int64, count=_WORDS, offset=TOKEN_BYTES)
         with warnings.catch_warnings():  # read-only on purpose: this side never writes
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.frombuffer(self._map, dtype=torch.uint8, offset=info.pool_offset)
@@ -124,10 +138,11 @@ class PeerPool:
         return layers if step == step_id else 0
 
     def done_ns(self, step_id: int) -> int | None:
-        """When step `step_id` finished its last layer (monotonic ns), if it is the last
-        step the peer completed."""
-        done_ns, done_step = int(self._words[_DONE_NS]), int(self._words[_DONE_STEP])
-        return done_ns if done_step == step_id else None
+        """When step `step_id` finished its last layer (monotonic ns), if it is one of the
+        peer's last 16 steps."""
+        slot = 1 + 2 * (step_id % RING)
+        done_ns = int(self._words[slot + 1])
+        return done_ns if int(self._words[slot]) == step_id else None
 
     @property
     def alive(self) -> bool:

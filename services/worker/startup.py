@@ -183,7 +183,9 @@ def load_worker(config: WorkerConfig, worker_id: str) -> LoadedWorker:
         )
     shared_pool = None
     if device.type == "cpu" and config.kv_transfer_shared_memory:
-        shared_pool = SharedPool(num_blocks * KvCache.bytes_per_block(**geometry))
+        shared_pool = SharedPool(
+            num_blocks * KvCache.bytes_per_block(**geometry), model_config.num_hidden_layers
+        )
     kv_cache = KvCache(
         num_blocks=num_blocks,
         device=device,

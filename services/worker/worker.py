@@ -147,7 +147,7 @@ class Worker:
             self.shared_pool.step_started(step_id)
         output = self.runner.execute(work)
         if self.shared_pool is not None:
-            self.shared_pool.step_done(step_id, self.kv_cache.num_layers)
+            self.shared_pool.step_done(step_id)
         self.batch.complete(work, output.sampled)
         return output
 

@@ -29,14 +29,14 @@ STEP = 7
 def owner(conn) -> None:
     """A peer worker: its pool in shared memory, filled with a known pattern; reports
     progress on command ("layer N", "done"), then waits to be told to exit (or killed)."""
-    pool = SharedPool(OWNER_BLOCKS * KvCache.bytes_per_block(**GEOMETRY))
+    pool = SharedPool(OWNER_BLOCKS * KvCache.bytes_per_block(**GEOMETRY), GEOMETRY["num_layers"])
     pattern = np.random.default_rng(0).integers(0, 255, pool.pool.numel(), dtype=np.uint8)
     pool.pool.numpy()[:] = pattern
     pool.step_started(STEP)
     conn.send_bytes(pool.info.to_json())  # raw bytes and JSON: never pickle
     while (command := conn.recv_bytes().decode()) != "exit":
         if command == "done":
-            pool.step_done(STEP, GEOMETRY["num_layers"])
+            pool.step_done(STEP)
         else:
             pool.layer_done(STEP, int(command.split()[1]))
         conn.send_bytes(b"ok")
@@ -145,8 +145,10 @@ def test_layers_are_copied_as_the_owner_finishes_them():
         return await asyncio.wait_for(task, 5)
 
     try:
-        asyncio.run(run())
+        result = asyncio.run(run())
         assert torch.equal(receiver.blocks(DST), expected_blocks(SRC))
+        # The owner's last layer ended just before: the lag is measured, and small.
+        assert 0 < result.source_lag_seconds < 5
     finally:
         conn.send("exit")
         process.join(5)
