@@ -1,10 +1,12 @@
 """Receiving KV by copying it out of a same-host peer's shared pool (see `kv_shared`).
 
 The receive waits until the steps planned before its blocks were allocated have run here
-(`after_step_id`), then copies each layer of the source blocks into its own blocks as
-soon as the peer reports that layer final: the layers the peer has finished go in one
-copy, the rest follow as it finishes them. Copies run on the tensor thread, so they are
-ordered with this worker's steps, and each first checks the transfer was not cancelled.
+(`after_step_id`), then copies the layers of the source blocks into its own blocks as the
+peer reports them final: the layers the peer has finished go in one copy, the rest follow
+as it finishes them (in copies of at least 2 MiB, or all at the end for a small transfer;
+the waiting is `kv_progress_watch`'s, one poll loop per peer). Copies run on the tensor
+thread, so they are ordered with this worker's steps, and each first checks the transfer
+was not cancelled.
 
 A transfer fails (`KvTransferError`) when the peer exits before the blocks are final
 (its pidfd turns readable), when the peer's progress stalls for `timeout_s`, or when it
@@ -13,7 +15,6 @@ is cancelled. Mappings are cached per peer and dropped when the peer changes or 
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -21,11 +22,15 @@ from dataclasses import dataclass
 from common.kv_shared_memory import SharedMemoryInfo
 from common.log import get_logger
 from services.worker.kv_cache import KvCache
+from services.worker.kv_progress_watch import ProgressWatch
 from services.worker.kv_shared import PeerPool, block_runs, copy_layers
 from services.worker.kv_transfer import KvTransferError
 
 log = get_logger(__name__)
-POLL_S = 0.0005  # between looks at the peer's progress while it computes
+# Layers ready but not yet copied are left for later while they are fewer bytes than
+# this (and more layers are coming): a small transfer is one copy at the end, a large one
+# is copied layer by layer.
+MIN_STREAMED_COPY_BYTES = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -50,12 +55,15 @@ class KvPuller:
         on_tensor_thread: Callable[..., Awaitable],
         is_cancelled: Callable[[int], bool],
         timeout_s: float,
+        min_streamed_copy_bytes: int = MIN_STREAMED_COPY_BYTES,
     ) -> None:
         self.kv_cache = kv_cache
+        self.min_streamed_copy_bytes = min_streamed_copy_bytes
         self._on_tensor_thread = on_tensor_thread
         self._is_cancelled = is_cancelled
         self.timeout_s = timeout_s
         self._peers: dict[str, PeerPool] = {}
+        self._watches: dict[str, ProgressWatch] = {}
 
     def peer(self, worker_id: str, info: SharedMemoryInfo) -> PeerPool:
         """The peer's pool, mapped once (again if the peer came back as another process)."""
@@ -69,12 +77,14 @@ class KvPuller:
         except (OSError, ValueError) as exc:
             raise KvTransferError(f"cannot map the shared pool of {worker_id}: {exc}") from exc
         self._peers[worker_id] = peer
+        self._watches[worker_id] = ProgressWatch(peer.progress, peer.alive)
         log.info("kv_peer_mapped", peer=worker_id, pid=info.pid, mib=info.num_bytes >> 20)
         return peer
 
     def forget(self, worker_id: str) -> None:
         peer = self._peers.pop(worker_id, None)
         if peer is not None:
+            self._watches.pop(worker_id).close()
             peer.close()
 
     async def pull(
@@ -96,14 +106,17 @@ class KvPuller:
         await wait_for_step()
         runs = block_runs(source.block_ids, block_ids)
         num_layers, copied = self.kv_cache.num_layers, 0
+        layer_bytes = len(block_ids) * self.kv_cache.block_bytes // num_layers
+        watch = self._watches[source.worker_id]
         stalled_since = time.monotonic()
         while copied < num_layers:
             ready = peer.layers_ready(source.ready_step_id, num_layers)
-            if ready > copied:
+            worth = (ready - copied) * layer_bytes >= self.min_streamed_copy_bytes
+            if ready == num_layers or (ready > copied and worth):
                 await self._on_tensor_thread(self._copy, tag, peer.data, runs, copied, ready)
                 copied, stalled_since = ready, time.monotonic()
                 continue
-            if not peer.alive:
+            if not peer.alive():
                 self.forget(source.worker_id)
                 raise KvTransferError(f"{source.worker_id} exited before its KV was final")
             if time.monotonic() - stalled_since > self.timeout_s:
@@ -113,14 +126,14 @@ class KvPuller:
                 )
             if self._is_cancelled(tag):
                 raise KvTransferError(f"transfer {tag:#x} was cancelled")
-            await asyncio.sleep(POLL_S)
+            await watch.changed(timeout_s=1.0)
         lag = 0.0
         if source.ready_step_id:
             done_ns = peer.done_ns(source.ready_step_id)
             if done_ns is not None:
                 lag = max(0.0, (time.monotonic_ns() - done_ns) / 1e9)
                 log.debug("kv_pulled", tag=tag, blocks=len(block_ids), source_lag_ms=lag * 1e3)
-        if not peer.alive:  # its memory stays mapped until we let go: the copy is whole
+        if not peer.alive():  # its memory stays mapped until we let go: the copy is whole
             self.forget(source.worker_id)
         nbytes = len(block_ids) * self.kv_cache.block_bytes
         return PullResult(nbytes, time.perf_counter() - started, lag)

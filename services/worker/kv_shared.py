@@ -128,6 +128,10 @@ class PeerPool:
         self.data = flat.view(dtype).view(flat.numel() // block_bytes, *block_shape)
         self.num_blocks = self.data.shape[0]
 
+    def progress(self) -> int:
+        """The raw progress word (`step * LAYER_SLOTS + layers`)."""
+        return int(self._words[_PROGRESS])
+
     def layers_ready(self, step_id: int, num_layers: int) -> int:
         """Layers whose KV is final for blocks that step `step_id` completes (0 = now)."""
         if step_id == 0:
@@ -144,7 +148,6 @@ class PeerPool:
         done_ns = int(self._words[slot + 1])
         return done_ns if int(self._words[slot]) == step_id else None
 
-    @property
     def alive(self) -> bool:
         poller = select.poll()
         poller.register(self.pidfd, select.POLLIN)

@@ -73,13 +73,22 @@ def expected_blocks(block_ids) -> torch.Tensor:
 class Receiver:
     """The receiving worker's side: its own pool, a tensor thread, cancelled tags."""
 
-    def __init__(self, timeout_s: float = 30.0) -> None:
+    def __init__(self, timeout_s: float = 30.0, min_streamed_copy_bytes: int = 0) -> None:
+        """`min_streamed_copy_bytes` 0: every layer is copied as soon as it is final."""
         self.cache = KvCache(num_blocks=16, **GEOMETRY)
         self.executor = ThreadPoolExecutor(max_workers=1)
         self.cancelled: set[int] = set()
-        self.puller = KvPuller(self.cache, self._on_thread, self.cancelled.__contains__, timeout_s)
+        self.copies = 0
+        self.puller = KvPuller(
+            self.cache,
+            self._on_thread,
+            self.cancelled.__contains__,
+            timeout_s,
+            min_streamed_copy_bytes,
+        )
 
     async def _on_thread(self, fn, *args):
+        self.copies += 1
         return await asyncio.wrap_future(self.executor.submit(fn, *args))
 
     async def pull(self, info, src, dst, tag=1, ready_step=STEP):
@@ -149,6 +158,32 @@ def test_layers_are_copied_as_the_owner_finishes_them():
         assert torch.equal(receiver.blocks(DST), expected_blocks(SRC))
         # The owner's last layer ended just before: the lag is measured, and small.
         assert 0 < result.source_lag_seconds < 5
+    finally:
+        conn.send("exit")
+        process.join(5)
+        receiver.close()
+
+
+def test_a_small_transfer_is_copied_once_when_its_last_layer_is_final():
+    """Below the streamed-copy size, ready layers wait for the rest: one copy at the end."""
+    process, conn, info = start_owner()
+    receiver = Receiver(min_streamed_copy_bytes=1 << 30)
+
+    async def run():
+        task = asyncio.create_task(receiver.pull(info, SRC, DST))
+        for layer in range(GEOMETRY["num_layers"] - 1):
+            conn.send(f"layer {layer}")
+            conn.recv()
+            await asyncio.sleep(0.02)
+        assert receiver.copies == 0 and not task.done()
+        conn.send("done")
+        conn.recv()
+        return await asyncio.wait_for(task, 5)
+
+    try:
+        asyncio.run(run())
+        assert receiver.copies == 1
+        assert torch.equal(receiver.blocks(DST), expected_blocks(SRC))
     finally:
         conn.send("exit")
         process.join(5)
