@@ -303,23 +303,25 @@ class Engine(Recovery):
         await pool.wakeup.wait()
 
     async def _next_result(self, pool: Pool) -> StepResult | None:
-        """The oldest step's result; None if the pool was woken first while it has room
-        for another plan (a worker that stops answering must still get the next plan: it
-        carries the tags of transfers given up on, whose blocks are held until it goes)."""
-        if pool.scheduler.num_steps_in_flight >= self.max_steps_in_flight:
-            if pool.receiving is None:
-                return await pool.client.receive_step()
-        elif pool.receiving is None:
+        """The oldest step's result; None when, waiting for it with room for another plan,
+        the pool has cancelled transfers to report: a worker that stops answering must
+        still get the plan that carries their tags, since their blocks are held until it
+        goes. (Other wake-ups wait for the result, as before: planning more eagerly would
+        take CPU turns from the other workers' steps.)"""
+        if pool.receiving is None:
+            if pool.scheduler.num_steps_in_flight >= self.max_steps_in_flight:
+                return await pool.client.receive_step()  # no room to plan: just wait
             pool.receiving = asyncio.ensure_future(pool.client.receive_step())
         receiving = pool.receiving
-        if not receiving.done() and pool.scheduler.num_steps_in_flight < self.max_steps_in_flight:
+        while not receiving.done():
+            if pool.scheduler.has_pending_cancels:
+                return None
+            pool.wakeup.clear()  # a plan follows the result anyway
             woken = asyncio.ensure_future(pool.wakeup.wait())
             try:
                 await asyncio.wait((receiving, woken), return_when=asyncio.FIRST_COMPLETED)
             finally:
                 woken.cancel()
-            if not receiving.done():
-                return None
         pool.receiving = None
         return await receiving
 

@@ -115,6 +115,11 @@ class PoolScheduler(Migration):
             self._held_for_cancels.append(key)
         self._pending_cancels.append(tag)
 
+    @property
+    def has_pending_cancels(self) -> bool:
+        """Cancelled receives whose tags the next plan must carry."""
+        return bool(self._pending_cancels)
+
     def forget_cancelled_transfers(self) -> None:
         """The worker is gone (a new step stream, which drops every receive, comes before
         any reuse): free the blocks held for cancelled receives now."""
