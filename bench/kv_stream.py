@@ -4,7 +4,8 @@ prompt's last chunk is scheduled and copies each layer as it is written) vs afte
 prompt (the transfer starts when the prefill step's result reaches the scheduler).
 
 Runs the real stack (1 prefill + 1 decode worker, same host: the shared-memory pull) on a
-12-layer model with 2,048-token prompts, once per mode, and reads the decode pool's
+12-layer model with 2,048-token prompts, alternating the modes (`--repeats` runs each),
+and reads the decode pool's
 `mean_kv_source_lag_ms` (prefill's last layer done -> blocks in place, measured by the
 decode worker on the host's monotonic clock), the time to first token and from the first
 token to the second (the decode worker's first step waits for the KV). Also reported:
@@ -12,7 +13,7 @@ one layer's compute (the prefill step's time / layers) and one layer's transfer 
 layer's bytes of the prompt's blocks at the pull's measured bandwidth), the yardstick the
 streamed gap is held to. JSON goes to bench/results/kv_stream_cpu.json.
 
-    python -m bench.kv_stream [--prompt-len 2048] [--requests 4]
+    python -m bench.kv_stream [--prompt-len 2048] [--requests 4] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -104,12 +105,24 @@ def run_mode(model: Path, streaming: bool, prompts: list[list[int]], max_len: in
     }
 
 
+def merge(runs: list[dict]) -> dict:
+    """One mode's runs: every number as a list over runs, plus the median."""
+    out = {"streaming": runs[0]["streaming"], "runs": len(runs)}
+    for key in runs[0]:
+        if key != "streaming":
+            values = [r[key] for r in runs]
+            out[key] = round(statistics.median(values), 3)
+            out[f"{key}_runs"] = values
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--prompt-len", type=int, default=2048)
-    parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=4, help="timed requests per run")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per mode, alternating")
     parser.add_argument(
         "--pull-gbps",
         type=float,
@@ -130,7 +143,13 @@ def main() -> None:
         [rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(args.requests + 1)
     ]
     max_len = args.prompt_len + 16
-    modes = [run_mode(model, streaming, prompts, max_len) for streaming in (False, True)]
+    # Modes alternate (after, streamed, after, ...): the box drifts between runs.
+    runs = [
+        run_mode(model, streaming, prompts, max_len)
+        for _ in range(args.repeats)
+        for streaming in (False, True)
+    ]
+    modes = [merge([r for r in runs if r["streaming"] is streaming]) for streaming in (False, True)]
     pull_gbps = args.pull_gbps
     if pull_gbps is None:
         rows = json.loads((RESULTS / "kv_transfer_cpu.json").read_text())["rows"]
