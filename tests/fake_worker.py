@@ -40,6 +40,7 @@ from typing import Any
 
 from common.kv_shared_memory import SharedMemoryInfo
 from services.scheduler.worker_types import (
+    KvPullRefusedError,
     KvPullSource,
     KvTransferResult,
     ModelShape,
@@ -212,6 +213,7 @@ class FakeWorker:
         # Awaited by a receive after it wrote its blocks, before it answers (tests use it
         # to make something happen exactly then).
         self.after_kv_received: Callable[[int], Awaitable[None]] | None = None
+        self.refuse_pulls = False  # receive_kv with a source: the pool cannot be mapped
         # -- worker state (lost when killed)
         self.batch: dict[str, FakeRequest] = {}
         self.kv: dict[int, list[int | None]] = {}
@@ -415,6 +417,8 @@ class FakeWorker:
         self.receive_tags.append(tag)
         if source is not None:
             self.pull_tags.append(tag)
+            if self.refuse_pulls:
+                raise KvPullRefusedError(f"{self.address}: cannot map the shared pool")
             serve = self._serve_pull(tag, list(block_ids), timeout_s, after_step_id, source)
         else:
             serve = self._serve_receive(tag, list(block_ids), timeout_s, after_step_id)

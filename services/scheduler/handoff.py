@@ -37,7 +37,7 @@ from common.log import bind_request, get_logger
 from services.scheduler.handle import RequestHandle, Stage, Transfer
 from services.scheduler.placement import DecodeCandidate, choose_decode
 from services.scheduler.pool import Pool
-from services.scheduler.worker_types import KvPullSource
+from services.scheduler.worker_types import KvPullRefusedError, KvPullSource
 
 log = get_logger(__name__)
 
@@ -61,6 +61,8 @@ class KvHandoff:
         self._fail = fail
         self._transfer_failed = transfer_failed
         self.queue: deque[RequestHandle] = deque()
+        # (source, receiver) worker ids whose receiver could not map the source's pool.
+        self._no_pull: set[tuple[str, str]] = set()
         self._tag_base = secrets.randbits(31) << 32
         self._tag_counter = 0
 
@@ -144,8 +146,12 @@ class KvHandoff:
             return
         dst, hits = choice
         whole = dst.blocks.blocks_for_tokens(handle.request.num_computed_tokens)
-        if dst.info.can_pull_from(src.info) and len(hits) < whole:
+        if self._can_pull(src, dst) and len(hits) < whole:
             self._start(handle, dst, hits, streamed=True)
+
+    def _can_pull(self, src: Pool, dst: Pool) -> bool:
+        pair = (src.info.worker_id, dst.info.worker_id)
+        return dst.info.can_pull_from(src.info) and pair not in self._no_pull
 
     def _choose(self, request) -> tuple[Pool, list[int]] | None:
         """The decode pool placement picks for the request now, and its cached blocks."""
@@ -210,7 +216,7 @@ class KvHandoff:
         (the request ended) it stops both; `cancel` has released the blocks."""
         rid = handle.request.request_id
         started = time.perf_counter()
-        if dst.info.can_pull_from(src.info):  # same host: the decode worker copies them
+        if self._can_pull(src, dst):  # same host: the decode worker copies them
             source = KvPullSource(src.info, src_blocks, handle.ready_step_in(src))
             calls = [
                 asyncio.ensure_future(
@@ -232,6 +238,9 @@ class KvHandoff:
             for call in calls:
                 call.cancel()
         error = next((c.exception() for c in done if c.exception() is not None), None)
+        if isinstance(error, KvPullRefusedError):  # from now on these two use UCX
+            self._no_pull.add((src.info.worker_id, dst.info.worker_id))
+            log.warning("kv_pull_refused", src=src.info.worker_id, dst=dst.info.worker_id)
         if error is not None and handle.stage is Stage.PREFILL:
             # Streamed while the prompt still runs: drop the decode side; the finished
             # prompt is handed off as usual (a dead worker is found by its step stream).

@@ -19,6 +19,7 @@ from common.pb.tandem.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.scheduler.pool_scheduler import PoolStepPlan
 from services.scheduler.step_codec import plan_to_pb, step_result_from_pb, worker_info_from_pb
 from services.scheduler.worker_types import (
+    KvPullRefusedError,
     KvPullSource,
     KvTransferResult,
     StepResult,
@@ -168,6 +169,8 @@ class WorkerClient:
         try:
             response = await self._stub.ReceiveKv(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.FAILED_PRECONDITION and source is not None:
+                raise KvPullRefusedError(f"ReceiveKv on {self.address}: {exc.details()}") from exc
             raise WorkerUnavailableError(
                 f"ReceiveKv on {self.address} failed: {exc.code().name} {exc.details()}"
             ) from exc

@@ -16,6 +16,11 @@ class WorkerUnavailableError(RuntimeError):
     """The worker's Step stream or a KV call failed: the worker is gone or broken."""
 
 
+class KvPullRefusedError(WorkerUnavailableError):
+    """The receiving worker cannot map the source's shared pool (e.g. another user): KV
+    between these two workers has to go over UCX."""
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The model a worker serves, as far as the scheduler and the gateway care."""

@@ -27,6 +27,13 @@ from services.worker.kv_shared import PeerPool, block_runs, copy_layers
 from services.worker.kv_transfer import KvTransferError
 
 log = get_logger(__name__)
+
+
+class KvMapError(KvTransferError):
+    """The peer's shared pool cannot be mapped from here (another user, a forged or stale
+    description): KV from that peer must come another way."""
+
+
 # Layers ready but not yet copied are left for later while they are fewer bytes than
 # this (and more layers are coming): a small transfer is one copy at the end, a large one
 # is copied layer by layer.
@@ -75,7 +82,7 @@ class KvPuller:
         try:
             peer = PeerPool(info, self.kv_cache.data.shape[1:], self.kv_cache.dtype)
         except (OSError, ValueError) as exc:
-            raise KvTransferError(f"cannot map the shared pool of {worker_id}: {exc}") from exc
+            raise KvMapError(f"cannot map the shared pool of {worker_id}: {exc}") from exc
         self._peers[worker_id] = peer
         self._watches[worker_id] = ProgressWatch(peer.progress, peer.alive)
         log.info("kv_peer_mapped", peer=worker_id, pid=info.pid, mib=info.num_bytes >> 20)

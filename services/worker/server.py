@@ -18,7 +18,7 @@ from services.worker.batch import (
     NewRequestData,
     PlanError,
 )
-from services.worker.kv_pull import KvSource
+from services.worker.kv_pull import KvMapError, KvSource
 from services.worker.kv_transfer import KvTransferError
 from services.worker.runner import StepOutput
 from services.worker.worker import KV_LAYOUT, Worker
@@ -245,6 +245,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             result = await worker.receive_kv(
                 request.transfer_tag, list(request.block_ids), request.after_step_id
             )
+        except KvMapError as exc:  # this pair of workers must use UCX
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except KvTransferError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return worker_pb2.ReceiveKvResponse(num_bytes=result.num_bytes, seconds=result.seconds)

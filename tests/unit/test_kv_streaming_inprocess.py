@@ -149,3 +149,19 @@ def test_a_worker_killed_mid_stream_restarts_the_request_elsewhere(victim):
             await assert_clean(c)
 
     run(scenario())
+
+
+def test_a_receiver_that_cannot_map_the_pool_gets_kv_over_ucx_from_then_on():
+    async def scenario():
+        async with cluster(shared("p0", "prefill"), shared("d0", "decode")) as c:
+            p0, d0 = c.worker("p0"), c.worker("d0")
+            d0.refuse_pulls = True
+            cases = [(prompt(i, 9 + i), 5) for i in range(3)]
+            for i, (p, n) in enumerate(cases):  # one at a time: the first learns it
+                assert_exact(await collect(submit(c, f"r{i}", p, n).events), p, n)
+            assert len(d0.pull_tags) == 1  # refused once
+            assert c.engine.num_restarted_requests == 1  # that request recomputed
+            assert p0.send_tags and set(p0.send_tags) <= set(d0.receive_tags)  # then UCX
+            await assert_clean(c)
+
+    run(scenario())
