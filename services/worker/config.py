@@ -124,6 +124,12 @@ class WorkerConfig(ServiceConfig):
         "UCX; off = every transfer uses UCX",
         env="TANDEM_KV_TRANSFER_SHARED_MEMORY",
     )
+    kv_transfer_stream_min_copy_bytes: int = setting(
+        2 << 20,
+        "while a peer still computes a prompt's KV, copy its finished layers once at least "
+        "this many bytes of them are ready (smaller transfers are copied once, at the end)",
+        env="TANDEM_KV_TRANSFER_STREAM_MIN_COPY_BYTES",
+    )
     drain_timeout_s: float = drain_timeout_setting(
         "on SIGTERM: seconds to let the requests this worker holds finish"
     )
@@ -163,6 +169,7 @@ class WorkerConfig(ServiceConfig):
             bool(self.cpu_compute_lock), "cpu_compute_lock", "must be auto, off or a file path"
         )
         self._positive("kv_transfer_timeout_s")
+        self._at_least(0, "kv_transfer_stream_min_copy_bytes")
 
     @property
     def resolved_worker_id(self) -> str:

@@ -96,6 +96,7 @@ class Worker:
             self._copy_on_tensor_thread,
             lambda tag: tag in self._cancelled_tags,
             config.kv_transfer_timeout_s,
+            config.kv_transfer_stream_min_copy_bytes,
         )
 
     @classmethod

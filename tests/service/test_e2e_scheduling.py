@@ -173,3 +173,32 @@ def test_generate_usage_fields_are_consistent(tiny_llama_dir, tmp_path):
         wait_until_idle(stack)
     finally:
         stack.stop()
+
+
+def test_streamed_layer_by_layer_pull_with_chunked_prompts_equals_hf(tiny_llama_dir, tmp_path):
+    """Same-host workers pull KV out of the prefill worker's shared pool, the transfer
+    started with each prompt's last chunk (with the copy-size floor at 0, each layer is
+    copied as soon as it is final); prompts come in chunks. Output equals HF, the
+    transfers report the lag from the prompt's last layer, and every block comes back.
+    (That layers are copied while the step runs is shown in test_kv_shared_pull.py.)"""
+    stack = start_stack(
+        tiny_llama_dir,
+        tmp_path / "run",
+        extra_args={
+            "prefill": ["--max-model-len", "96"],
+            "decode": ["--max-model-len", "96", "--kv-transfer-stream-min-copy-bytes", "0"],
+            "scheduler": ["--max-num-batched-tokens", "24"],
+        },
+    )
+    try:
+        work = workload(hf_tokenizer(str(tiny_llama_dir)))
+        check_against_hf(tiny_llama_dir, work, run_concurrently(stack.spec.gateway_address, work))
+        stats = wait_until_idle(stack)
+        (decode,) = [p for p in stats.pools if p.role == 2]
+        assert decode.kv_transfers >= len(work) - 1  # (a hit on every block moves none)
+        assert decode.kv_source_lag_ms_total > 0  # pulled with the prompt's step: streamed
+        assert all(p.num_free_blocks == p.num_blocks for p in stats.pools)
+        logs = (Path(stack.run_dir) / "logs").glob("decode-*.log")
+        assert any('"kv_peer_mapped"' in log.read_text() for log in logs)  # the pull path
+    finally:
+        stack.stop()
