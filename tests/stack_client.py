@@ -17,6 +17,18 @@ from common.pb.tandem.internal.v1 import (
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
 from services.stack.launcher import Stack, StackSpec
 
+# Short prompts of mixed scripts that the stack tests send (HF references are per prompt).
+SAMPLE_PROMPTS = [
+    "Once upon a time",
+    "The scheduler keeps every worker busy",
+    "naïve café 中文字符 🚀",
+    "KV blocks move between workers",
+    "In the beginning",
+    "Paged attention stores keys and values",
+    "Continuous batching",
+    "Ελληνικά και русский",
+]
+
 
 @dataclass
 class Completion:

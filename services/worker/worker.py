@@ -74,8 +74,11 @@ class Worker:
         self.device = loaded.device
         self.runner = ModelRunner(loaded.model, loaded.kv_cache, loaded.device, loaded.graphs)
         self.shared_pool = loaded.shared_pool
+        # Only a prefill worker's prompts are streamed while they compute: only it reports
+        # progress (a peer pulling from any other worker's pool copies final blocks).
+        self._progress = loaded.shared_pool if config.role == "prefill" else None
         self._running_step_id = 0
-        if self.shared_pool is not None:
+        if self._progress is not None:
             self.kv_cache.on_layer_written = self._layer_written
         self.batch = PersistentBatch(
             loaded.kv_cache.block_size, loaded.kv_cache.num_blocks, loaded.model_config.vocab_size
@@ -143,17 +146,17 @@ class Worker:
         if moves:
             self._check_moves(moves)
             self._move_blocks(moves)
-        if self.shared_pool is not None:  # peers stream this step's KV layer by layer
+        if self._progress is not None:  # peers stream this step's KV layer by layer
             self._running_step_id = step_id
-            self.shared_pool.step_started(step_id)
+            self._progress.step_started(step_id)
         output = self.runner.execute(work)
-        if self.shared_pool is not None:
-            self.shared_pool.step_done(step_id)
+        if self._progress is not None:
+            self._progress.step_done(step_id)
         self.batch.complete(work, output.sampled)
         return output
 
     def _layer_written(self, layer: int) -> None:
-        self.shared_pool.layer_done(self._running_step_id, layer)
+        self._progress.layer_done(self._running_step_id, layer)
 
     async def step(
         self,
@@ -211,8 +214,8 @@ class Worker:
 
     def _clear(self) -> None:
         self.batch.clear()
-        if self.shared_pool is not None:
-            self.shared_pool.reset()
+        if self._progress is not None:
+            self._progress.reset()
 
     def cancel_transfers(self, tags: Iterable[int]) -> None:
         """The scheduler gave up on these receives: none of them may write into the pool

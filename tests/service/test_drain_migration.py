@@ -21,20 +21,15 @@ import pytest
 from common.pb.tandem.internal.v1 import types_pb2
 from services.stack.launcher import Stack
 from tests.hf_reference import hf_greedy, hf_tokenizer
-from tests.stack_client import BackgroundStream, greedy_request, pool_stats, wait_until_idle
+from tests.stack_client import (
+    SAMPLE_PROMPTS,
+    BackgroundStream,
+    greedy_request,
+    pool_stats,
+    wait_until_idle,
+)
 
-PROMPTS = [
-    "Once upon a time",
-    "The scheduler keeps every worker busy",
-    "naïve café 中文字符 🚀",
-    "KV blocks move between workers",
-    "In the beginning",
-    "Paged attention stores keys and values",
-    "Continuous batching",
-    "Ελληνικά και русский",
-    "A decode worker drains",
-    "Tokens keep streaming",
-]
+PROMPTS = [*SAMPLE_PROMPTS, "A decode worker drains", "Tokens keep streaming"]
 # Long outputs (the tiny model's context is 512), two running per pool at a time: the
 # generation left when the drain begins takes several times as long as the worker's
 # exit (health check, its 1 s idle settle, the gRPC grace period).

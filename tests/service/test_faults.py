@@ -22,6 +22,7 @@ from common.pb.tandem.internal.v1 import types_pb2
 from services.stack.launcher import Stack
 from tests.hf_reference import hf_greedy, hf_tokenizer
 from tests.stack_client import (
+    SAMPLE_PROMPTS,
     BackgroundStream,
     generate,
     greedy_request,
@@ -30,16 +31,7 @@ from tests.stack_client import (
     worker_active_requests,
 )
 
-PROMPTS = [
-    "Once upon a time",
-    "The scheduler keeps every worker busy",
-    "naïve café 中文字符 🚀",
-    "KV blocks move between workers",
-    "In the beginning",
-    "Paged attention stores keys and values",
-    "Continuous batching",
-    "Ελληνικά και русский",
-]
+PROMPTS = SAMPLE_PROMPTS
 LONG_OUTPUT = 96
 # A frozen worker is declared failed after 4 missed health checks, each one interval plus
 # one timeout: about 4 s here. Freezes shorter than that must not fail anyone.

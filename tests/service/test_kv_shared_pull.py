@@ -5,6 +5,7 @@ that outlives its owner, and an owner SIGKILLed mid-stream 50 times in a row."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -42,25 +43,39 @@ def owner(conn) -> None:
         conn.send_bytes(b"ok")
 
 
-def start_owner():
-    ctx = mp.get_context("fork")  # no torch work in the child: forking is safe and fast
-    parent, child = ctx.Pipe()
-    process = ctx.Process(target=owner, args=(child,), daemon=True)
-    process.start()
-    return process, Commands(parent), SharedMemoryInfo.from_json(parent.recv_bytes())
+class Owner:
+    """A forked owner process and the test's end of its pipe (bytes only)."""
 
+    def __init__(self) -> None:
+        ctx = mp.get_context("fork")  # no torch work in the child: forking is safe and fast
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=owner, args=(child,), daemon=True)
+        self.process.start()
+        self.info = SharedMemoryInfo.from_json(self.conn.recv_bytes())
 
-class Commands:
-    """The test's end of the owner's pipe (bytes only)."""
-
-    def __init__(self, conn) -> None:
-        self.conn = conn
-
-    def send(self, command: str) -> None:
+    def command(self, command: str) -> None:
+        """Report progress ("layer N" or "done") and wait until it is in the header."""
         self.conn.send_bytes(command.encode())
+        self.conn.recv_bytes()
 
-    def recv(self) -> bytes:
-        return self.conn.recv_bytes()
+    def kill(self) -> None:
+        os.kill(self.process.pid, signal.SIGKILL)
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.conn.send_bytes(b"exit")
+        self.process.join(5)
+
+
+@contextlib.contextmanager
+def pulling(**receiver_args):
+    """A live owner and a receiver, both let go afterwards."""
+    owner_, receiver = Owner(), Receiver(**receiver_args)
+    try:
+        yield owner_, receiver
+    finally:
+        owner_.stop()
+        receiver.close()
 
 
 def expected_blocks(block_ids) -> torch.Tensor:
@@ -111,170 +126,125 @@ SRC, DST = [3, 4, 5, 11, 2], [0, 1, 2, 9, 15]
 
 
 def test_pulled_blocks_are_bit_identical():
-    process, conn, info = start_owner()
-    receiver = Receiver()
-    try:
-        conn.send("done")
-        conn.recv()
-        result = asyncio.run(receiver.pull(info, SRC, DST))
+    with pulling() as (owner, receiver):
+        owner.command("done")
+        result = asyncio.run(receiver.pull(owner.info, SRC, DST))
         assert torch.equal(receiver.blocks(DST), expected_blocks(SRC))
         assert result.num_bytes == len(DST) * receiver.cache.block_bytes
         assert result.source_lag_seconds >= 0
         assert float(receiver.cache.data[[3, 4, 5]].abs().sum()) == 0  # nothing else written
-    finally:
-        conn.send("exit")
-        process.join(5)
-        receiver.close()
 
 
 def test_layers_are_copied_as_the_owner_finishes_them():
-    process, conn, info = start_owner()
-    receiver = Receiver()
     layers = GEOMETRY["num_layers"]
-
-    def layer_view(ids, layer):
-        return receiver.cache.data[list(ids), layer].reshape(len(ids), -1).view(torch.uint8)
 
     def expected_layer(ids, layer):
         return expected_blocks(ids).view(len(ids), layers, -1)[:, layer]
 
-    async def run():
-        task = asyncio.create_task(receiver.pull(info, SRC, DST))
+    async def run(owner, receiver):
+        def layer_view(ids, layer):
+            return receiver.cache.data[list(ids), layer].reshape(len(ids), -1).view(torch.uint8)
+
+        task = asyncio.create_task(receiver.pull(owner.info, SRC, DST))
         for done in range(layers - 1):
-            conn.send(f"layer {done}")
-            conn.recv()
+            owner.command(f"layer {done}")
             deadline = time.monotonic() + 5
             while not torch.equal(layer_view(DST, done), expected_layer(SRC, done)):
                 assert time.monotonic() < deadline, f"layer {done} was not copied"
                 await asyncio.sleep(0.005)
             assert float(layer_view(DST, done + 1).abs().sum()) == 0  # not final yet: not copied
             assert not task.done()
-        conn.send("done")
-        conn.recv()
+        owner.command("done")
         return await asyncio.wait_for(task, 5)
 
-    try:
-        result = asyncio.run(run())
+    with pulling() as (owner, receiver):
+        result = asyncio.run(run(owner, receiver))
         assert torch.equal(receiver.blocks(DST), expected_blocks(SRC))
         # The owner's last layer ended just before: the lag is measured, and small.
         assert 0 < result.source_lag_seconds < 5
-    finally:
-        conn.send("exit")
-        process.join(5)
-        receiver.close()
 
 
 def test_a_small_transfer_is_copied_once_when_its_last_layer_is_final():
     """Below the streamed-copy size, ready layers wait for the rest: one copy at the end."""
-    process, conn, info = start_owner()
-    receiver = Receiver(min_streamed_copy_bytes=1 << 30)
 
-    async def run():
-        task = asyncio.create_task(receiver.pull(info, SRC, DST))
+    async def run(owner, receiver):
+        task = asyncio.create_task(receiver.pull(owner.info, SRC, DST))
         for layer in range(GEOMETRY["num_layers"] - 1):
-            conn.send(f"layer {layer}")
-            conn.recv()
+            owner.command(f"layer {layer}")
             await asyncio.sleep(0.02)
         assert receiver.copies == 0 and not task.done()
-        conn.send("done")
-        conn.recv()
+        owner.command("done")
         return await asyncio.wait_for(task, 5)
 
-    try:
-        asyncio.run(run())
+    with pulling(min_streamed_copy_bytes=1 << 30) as (owner, receiver):
+        asyncio.run(run(owner, receiver))
         assert receiver.copies == 1
         assert torch.equal(receiver.blocks(DST), expected_blocks(SRC))
-    finally:
-        conn.send("exit")
-        process.join(5)
-        receiver.close()
 
 
 def test_a_cancelled_pull_stops_and_writes_nothing_more():
-    process, conn, info = start_owner()
-    receiver = Receiver()
-
-    async def run():
-        task = asyncio.create_task(receiver.pull(info, SRC, DST, tag=5))
+    async def run(owner, receiver):
+        task = asyncio.create_task(receiver.pull(owner.info, SRC, DST, tag=5))
         await asyncio.sleep(0.05)
         receiver.cancelled.add(5)
         with pytest.raises(KvTransferError, match="cancelled"):
             await asyncio.wait_for(task, 5)
-        conn.send("done")  # the owner finishes later: the cancelled pull copies nothing
-        conn.recv()
+        owner.command("done")  # the owner finishes later: the cancelled pull copies nothing
 
-    try:
-        asyncio.run(run())
+    with pulling() as (owner, receiver):
+        asyncio.run(run(owner, receiver))
         assert float(receiver.cache.data.abs().sum()) == 0
-    finally:
-        conn.send("exit")
-        process.join(5)
-        receiver.close()
 
 
 def test_final_kv_survives_its_owner_being_killed():
     """Blocks already final are copied whole even after the owner died: the mapping keeps
     its memory."""
-    process, conn, info = start_owner()
-    receiver = Receiver()
-    try:
-        receiver.puller.peer("owner", info)  # mapped while it lived (as a worker would)
-        conn.send("done")
-        conn.recv()
-        os.kill(process.pid, signal.SIGKILL)
-        process.join(5)
-        asyncio.run(receiver.pull(info, SRC, DST))
+    with pulling() as (owner, receiver):
+        receiver.puller.peer("owner", owner.info)  # mapped while it lived (as a worker would)
+        owner.command("done")
+        owner.kill()
+        owner.process.join(5)
+        asyncio.run(receiver.pull(owner.info, SRC, DST))
         assert torch.equal(receiver.blocks(DST), expected_blocks(SRC))
-    finally:
-        receiver.close()
 
 
 def test_owner_killed_mid_stream_50_times_fails_each_pull_fast_and_the_receiver_lives():
-    receiver = Receiver(timeout_s=60.0)  # the kill must be seen, not a timeout
     rng = np.random.default_rng(1)
+
+    async def killed_mid_stream(receiver, owner, tag) -> float:
+        task = asyncio.create_task(receiver.pull(owner.info, SRC, DST, tag=tag))
+        await asyncio.sleep(float(rng.uniform(0, 0.02)))
+        owner.kill()
+        killed = time.monotonic()
+        with pytest.raises(KvTransferError, match="exited before its KV was final"):
+            await asyncio.wait_for(task, 10)
+        return time.monotonic() - killed
+
+    receiver = Receiver(timeout_s=60.0)  # the kill must be seen, not a timeout
     slowest = 0.0
     try:
         for round_ in range(50):
-            process, conn, info = start_owner()
-            finished = int(rng.integers(0, GEOMETRY["num_layers"]))
-            for layer in range(finished):
-                conn.send(f"layer {layer}")
-                conn.recv()
-
-            async def run(tag, info, pid):
-                task = asyncio.create_task(receiver.pull(info, SRC, DST, tag=tag))
-                await asyncio.sleep(float(rng.uniform(0, 0.02)))
-                os.kill(pid, signal.SIGKILL)
-                killed = time.monotonic()
-                with pytest.raises(KvTransferError, match="exited before its KV was final"):
-                    await asyncio.wait_for(task, 10)
-                return time.monotonic() - killed
-
-            slowest = max(slowest, asyncio.run(run(round_ + 1, info, process.pid)))
-            process.join(5)
+            owner = Owner()
+            for layer in range(int(rng.integers(0, GEOMETRY["num_layers"]))):
+                owner.command(f"layer {layer}")
+            slowest = max(slowest, asyncio.run(killed_mid_stream(receiver, owner, round_ + 1)))
+            owner.stop()
         assert slowest < 1.0, f"a pull took {slowest:.3f}s to see its owner die"
         # Still a working receiver: a live owner's blocks arrive whole.
-        process, conn, info = start_owner()
-        conn.send("done")
-        conn.recv()
-        asyncio.run(receiver.pull(info, SRC, DST, tag=999))
+        owner = Owner()
+        owner.command("done")
+        asyncio.run(receiver.pull(owner.info, SRC, DST, tag=999))
         assert torch.equal(receiver.blocks(DST), expected_blocks(SRC))
-        conn.send("exit")
-        process.join(5)
+        owner.stop()
     finally:
         receiver.close()
 
 
 def test_a_pull_from_a_process_that_is_not_the_owner_is_refused():
-    process, conn, info = start_owner()
-    receiver = Receiver()
-    try:
+    with pulling() as (owner, receiver):
+        info = owner.info
         forged = type(info)(info.host_id, info.pid, info.fd, info.num_bytes, b"x" * 16)
         with pytest.raises(KvTransferError, match="another token"):
             asyncio.run(receiver.pull(forged, SRC, DST))
         with pytest.raises(KvTransferError, match="outside the peer's pool"):
             asyncio.run(receiver.pull(info, [OWNER_BLOCKS], [0]))
-    finally:
-        conn.send("exit")
-        process.join(5)
-        receiver.close()

@@ -15,18 +15,15 @@ import pytest
 
 from common.pb.tandem.v1 import generate_pb2_grpc
 from tests.hf_reference import hf_greedy, hf_tokenizer
-from tests.stack_client import generate, greedy_request, pool_stats, wait_until_idle
+from tests.stack_client import (
+    SAMPLE_PROMPTS,
+    generate,
+    greedy_request,
+    pool_stats,
+    wait_until_idle,
+)
 
-PROMPTS = [
-    "Once upon a time",
-    "The scheduler keeps every worker busy",
-    "naïve café 中文字符 🚀",
-    "KV blocks move between workers",
-    "In the beginning",
-    "Paged attention stores keys and values",
-    "Continuous batching",
-    "Ελληνικά και русский",
-]
+PROMPTS = SAMPLE_PROMPTS
 MAX_TOKENS = 32
 NUM_BLOCKS = 24  # 16-token blocks: about 6 requests' KV per pool
 MAX_WAITING = 48
