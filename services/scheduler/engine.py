@@ -283,12 +283,12 @@ class Engine(Recovery):
                 self._requeue(self._handles[victim.request_id])
             if not plan.is_empty:
                 step_id = await pool.client.send_step(plan)
-                if not pool.scheduler.runs_decodes:  # last prompt chunks: stream their KV
+                if not pool.scheduler.runs_decodes:  # prompt chunks: stream their KV
                     for item in plan.scheduled:
-                        if item.samples:
-                            handle = self._handles[item.request.request_id]
+                        handle = self._handles[item.request.request_id]
+                        if item.samples:  # the prompt's last chunk
                             handle.prompt_step = (pool, step_id)
-                            self.handoff.stream(handle)
+                        self.handoff.stream(handle, step_id, last=bool(item.samples))
                 return
         if pool.scheduler.num_steps_in_flight:
             result = await self._next_result(pool)

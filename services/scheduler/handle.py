@@ -65,16 +65,54 @@ class Finished:
     error: tuple[str, str] | None = None
 
 
+@dataclass(frozen=True)
+class TransferPart:
+    """Blocks of one transfer that become final together: once the source worker has run
+    step `ready_step_id` (0: final already). `last`: no part follows."""
+
+    src_blocks: list[int]
+    dst_blocks: list[int]
+    ready_step_id: int
+    last: bool
+
+
 @dataclass(eq=False)
 class Transfer:
-    """A KV transfer: its task, both pools and its tag. A transfer streamed while the
-    prompt still runs can end first: `done` until the prompt's result comes in."""
+    """A KV transfer: its task, both pools, its tag, and its parts, queued as they become
+    known (one for a finished prompt; one per prompt chunk when streamed). A transfer
+    streamed while the prompt still runs can end first: `done` until the prompt's result
+    comes in."""
 
     task: asyncio.Task
     src: Pool
     dst: Pool
     tag: int
+    parts: asyncio.Queue[TransferPart]
+    # The request's decode-side blocks, from block `first_block` of its table on; blocks
+    # from `next_block` on are in no part yet.
+    dst_blocks: list[int]
+    first_block: int
+    next_block: int
     done: bool = False
+
+    def add_part(self, src_table: list[int], end_block: int, ready_step_id: int, last: bool):
+        """Queue blocks `next_block`..`end_block` of the request's table (`src_table`: its
+        blocks in the source pool), final after `ready_step_id`; the last part takes every
+        block left."""
+        if last:
+            end_block = self.first_block + len(self.dst_blocks)
+        if end_block <= self.next_block and not last:
+            return
+        start, self.next_block = self.next_block, max(end_block, self.next_block)
+        first = self.first_block
+        self.parts.put_nowait(
+            TransferPart(
+                src_table[start:end_block],
+                self.dst_blocks[start - first : end_block - first],
+                ready_step_id,
+                last,
+            )
+        )
 
 
 @dataclass(eq=False)

@@ -12,11 +12,13 @@ prefill worker, same UCX tag, issued together. The received blocks are written o
 the decode worker has run every step planned before they were allocated
 (`after_step_id`), so a step still in flight can never write into freshly received KV.
 
-Streamed (`stream`): when the step computing a prompt's last chunk is sent and a same-host
-decode pool would take it now, the transfer starts at once and copies each layer as the
-prefill worker writes it; the request moves on when both the transfer and the prompt's
-result are in. A streamed transfer that fails before the result only drops its decode
-side: the prompt is then handed off as usual.
+Streamed (`stream`): when a step computing a chunk of a prompt is sent and a same-host
+decode pool would take the whole prompt now, the transfer starts at once (every decode
+block of the prompt allocated) and moves in parts, one per chunk: the blocks a chunk
+completes, final once its step has run, pulled layer by layer as the prefill worker writes
+them (the prompt's last part takes its partial last block). The request moves on when both
+the transfer and the prompt's result are in. A streamed transfer that fails before the
+result only drops its decode side: the prompt is then handed off as usual.
 
 A transfer that is cancelled (the request ended) or fails (a peer died, a timeout) frees
 the prefill side's blocks at once. Its tag goes to the decode worker with that pool's next
@@ -34,10 +36,10 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 
 from common.log import bind_request, get_logger
-from services.scheduler.handle import RequestHandle, Stage, Transfer
+from services.scheduler.handle import RequestHandle, Stage, Transfer, TransferPart
 from services.scheduler.placement import DecodeCandidate, choose_decode
 from services.scheduler.pool import Pool
-from services.scheduler.worker_types import KvPullRefusedError, KvPullSource
+from services.scheduler.worker_types import KvPullRefusedError, KvPullSource, KvTransferResult
 
 log = get_logger(__name__)
 
@@ -123,7 +125,7 @@ class KvHandoff:
         at the first that no pool has room for, or that chooses another pool (woken)."""
         while self.queue and pool.accepting:
             handle = self.queue[0]
-            choice = self._choose(handle.request)
+            choice = self._choose(handle.request, handle.request.num_computed_tokens)
             if choice is None:
                 return  # wait until a decode pool frees blocks
             dst, hits = choice
@@ -133,32 +135,41 @@ class KvHandoff:
             self.queue.popleft()
             self._start(handle, pool, hits)
 
-    def stream(self, handle: RequestHandle) -> None:
-        """The step just sent (`handle.prompt_step`) computes the last chunk of the handle's
-        prompt in a prefill pool: if a same-host decode pool would take it now, start the transfer
-        already; the decode worker copies each layer as the prefill worker finishes it.
-        Otherwise (or with a hand-off queue ahead of it) it waits for the prompt as usual."""
-        src = handle.pool
-        if not self.streaming or self.queue or handle.transfer is not None:
-            return
-        choice = self._choose(handle.request)
-        if choice is None:
-            return
-        dst, hits = choice
-        whole = dst.blocks.blocks_for_tokens(handle.request.num_computed_tokens)
-        if self._can_pull(src, dst) and len(hits) < whole:
-            self._start(handle, dst, hits, streamed=True)
+    def stream(self, handle: RequestHandle, step_id: int, last: bool) -> None:
+        """Step `step_id`, just sent to the handle's prefill pool, computes a chunk of its
+        prompt (the last one when `last`). Blocks that chunk completes stream to the decode
+        pool now: if no transfer runs yet and a same-host decode pool would take the whole
+        prompt now, one starts (allocating every decode block of the prompt), and the
+        decode worker copies each layer of a chunk's blocks as the prefill worker
+        finishes it. Otherwise (or with a hand-off queue ahead of it) the prompt waits
+        to be handed off as usual."""
+        transfer, src = handle.transfer, handle.pool
+        if transfer is None:
+            if not self.streaming or self.queue:
+                return
+            request = handle.request
+            choice = self._choose(request, request.num_tokens)
+            if choice is None:
+                return
+            dst, hits = choice
+            whole = dst.blocks.blocks_for_tokens(request.num_tokens)
+            if not self._can_pull(src, dst) or len(hits) >= whole:
+                return
+            transfer = self._start(handle, dst, hits, streamed=True)
+        computed = handle.request.num_computed_tokens
+        table = src.blocks.table(handle.request.request_id)
+        transfer.add_part(table, computed // src.blocks.block_size, step_id, last)
 
     def _can_pull(self, src: Pool, dst: Pool) -> bool:
         pair = (src.info.worker_id, dst.info.worker_id)
         return dst.info.can_pull_from(src.info) and pair not in self._no_pull
 
-    def _choose(self, request) -> tuple[Pool, list[int]] | None:
-        """The decode pool placement picks for the request now, and its cached blocks."""
+    def _choose(self, request, computed: int) -> tuple[Pool, list[int]] | None:
+        """The decode pool placement picks for the request's first `computed` tokens now,
+        and its cached blocks."""
         healthy = [p for p in self.decode_pools if p.accepting]  # draining ones: no
         if not healthy:
             return None
-        computed = request.num_computed_tokens
         hits = [
             p.blocks.cached_prefix(request.block_hashes, request.all_token_ids, computed)
             for p in healthy
@@ -178,29 +189,32 @@ class KvHandoff:
 
     def _start(
         self, handle: RequestHandle, dst: Pool, hits: list[int], streamed: bool = False
-    ) -> None:
+    ) -> Transfer | None:
+        """Allocate the request's blocks in `dst` and start moving them. Streamed, the
+        prompt still runs: its parts are added chunk by chunk (`stream`), and `enqueue`
+        moves it on. Otherwise everything moves at once."""
         request, src = handle.request, handle.pool
         rid = request.request_id
-        dst_blocks, _ = dst.blocks.allocate(rid, request.num_computed_tokens, hits=hits)
-        table = src.blocks.table(rid)
-        src_blocks = table[len(hits) : len(hits) + len(dst_blocks)]
+        num_tokens = request.num_tokens if streamed else request.num_computed_tokens
+        dst_blocks, _ = dst.blocks.allocate(rid, num_tokens, hits=hits)
         dst.counters.kv_blocks_reused += len(hits)
         if not dst_blocks:  # the decode pool already holds every block
             handle.start_transfer(None)
             self._arrive(handle, src, dst)
-            return
+            return None
         self._tag_counter += 1
         tag = self._tag_base | self._tag_counter
+        parts: asyncio.Queue[TransferPart] = asyncio.Queue()
         after_step = dst.client.last_sent_step_id
-        task = self._spawn(
-            self._transfer(handle, src, dst, tag, src_blocks, dst_blocks, after_step),
-            f"kv-{rid}",
-        )
-        transfer = Transfer(task, src, dst, tag)
-        if streamed:  # the prompt still runs; `enqueue` moves it on
+        task = self._spawn(self._transfer(handle, src, dst, tag, parts, after_step), f"kv-{rid}")
+        transfer = Transfer(task, src, dst, tag, parts, dst_blocks, len(hits), len(hits))
+        if streamed:
             handle.transfer = transfer
         else:
+            table = src.blocks.table(rid)
+            transfer.add_part(table, len(table), handle.ready_step_in(src), last=True)
             handle.start_transfer(transfer)
+        return transfer
 
     async def _transfer(
         self,
@@ -208,28 +222,77 @@ class KvHandoff:
         src: Pool,
         dst: Pool,
         tag: int,
-        src_blocks: list[int],
-        dst_blocks: list[int],
+        parts: asyncio.Queue[TransferPart],
         after_step: int,
     ) -> None:
-        """Receive and send together; the first failure stops the other call. Cancelled
-        (the request ended) it stops both; `cancel` has released the blocks."""
+        """Move the parts as they come, in order, until the last. Cancelled (the request
+        ended) it stops the calls under way; `cancel` has released the blocks."""
         rid = handle.request.request_id
         started = time.perf_counter()
+        num_blocks = num_bytes = 0
+        lag_s = 0.0
+        try:
+            while True:
+                part = await parts.get()
+                if part.dst_blocks:
+                    result = await self._move(src, dst, tag, part, after_step)
+                    num_blocks += len(part.dst_blocks)
+                    num_bytes += result.num_bytes
+                    lag_s = result.source_lag_seconds
+                if part.last:
+                    break
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            if isinstance(error, KvPullRefusedError):  # from now on these two use UCX
+                self._no_pull.add((src.info.worker_id, dst.info.worker_id))
+                log.warning("kv_pull_refused", src=src.info.worker_id, dst=dst.info.worker_id)
+            if handle.stage is Stage.PREFILL:
+                # Streamed while the prompt still runs: drop the decode side; the finished
+                # prompt is handed off as usual (a dead worker is found by its step stream).
+                self._release(handle, free_source=False)
+                with bind_request(rid):
+                    log.warning("kv_stream_failed", dst=dst.info.worker_id, error=str(error))
+                return
+            self._release(handle)
+            self._transfer_failed(handle, src, dst, error)
+            return
+        dst.counters.kv_blocks_received += num_blocks
+        dst.counters.kv_transfers += 1
+        dst.counters.kv_source_lag_s += lag_s
+        with bind_request(rid):
+            log.debug(
+                "kv_transferred",
+                src=src.info.worker_id,
+                dst=dst.info.worker_id,
+                blocks=num_blocks,
+                bytes=num_bytes,
+                seconds=round(time.perf_counter() - started, 5),
+                source_lag_ms=round(lag_s * 1e3, 3),
+            )
+        if handle.stage is Stage.PREFILL:  # streamed, and the prompt's result is not in yet
+            handle.transfer.done = True
+            return
+        self._arrive(handle, src, dst)
+
+    async def _move(
+        self, src: Pool, dst: Pool, tag: int, part: TransferPart, after_step: int
+    ) -> KvTransferResult:
+        """One part: pulled by the decode worker on one host, else received and sent
+        together over UCX; the first failure stops the other call and is raised."""
         if self._can_pull(src, dst):  # same host: the decode worker copies them
-            source = KvPullSource(src.info, src_blocks, handle.ready_step_in(src))
-            calls = [
-                asyncio.ensure_future(
-                    dst.client.receive_kv(tag, dst_blocks, self.timeout_s, after_step, source)
-                )
-            ]
+            source = KvPullSource(src.info, part.src_blocks, part.ready_step_id)
+            receive = dst.client.receive_kv(
+                tag, part.dst_blocks, self.timeout_s, after_step, source
+            )
+            calls = [asyncio.ensure_future(receive)]
         else:
             calls = [
                 asyncio.ensure_future(
-                    dst.client.receive_kv(tag, dst_blocks, self.timeout_s, after_step)
+                    dst.client.receive_kv(tag, part.dst_blocks, self.timeout_s, after_step)
                 ),
                 asyncio.ensure_future(
-                    src.client.send_kv(tag, dst.info, src_blocks, self.timeout_s)
+                    src.client.send_kv(tag, dst.info, part.src_blocks, self.timeout_s)
                 ),
             ]
         try:
@@ -238,37 +301,9 @@ class KvHandoff:
             for call in calls:
                 call.cancel()
         error = next((c.exception() for c in done if c.exception() is not None), None)
-        if isinstance(error, KvPullRefusedError):  # from now on these two use UCX
-            self._no_pull.add((src.info.worker_id, dst.info.worker_id))
-            log.warning("kv_pull_refused", src=src.info.worker_id, dst=dst.info.worker_id)
-        if error is not None and handle.stage is Stage.PREFILL:
-            # Streamed while the prompt still runs: drop the decode side; the finished
-            # prompt is handed off as usual (a dead worker is found by its step stream).
-            self._release(handle, free_source=False)
-            with bind_request(rid):
-                log.warning("kv_stream_failed", dst=dst.info.worker_id, error=str(error))
-            return
         if error is not None:
-            self._release(handle)
-            self._transfer_failed(handle, src, dst, error)
-            return
-        dst.counters.kv_blocks_received += len(dst_blocks)
-        dst.counters.kv_transfers += 1
-        dst.counters.kv_source_lag_s += calls[0].result().source_lag_seconds
-        with bind_request(rid):
-            log.debug(
-                "kv_transferred",
-                src=src.info.worker_id,
-                dst=dst.info.worker_id,
-                blocks=len(dst_blocks),
-                bytes=calls[0].result().num_bytes,
-                seconds=round(time.perf_counter() - started, 5),
-                source_lag_ms=round(calls[0].result().source_lag_seconds * 1e3, 3),
-            )
-        if handle.stage is Stage.PREFILL:  # streamed, and the prompt's result is not in yet
-            handle.transfer.done = True
-            return
-        self._arrive(handle, src, dst)
+            raise error
+        return calls[0].result()
 
     def _arrive(self, handle: RequestHandle, src: Pool, dst: Pool) -> None:
         request = handle.request

@@ -177,8 +177,9 @@ def test_generate_usage_fields_are_consistent(tiny_llama_dir, tmp_path):
 
 def test_streamed_layer_by_layer_pull_with_chunked_prompts_equals_hf(tiny_llama_dir, tmp_path):
     """Same-host workers pull KV out of the prefill worker's shared pool, the transfer
-    started with each prompt's last chunk (with the copy-size floor at 0, each layer is
-    copied as soon as it is final); prompts come in chunks. Output equals HF, the
+    started with a prompt's first chunk and each chunk's finished blocks pulled as that
+    chunk completes (24-token chunks end inside blocks; with the copy-size floor at 0,
+    each layer is copied as soon as it is final). Output equals HF, the
     transfers report the lag from the prompt's last layer, and every block comes back.
     (That layers are copied while the step runs is shown in test_kv_shared_pull.py.)"""
     stack = start_stack(

@@ -67,6 +67,51 @@ def test_same_host_handoffs_pull_from_the_prefill_pool_and_stream_exact_tokens(s
     run(scenario())
 
 
+def test_chunked_prompts_stream_each_chunks_finished_blocks_as_it_completes():
+    async def scenario():
+        async with cluster(
+            shared("p0", "prefill"),
+            shared("d0", "decode"),
+            max_num_batched_tokens=6,  # chunks of 6 tokens end inside 4-token blocks
+        ) as c:
+            p0, d0 = c.worker("p0"), c.worker("d0")
+            p0.step_delay_s = 0.02
+            cases = [(prompt(20 + i, length), 5) for i, length in enumerate([29, 40, 7])]
+            handles = [submit(c, f"r{i}", p, n) for i, (p, n) in enumerate(cases)]
+            early: set[str] = set()  # received blocks before their last chunk was planned
+            tags: dict[str, int] = {}
+
+            async def watch():
+                while True:
+                    for h in handles:
+                        t, r = h.transfer, h.request
+                        if t is not None:
+                            tags[r.request_id] = t.tag
+                        if t is not None and r.num_computed_tokens < len(r.prompt_token_ids):
+                            if d0.kv.get(t.dst_blocks[0]) is not None:
+                                early.add(r.request_id)
+                    await asyncio.sleep(0.001)
+
+            watcher = asyncio.create_task(watch())
+            streams = await asyncio.gather(*(collect(h.events) for h in handles))
+            watcher.cancel()
+            for stream, (p, n) in zip(streams, cases, strict=True):
+                assert_exact(stream, p, n)  # no block copied before its last writer ran
+            assert p0.send_tags == []
+            assert sorted(set(d0.pull_tags)) == sorted(tags.values())
+            # One pull per chunk that completes a block (the last always counts): the
+            # 6-token budget is shared, so a 29-token prompt completes blocks in at least
+            # 4 chunks, a 40-token one in at least 5.
+            pulls = {rid: d0.pull_tags.count(tag) for rid, tag in tags.items()}
+            assert pulls["r0"] >= 4 and pulls["r1"] >= 5, pulls
+            assert early >= {"r0", "r1"}
+            assert c.pool("d0").counters.kv_transfers == 3
+            assert c.pool("d0").counters.kv_blocks_received == 8 + 10 + 2
+            await assert_clean(c)
+
+    run(scenario())
+
+
 def test_a_first_token_that_ends_the_request_cancels_its_streamed_transfer():
     async def scenario():
         async with cluster(shared("p0", "prefill"), shared("d0", "decode")) as c:
