@@ -13,7 +13,12 @@ one layer's compute (the prefill step's time / layers) and one layer's transfer 
 layer's bytes of the prompt's blocks at the pull's measured bandwidth), the yardstick the
 streamed gap is held to. JSON goes to bench/results/kv_stream_cpu.json.
 
+With `--max-num-batched-tokens` below the prompt length, prompts come in chunks: streamed,
+each chunk's blocks are copied as that chunk completes (the transfer starts with the first
+chunk), so only the last chunk's blocks are left at the end.
+
     python -m bench.kv_stream [--prompt-len 2048] [--requests 4] [--repeats 2]
+                              [--max-num-batched-tokens 512] [--out ...]
 """
 
 from __future__ import annotations
@@ -60,7 +65,9 @@ def token_times(address: str, prompt: list[int]) -> tuple[float, float]:
     return arrivals[0], arrivals[1] - arrivals[0]
 
 
-def run_mode(model: Path, streaming: bool, prompts: list[list[int]], max_len: int) -> dict:
+def run_mode(
+    model: Path, streaming: bool, prompts: list[list[int]], max_len: int, chunk: int
+) -> dict:
     spec = StackSpec.on_free_ports(
         str(model),
         extra_args={
@@ -68,7 +75,7 @@ def run_mode(model: Path, streaming: bool, prompts: list[list[int]], max_len: in
                 "--kv-transfer-streaming",
                 "true" if streaming else "false",
                 "--max-num-batched-tokens",
-                str(max_len),
+                str(chunk),
             ],
             "prefill": ["--max-model-len", str(max_len)],
             "decode": ["--max-model-len", str(max_len)],
@@ -90,7 +97,7 @@ def run_mode(model: Path, streaming: bool, prompts: list[list[int]], max_len: in
     prefill_before = next(p for p in before.pools if p.role == 1)
     transfers = decode.kv_transfers - decode_before.kv_transfers
     lag_total = decode.kv_source_lag_ms_total - decode_before.kv_source_lag_ms_total
-    execute_total = (  # one prompt step per request (the rest only drop requests)
+    execute_total = (  # a request's prompt steps (the rest only drop requests)
         prefill.mean_execute_ms * prefill.steps
         - prefill_before.mean_execute_ms * prefill_before.steps
     )
@@ -124,6 +131,13 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4, help="timed requests per run")
     parser.add_argument("--repeats", type=int, default=2, help="runs per mode, alternating")
     parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="the scheduler's token budget per step: below the prompt length, prompts come "
+        "in chunks (default: the whole prompt in one step)",
+    )
+    parser.add_argument(
         "--pull-gbps",
         type=float,
         default=None,
@@ -143,9 +157,10 @@ def main() -> None:
         [rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(args.requests + 1)
     ]
     max_len = args.prompt_len + 16
+    chunk = args.max_num_batched_tokens or max_len
     # Modes alternate (after, streamed, after, ...): the box drifts between runs.
     runs = [
-        run_mode(model, streaming, prompts, max_len)
+        run_mode(model, streaming, prompts, max_len, chunk)
         for _ in range(args.repeats)
         for streaming in (False, True)
     ]
@@ -154,13 +169,18 @@ def main() -> None:
     if pull_gbps is None:
         rows = json.loads((RESULTS / "kv_transfer_cpu.json").read_text())["rows"]
         pull_gbps = max(rows, key=lambda r: r["bytes"])["shared_memory_pull_gbps"]
-    layer_bytes = 2 * args.prompt_len * kv_heads * head_dim * 4  # K and V, fp32
-    compute_ms = modes[1]["prefill_step_ms"] / layers
+    # K and V, fp32, of what is left to copy at the end: the last chunk's tokens when
+    # streamed in parts (every token before per-chunk streaming)
+    layer_bytes = 2 * min(chunk, args.prompt_len) * kv_heads * head_dim * 4
+    num_chunks = -(-args.prompt_len // chunk)
+    compute_ms = modes[1]["prefill_step_ms"] / num_chunks / layers  # per step
     report = {
         "benchmark": "kv_stream",
         "model": MODEL,
         "num_layers": layers,
         "prompt_len": args.prompt_len,
+        "max_num_batched_tokens": chunk,
+        "prompt_steps": num_chunks,
         "one_layer_compute_ms": round(compute_ms, 2),
         "one_layer_bytes": layer_bytes,
         "one_layer_transfer_ms": round(layer_bytes / (pull_gbps * 1e9) * 1e3, 3),

@@ -6,7 +6,11 @@ finds across hosts). Only descriptors travel over gRPC; the bytes travel here.
 
 A transfer is: the sender gathers its blocks (one contiguous region each, see kv_cache) into
 one buffer and sends it with the transfer's tag; the receiver posts a tagged receive on its
-UCX worker (no endpoint needed), then scatters the buffer into its destination blocks.
+UCX worker (no endpoint needed), then scatters the buffer into its destination blocks. For
+a GPU pool both buffers are device memory (`staging.py`): UCX moves it with `cuda_ipc`
+between GPUs of one host (a copy from the peer's mapped device memory) or `cuda_copy`
+pipelined through its own host buffers, depending on the transports the endpoint may use
+(with peer-failure handling on, only those that support it: `ucx_info -d` lists them).
 
 A send or receive whose caller gives up (cancelled, timed out) stays posted in UCX (ucxx
 exposes no per-request cancel): its buffer stays referenced until UCX completes the
@@ -96,8 +100,9 @@ class UcxTransport:
     def address(self) -> bytes:
         return bytes(self._ucxx.get_worker_address())
 
-    async def send(self, peer_id: str, peer_address: bytes, tag: int, payload: np.ndarray) -> None:
-        """Send a contiguous buffer to the peer's worker with `tag`; waits for completion."""
+    async def send(self, peer_id: str, peer_address: bytes, tag: int, payload) -> None:
+        """Send a contiguous buffer to the peer's worker with `tag`; waits for completion.
+        `payload`: a host array, or a device tensor (UCX's `cuda_ipc` / `cuda_copy`)."""
         key = (peer_id, peer_address)
         try:
             endpoint = await self._endpoint(key)
@@ -111,8 +116,9 @@ class UcxTransport:
             self._endpoints.pop(key, None)
             raise KvTransferError(f"send to {peer_id} (tag {tag:#x}) failed: {exc!r}") from exc
 
-    async def receive(self, tag: int, nbytes: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Receive exactly nbytes tagged `tag` from any peer (into `out` when given)."""
+    async def receive(self, tag: int, nbytes: int, out=None):
+        """Receive exactly nbytes tagged `tag` from any peer (into `out` when given: a host
+        array or a device tensor; a host array otherwise)."""
         buffer = np.empty(nbytes, dtype=np.uint8) if out is None else out
         try:
             worker = self._ucxx.core._get_ctx().worker  # ucxx.recv, keeping the request

@@ -83,13 +83,15 @@ class Worker:
         self.batch = PersistentBatch(
             loaded.kv_cache.block_size, loaded.kv_cache.num_blocks, loaded.model_config.vocab_size
         )
+        if self.device.type == "cuda":  # UCX's CUDA transports need a current context here
+            torch.cuda.set_device(self.device)
         self.transport = UcxTransport(
             timeout_s=config.kv_transfer_timeout_s,
             error_handling=config.kv_transfer_error_handling,
         )
         self._executor = executor or tensor_executor()
         self.compute_lock = compute_lock
-        self.staging = StagingBuffers()
+        self.staging = StagingBuffers(device=self.device)
         self.executed_step_id = 0
         self._step_done = asyncio.Condition()
         self._cancelled_tags: OrderedDict[int, None] = OrderedDict()
@@ -237,24 +239,32 @@ class Worker:
     async def send_kv(
         self, tag: int, peer_id: str, peer_address: bytes, block_ids: Sequence[int]
     ) -> TransferResult:
+        """Gather the blocks into a staging buffer where the pool is (host or device memory)
+        and send it: UCX reads device memory itself."""
         started = time.perf_counter()
         self._check_blocks(block_ids)
         nbytes = len(block_ids) * self.kv_cache.block_bytes
-        if self.device.type != "cpu":  # device memory: gather there, then one copy to host
-            payload = await self._on_tensor_thread(self.kv_cache.gather_blocks, list(block_ids))
-            await self.transport.send(peer_id, peer_address, tag, payload.cpu().numpy())
-            return TransferResult(nbytes, time.perf_counter() - started)
         # A failed transfer's buffer is not reused: UCX may still hold it.
         buffer = self.staging.acquire(nbytes)
-        staged = torch.from_numpy(buffer).view(len(block_ids), self.kv_cache.block_bytes)
-        await self._on_tensor_thread(self.kv_cache.gather_blocks, list(block_ids), staged)
+        await self._on_tensor_thread(self._gather, list(block_ids), buffer)
         await self.transport.send(peer_id, peer_address, tag, buffer)
         self.staging.release(buffer)
         return TransferResult(nbytes, time.perf_counter() - started)
 
+    def _gather(self, block_ids: list[int], buffer) -> None:
+        """On the tensor thread: the blocks into `buffer`, complete before UCX reads it (a
+        device gather is waited for: UCX copies on its own streams)."""
+        staged = buffer if isinstance(buffer, torch.Tensor) else torch.from_numpy(buffer)
+        self.kv_cache.gather_blocks(block_ids, staged.view(len(block_ids), -1))
+        if staged.device.type == "cuda":
+            torch.cuda.current_stream(staged.device).synchronize()
+
     async def receive_kv(
         self, tag: int, block_ids: Sequence[int], after_step_id: int = 0
     ) -> TransferResult:
+        """Receive into a staging buffer where the pool is (host or device memory), then
+        scatter it into the blocks. Not straight into the pool: a UCX receive cannot be
+        cancelled, and a late message must never land in blocks given to someone else."""
         started = time.perf_counter()
         self._check_blocks(block_ids)
         if tag in self._cancelled_tags:
@@ -272,12 +282,17 @@ class Worker:
         # worker later comes with a step queued behind this scatter on the tensor thread.
         if tag in self._cancelled_tags:
             raise KvTransferError(f"transfer {tag:#x} was cancelled")
-        payload = torch.from_numpy(buffer).view(len(block_ids), self.kv_cache.block_bytes)
-        await self._on_tensor_thread(
-            self.kv_cache.scatter_blocks, list(block_ids), payload.to(self.device)
-        )
+        await self._on_tensor_thread(self._scatter, list(block_ids), buffer)
         self.staging.release(buffer)
         return TransferResult(nbytes, time.perf_counter() - started)
+
+    def _scatter(self, block_ids: list[int], buffer) -> None:
+        """On the tensor thread: `buffer` into the blocks, done before the buffer is reused
+        (a device scatter is waited for)."""
+        staged = buffer if isinstance(buffer, torch.Tensor) else torch.from_numpy(buffer)
+        self.kv_cache.scatter_blocks(block_ids, staged.view(len(block_ids), -1))
+        if staged.device.type == "cuda":
+            torch.cuda.current_stream(staged.device).synchronize()
 
     async def pull_kv(
         self, tag: int, source: KvSource, block_ids: Sequence[int], after_step_id: int = 0
