@@ -314,8 +314,9 @@ class Engine(Recovery):
             pool.receiving = asyncio.ensure_future(pool.client.receive_step())
         receiving = pool.receiving
         while not receiving.done():
-            if pool.scheduler.has_pending_cancels:
-                return None
+            room = pool.scheduler.num_steps_in_flight < self.max_steps_in_flight
+            if room and pool.scheduler.has_pending_cancels:
+                return None  # (without room the plan after this result carries them)
             pool.wakeup.clear()  # a plan follows the result anyway
             woken = asyncio.ensure_future(pool.wakeup.wait())
             try:

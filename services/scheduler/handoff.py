@@ -148,11 +148,12 @@ class KvHandoff:
             if not self.streaming or self.queue:
                 return
             request = handle.request
-            choice = self._choose(request, request.num_tokens)
+            # The whole prompt: every known token (not the one its last step samples).
+            choice = self._choose(request, request.num_known_tokens)
             if choice is None:
                 return
             dst, hits = choice
-            whole = dst.blocks.blocks_for_tokens(request.num_tokens)
+            whole = dst.blocks.blocks_for_tokens(request.num_known_tokens)
             if not self._can_pull(src, dst) or len(hits) >= whole:
                 return
             transfer = self._start(handle, dst, hits, streamed=True)
@@ -195,7 +196,7 @@ class KvHandoff:
         moves it on. Otherwise everything moves at once."""
         request, src = handle.request, handle.pool
         rid = request.request_id
-        num_tokens = request.num_tokens if streamed else request.num_computed_tokens
+        num_tokens = request.num_known_tokens if streamed else request.num_computed_tokens
         dst_blocks, _ = dst.blocks.allocate(rid, num_tokens, hits=hits)
         dst.counters.kv_blocks_reused += len(hits)
         if not dst_blocks:  # the decode pool already holds every block

@@ -767,3 +767,30 @@ def test_bad_requests_are_invalid_and_leave_nothing_behind():
             await assert_clean(c)
 
     run(scenario())
+
+
+def test_cancels_arriving_with_every_step_slot_taken_wait_for_a_result_without_spinning():
+    """A decode pool with both steps in flight (its worker holds them) learns of cancelled
+    receives: their tags go with the next plan, once a result frees a slot. Before, the
+    pool loop returned at once to plan, found no free slot, and returned again, without
+    ever yielding: the event loop (and so the very result it waited for) froze."""
+
+    async def scenario():
+        async with cluster(worker_info("p0", "prefill"), worker_info("d0", "decode")) as c:
+            d0, pool = c.worker("d0"), c.pool("d0")
+            d0.hold_steps()
+            p = prompt(7, 5)
+            handle = submit(c, "a", p, 2)  # one decode step, then nothing left to plan
+            await until(lambda: pool.scheduler.num_steps_in_flight == 1 and pool.receiving)
+            pool.scheduler.cancel_transfer(0xA1, "nobody")  # frees a plan with the tag
+            pool.wakeup.set()
+            await until(lambda: pool.scheduler.num_steps_in_flight == 2, what="second plan")
+            pool.scheduler.cancel_transfer(0xA2, "nobody")  # no slot left now
+            pool.wakeup.set()
+            await asyncio.sleep(0.05)  # froze here before
+            d0.release_steps()
+            assert_exact(await collect(handle.events), p, 2)
+            assert [0xA1, 0xA2] == [t for t in d0.cancelled_tags_received if t in (0xA1, 0xA2)]
+            await assert_clean(c)
+
+    run(scenario())

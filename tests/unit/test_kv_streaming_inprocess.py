@@ -112,6 +112,30 @@ def test_chunked_prompts_stream_each_chunks_finished_blocks_as_it_completes():
     run(scenario())
 
 
+@pytest.mark.parametrize("chunk", [8, 64], ids=["chunked", "one-step"])
+def test_prompts_of_whole_blocks_stream_without_a_failed_part(chunk):
+    """A prompt that fills its last block exactly: the decode side allocates the prompt's
+    blocks, not one more for the token its last step samples (that mismatch failed every
+    such stream and fell back to the hand-off)."""
+
+    async def scenario():
+        async with cluster(
+            shared("p0", "prefill"), shared("d0", "decode"), max_num_batched_tokens=chunk
+        ) as c:
+            c.worker("p0").step_delay_s = 0.01
+            cases = [(prompt(40 + i, length), 4) for i, length in enumerate([4, 8, 16, 24])]
+            handles = [submit(c, f"r{i}", p, n) for i, (p, n) in enumerate(cases)]
+            streams = await asyncio.gather(*(collect(h.events) for h in handles))
+            for stream, (p, n) in zip(streams, cases, strict=True):
+                assert_exact(stream, p, n)
+            d0 = c.worker("d0")
+            assert len(set(d0.receive_tags)) == len(cases)  # one transfer each, no retry
+            assert c.pool("d0").counters.kv_blocks_received == 1 + 2 + 4 + 6
+            await assert_clean(c)
+
+    run(scenario())
+
+
 def test_a_first_token_that_ends_the_request_cancels_its_streamed_transfer():
     async def scenario():
         async with cluster(shared("p0", "prefill"), shared("d0", "decode")) as c:
