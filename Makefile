@@ -11,7 +11,8 @@ export BUF_CACHE_DIR := $(CURDIR)/.tools/buf-cache
 
 # make up knobs: MODEL=<HF folder>, GATEWAY_PORT, HTTP_PORT (the OpenAI-compatible API;
 # HTTP=0 leaves it off), PREFILL/DECODE worker counts, BOTH>0 for single-device (no
-# disaggregation) workers.
+# disaggregation) workers, SPEC='<JSON>' for speculative decoding on the decode workers
+# (vLLM's --speculative-config, e.g. SPEC='{"method": "ngram", "num_speculative_tokens": 4}').
 MODEL        ?=
 GATEWAY_PORT ?= 50051
 HTTP_PORT    ?= 8000
@@ -19,6 +20,7 @@ HTTP         ?= 1
 PREFILL      ?= 1
 DECODE       ?= 1
 BOTH         ?= 0
+SPEC         ?=
 PYTEST_ARGS  ?=
 
 .PHONY: help venv up down status test unit protos protos-check lint lint-protos model clean
@@ -68,7 +70,8 @@ unit: $(STAMP)
 up: $(STAMP)
 	$(PY) -m services.stack up $(if $(MODEL),--model "$(MODEL)") --gateway-port $(GATEWAY_PORT) \
 		$(if $(filter 0,$(HTTP)),--no-http,--http-port $(HTTP_PORT)) \
-		--prefill $(PREFILL) --decode $(DECODE) --both $(BOTH)
+		--prefill $(PREFILL) --decode $(DECODE) --both $(BOTH) \
+		$(if $(SPEC),--speculative-config '$(SPEC)')
 
 down:
 	@if [ -x $(PY) ]; then $(PY) -m services.stack down; else echo "nothing to stop"; fi

@@ -43,6 +43,8 @@ class RequestRecord:
     cached_tokens: int = 0
     usage_prompt_tokens: int | None = None
     usage_completion_tokens: int | None = None
+    draft_tokens: int = 0  # speculative decoding: proposed, and accepted of those
+    accepted_tokens: int = 0
     finish_reason: str = ""
     error: str | None = None
 

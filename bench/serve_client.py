@@ -18,7 +18,12 @@ from bench.metrics import RequestRecord
 from bench.workloads import BenchRequest
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
 
-SAMPLING_MODES = ("greedy", "full")
+SAMPLING_MODES = ("greedy", "full", "repeat")
+# "repeat": greedy with the request's first REPEAT_TOKENS prompt tokens pushed up by
+# logit_bias, so its output repeats itself (random-weight models never do on their own):
+# a workload where n-gram speculation has something to find.
+REPEAT_TOKENS = 2
+REPEAT_BIAS = 30.0
 # "full": every per-token feature of the generation API at once (seeded by request index).
 FULL_SAMPLING = {
     "temperature": 0.8,
@@ -47,6 +52,9 @@ def make_request(
         message.stopping.stop.append(FULL_STOP)
     else:
         message.sampling.temperature = 0.0
+    if sampling == "repeat":
+        for token in dict.fromkeys(request.prompt_ids[:REPEAT_TOKENS]):
+            message.sampling.logit_bias[token] = REPEAT_BIAS
     if cache_salt and "cache_salt" in generate_pb2.GenerateRequest.DESCRIPTOR.fields_by_name:
         message.cache_salt = cache_salt
     return message
@@ -70,6 +78,8 @@ async def _stream_one(
                 record.usage_prompt_tokens = response.usage.prompt_tokens
                 record.usage_completion_tokens = response.usage.completion_tokens
                 record.cached_tokens = response.usage.cached_tokens
+                record.draft_tokens = response.usage.num_draft_tokens
+                record.accepted_tokens = response.usage.num_accepted_tokens
             if response.finish_reason:
                 record.finish_reason = generate_pb2.FinishReason.Name(response.finish_reason)
         record.end_s = time.perf_counter() - start

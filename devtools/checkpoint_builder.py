@@ -111,6 +111,13 @@ def build_checkpoint(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     build_tokenizer(out, tokenizer_vocab_size)
+    # Counted as the architecture loads it (a Qwen2 tokenizer adds <|endoftext|>): a config
+    # naming the architecture first, so AutoTokenizer picks that tokenizer class.
+    _hf_config(
+        architecture,
+        num_hidden_layers=num_hidden_layers,
+        vocab_size=tokenizer_vocab_size,
+    ).save_pretrained(str(out))
     tokenizer = AutoTokenizer.from_pretrained(str(out))
     token_count = len(tokenizer)
     if vocab_size is None:

@@ -44,6 +44,8 @@ from services.scheduler.worker_types import (
     KvPullSource,
     KvTransferResult,
     ModelShape,
+    SpecCounts,
+    SpeculativeInfo,
     StepResult,
     WorkerInfo,
     WorkerUnavailableError,
@@ -90,6 +92,8 @@ def worker_info(
     max_model_len: int = 512,
     num_layers: int = 2,
     shared_memory: bool = False,
+    speculative_tokens: int = 0,
+    disable_by_batch_size: int = 0,
 ) -> WorkerInfo:
     """A small worker description (roles 'prefill', 'decode' or 'both'); `shared_memory`:
     its pool can be pulled from by the other shared-memory fakes (one "host")."""
@@ -116,6 +120,11 @@ def worker_info(
         ucx_address=f"ucx://{worker_id}".encode(),
         num_swap_blocks=num_swap_blocks,
         shared_memory=SharedMemoryInfo("fake-host", 0, 0, 0, b"") if shared_memory else None,
+        speculative=(
+            SpeculativeInfo("ngram", speculative_tokens, disable_by_batch_size)
+            if speculative_tokens
+            else None
+        ),
     )
 
 
@@ -162,6 +171,7 @@ class _Item:
     num_computed_before: int
     num_new_tokens: int
     replaced_table: list[int] | None
+    num_lookahead_tokens: int = 0
 
 
 @dataclass
@@ -204,6 +214,8 @@ class FakeWorker:
         self.fabric.workers[info.ucx_address] = self
         # -- test controls
         self.step_delay_s = 0.0
+        self.spec_results: dict[int, tuple[dict, dict]] = {}
+        self.proposed_tokens = 0
         self._health = "SERVING"
         self._killed = False
         self._closed = False
@@ -364,6 +376,7 @@ class FakeWorker:
                     num_computed_before=s.num_computed_before,
                     num_new_tokens=s.num_new_tokens,
                     replaced_table=list(s.replaced_table) if s.replaced_table else None,
+                    num_lookahead_tokens=s.num_lookahead_tokens,
                 )
             )
             self.planned_request_ids.add(r.request_id)
@@ -530,11 +543,14 @@ class FakeWorker:
                     self._stream_error = f"FAILED_PRECONDITION {exc}"
                     self.fabric.notify()
                     return
+                accepted, spec = self.spec_results.pop(plan.step_id, ({}, {}))
                 self._results.append(
                     StepResult(
                         step_id=plan.step_id,
                         sampled=result,
                         execute_seconds=time.perf_counter() - started,
+                        accepted={r: [(t, None) for t in ts] for r, ts in accepted.items()},
+                        spec=spec,
                     )
                 )
                 self.executed_step_id = plan.step_id
@@ -547,6 +563,7 @@ class FakeWorker:
         for request_id in plan.dropped:
             self.batch.pop(request_id, None)
         work: list[tuple[FakeRequest, int]] = []
+        lookahead: dict[str, int] = {}
         for item in plan.items:
             if item.is_new:
                 if item.request_id in self.batch:
@@ -580,7 +597,15 @@ class FakeWorker:
                     f"request {request.request_id}: {len(request.block_ids)} blocks cannot "
                     f"hold {end} tokens"
                 )
+            if item.num_lookahead_tokens and end != len(request.token_ids):
+                raise ValueError(f"request {request.request_id}: lookahead without sampling")
+            if end + item.num_lookahead_tokens > len(request.block_ids) * bs:
+                raise ValueError(
+                    f"request {request.request_id}: {len(request.block_ids)} blocks cannot "
+                    f"hold {end} tokens and {item.num_lookahead_tokens} lookahead slots"
+                )
             work.append((request, item.num_new_tokens))
+            lookahead[request.request_id] = item.num_lookahead_tokens
         # Block moves before the forward pass: swap out, swap in, copy-on-write.
         for device, swap in plan.swap_out:
             self._check_swap(swap)
@@ -613,10 +638,22 @@ class FakeWorker:
                         f"tokens are {request.token_ids} (blocks {request.block_ids})"
                     )
                 sampled[request.request_id] = model_token(seen, self.info.model.vocab_size)
+        accepted: dict[str, list[int]] = {}
+        spec: dict[str, SpecCounts] = {}
+        for request, _ in work:
+            slots = lookahead[request.request_id]
+            if slots and request.request_id in sampled:
+                accepted[request.request_id], sampled[request.request_id] = self._speculate(
+                    request, sampled[request.request_id], slots, plan.step_id
+                )
+                spec[request.request_id] = SpecCounts(slots, len(accepted[request.request_id]))
         for request, num_new in work:
-            request.num_computed_tokens += num_new
+            extra = accepted.get(request.request_id, [])
+            request.num_computed_tokens += num_new + len(extra)
+            request.token_ids.extend(extra)
         for request_id, token in sampled.items():
             self.batch[request_id].token_ids.append(token)
+        self.spec_results[plan.step_id] = (accepted, spec)
         self.steps.append(
             StepRecord(
                 plan.step_id,
@@ -627,6 +664,27 @@ class FakeWorker:
             )
         )
         return sampled
+
+    def _speculate(
+        self, request: FakeRequest, first: int, slots: int, step_id: int
+    ) -> tuple[list[int], int]:
+        """Speculative decoding of the fake model: proposals for the `slots` positions after
+        the request's last token, right for the first `a` of them (a varies with the step
+        and the length) and wrong after; their KV is written as a real verify pass writes it
+        (rejected slots hold wrong tokens). Returns (accepted tokens, the last token)."""
+        vocab, bs = self.info.model.vocab_size, self.info.block_size
+        true, seq = [first], [*request.token_ids, first]
+        for _ in range(slots):
+            seq.append(model_token(seq, vocab))
+            true.append(seq[-1])
+        right = (step_id * 7 + len(request.token_ids)) % (slots + 1)
+        drafts = [true[j] if j < right else (true[j] + 1) % vocab for j in range(slots)]
+        end = len(request.token_ids)
+        for j, token in enumerate(drafts):
+            pos = end + j
+            self._block(request.block_ids[pos // bs])[pos % bs] = token
+        self.proposed_tokens += slots
+        return true[:right], true[right]
 
     def _block(self, block_id: int) -> list[int | None]:
         block = self.kv.get(block_id)

@@ -73,6 +73,8 @@ class SampleOutput:
         self._token_text = token_text
         self.num_tokens = 0
         self.cached_tokens = 0
+        self.num_draft_tokens = 0  # speculative decoding, from the sample's last message
+        self.num_accepted_tokens = 0
         self.finished = False
         self.times = SampleTimes()
 
@@ -81,6 +83,9 @@ class SampleOutput:
         (the sample already ended on a stop string)."""
         if self.finished:
             return None
+        if update.HasField("usage"):
+            self.num_draft_tokens = update.usage.num_draft_tokens
+            self.num_accepted_tokens = update.usage.num_accepted_tokens
         if update.cached_tokens:
             self.cached_tokens = update.cached_tokens
         out = generate_pb2.GenerateResponse(index=self.index)
@@ -173,6 +178,8 @@ class RequestOutput:
             prompt_tokens=self.num_prompt_tokens,
             completion_tokens=sum(s.num_tokens for s in self.samples),
             cached_tokens=self.samples[0].cached_tokens,
+            num_draft_tokens=sum(s.num_draft_tokens for s in self.samples),
+            num_accepted_tokens=sum(s.num_accepted_tokens for s in self.samples),
         )
 
     def timings(self, now: float) -> generate_pb2.Timings:

@@ -15,6 +15,7 @@ from common.log import get_logger
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import Engine, Resilience
+from services.scheduler.lookahead import Lookahead
 from services.scheduler.pool import Pool
 from services.scheduler.pool_scheduler import PoolScheduler
 from services.scheduler.worker_client import WorkerClient
@@ -106,6 +107,13 @@ def pool_scheduler(config: SchedulerConfig, info: WorkerInfo) -> PoolScheduler:
         runs_decodes=info.role != "prefill",
         preemption_mode=config.preemption_mode,
         swap_blocks=swap,
+        lookahead=(
+            None
+            if info.speculative is None or info.role == "prefill"
+            else Lookahead(
+                info.speculative.num_speculative_tokens, info.speculative.disable_by_batch_size
+            )
+        ),
     )
 
 

@@ -62,6 +62,17 @@ class Resilience:
     health_max_misses: int = 5
 
 
+def _spec_fields(request) -> dict:
+    """A request's speculative decoding, for its finish log line (nothing without it)."""
+    if not request.num_draft_tokens:
+        return {}
+    return {
+        "draft_tokens": request.num_draft_tokens,
+        "accepted_tokens": request.num_accepted_tokens,
+        "acceptance_rate": round(request.num_accepted_tokens / request.num_draft_tokens, 3),
+    }
+
+
 class Engine(Recovery):
     def __init__(
         self,
@@ -406,6 +417,8 @@ class Engine(Recovery):
                 completion_tokens=len(request.output_token_ids),
                 cached_tokens=cached,
                 error=error,
+                num_draft_tokens=request.num_draft_tokens,
+                num_accepted_tokens=request.num_accepted_tokens,
             )
         )
         now = time.monotonic()
@@ -424,6 +437,7 @@ class Engine(Recovery):
                 if first and n_out > 1
                 else None,
                 error=error[1] if error else None,
+                **_spec_fields(request),
             )
 
     def _spawn(self, coro, name: str) -> asyncio.Task:

@@ -63,6 +63,9 @@ class Finished:
     cached_tokens: int
     # Set when the request failed: (status name, message), e.g. ("UNAVAILABLE", "...").
     error: tuple[str, str] | None = None
+    # Speculative decoding: tokens proposed for this sample, and accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import deque
 
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.lookahead import Lookahead, SpecDecodeCounters
 from services.scheduler.pool_migration import Migration
 from services.scheduler.request import Request
 from services.scheduler.step_plan import PoolStepPlan, SampledToken, ScheduledRequest, StepUpdate
@@ -46,8 +47,11 @@ class PoolScheduler(Migration):
         runs_decodes: bool = True,
         preemption_mode: str = "recompute",
         swap_blocks: BlockManager | None = None,
+        lookahead: Lookahead | None = None,
     ) -> None:
-        """Settings come checked (SchedulerConfig; swap space by bootstrap.pool_scheduler)."""
+        """Settings come checked (SchedulerConfig; swap space by bootstrap.pool_scheduler).
+        `lookahead`: the worker verifies proposals (speculative decoding)."""
+        self.lookahead = lookahead
         self.blocks = blocks
         self.swap_blocks = swap_blocks
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -64,7 +68,9 @@ class PoolScheduler(Migration):
         self._pending_cancels: list[int] = []
         self._held_for_cancels: list[str] = []
         # Per step sent and not yet answered, oldest first: the requests it computes.
-        self._in_flight: deque[dict[str, Request]] = deque()
+        # Per step in flight: its number and the requests it computes.
+        self._in_flight: deque[tuple[int, dict[str, Request]]] = deque()
+        self._num_planned = 0
         # Draining: requests leave with their KV (pool_migration.py); those that left
         # stay in the worker's batch until their blocks here are freed.
         self.migrating = False
@@ -72,6 +78,7 @@ class PoolScheduler(Migration):
         self.num_prefix_hit_tokens = 0
         self.num_preemptions = 0
         self.num_swap_outs = 0
+        self.spec_decode = SpecDecodeCounters()
         self.num_migrations_out = 0
         # Tokens computed at prompt positions, or recomputing output after a preemption or
         # a restart (every position before the last sampled token): a request that arrives
@@ -175,7 +182,13 @@ class PoolScheduler(Migration):
                 self._admit_waiting(plan, budget)
         plan.dropped_request_ids, self._pending_drops = self._pending_drops, []
         if not plan.is_empty:  # the caller sends every plan that is not empty
-            self._in_flight.append({s.request.request_id: s.request for s in plan.scheduled})
+            self._num_planned += 1
+            for s in plan.scheduled:
+                if s.num_lookahead_tokens:
+                    s.request.lookahead_step = self._num_planned
+            self._in_flight.append(
+                (self._num_planned, {s.request.request_id: s.request for s in plan.scheduled})
+            )
         return plan
 
     def update(self, result: StepResult) -> StepUpdate:
@@ -187,7 +200,7 @@ class PoolScheduler(Migration):
         aborted while the step ran is dropped."""
         if not self._in_flight:
             raise ValueError(f"step {result.step_id}: no step of this pool is in flight")
-        scheduled = self._in_flight.popleft()
+        number, scheduled = self._in_flight.popleft()
         update = StepUpdate()
         for request_id, (start, entries) in result.prompt_logprobs.items():
             request = scheduled.get(request_id)
@@ -202,15 +215,22 @@ class PoolScheduler(Migration):
                 update.unexpected.append(request_id)
                 continue
             request.num_pending_tokens -= 1
-            reason = request.append_token(token)
-            prompt_logprobs = []
-            if request.sampling.prompt_logprobs is not None and not request.prompt_logprobs_sent:
-                prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
-            update.tokens.append(
-                SampledToken(
-                    request, token, result.logprobs.get(request_id), prompt_logprobs, reason
+            if request.lookahead_step == number:
+                request.lookahead_step = 0
+            reason = self._apply_accepted(request, result, update)
+            if reason is None:
+                reason = request.append_token(token)
+                prompt_logprobs = []
+                if (
+                    request.sampling.prompt_logprobs is not None
+                    and not request.prompt_logprobs_sent
+                ):
+                    prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
+                update.tokens.append(
+                    SampledToken(
+                        request, token, result.logprobs.get(request_id), prompt_logprobs, reason
+                    )
                 )
-            )
             if reason is not None:
                 if self.holds(request):
                     self.release(request)
@@ -220,6 +240,26 @@ class PoolScheduler(Migration):
                 update.ready_for_handoff.append(request)
         update.ready_for_handoff.extend(self.take_migrations())
         return update
+
+    def _apply_accepted(self, request: Request, result: StepResult, update: StepUpdate):
+        """Proposals the request accepted in this step, before its sampled token: each is a
+        token of its output, and their KV is computed (unless the request left the running
+        queue meanwhile: preempted or swapped, it keeps only what it had). Returns the
+        finish reason if one of them ends the request."""
+        counts = result.spec.get(request.request_id)
+        if counts is not None:
+            request.num_draft_tokens += counts.num_draft_tokens
+            request.num_accepted_tokens += counts.num_accepted_tokens
+            self.spec_decode.record(counts)
+        accepted = result.accepted.get(request.request_id, ())
+        if accepted and self.is_running(request):
+            request.num_computed_tokens += len(accepted)
+        for token, entry in accepted:
+            reason = request.append_token(token)
+            update.tokens.append(SampledToken(request, token, entry, [], reason))
+            if reason is not None:
+                return reason
+        return None
 
     @property
     def num_steps_in_flight(self) -> int:
@@ -235,14 +275,25 @@ class PoolScheduler(Migration):
             todo = self.schedulable_tokens(request)
             if todo <= 0:
                 continue  # waiting for a token, or a prompt done in a prefill-only pool
+            lookahead = 0
             if todo == 1:
                 later_decodes -= 1
                 num_new = 1
+                if request.lookahead_step:
+                    continue  # how many tokens its step in flight brings is not known yet
+                if self.lookahead is not None:
+                    lookahead = self.lookahead.slots(
+                        request, budget - 1 - later_decodes, len(self.running)
+                    )
             else:  # a prompt chunk leaves one token per decode behind it
                 num_new = min(todo, budget - later_decodes)
                 if num_new <= 0:
                     continue
             start = request.num_computed_tokens
+            if lookahead and not self.blocks.can_allocate(
+                request.request_id, start + num_new + lookahead, 0, start
+            ):
+                lookahead = 0  # no room for proposals: a plain step
             while not self.blocks.can_allocate(request.request_id, start + num_new, 0, start):
                 victim = self.running[-1]
                 if self.schedulable_tokens(victim) == 1 and victim is not request:
@@ -251,8 +302,8 @@ class PoolScheduler(Migration):
                 self._preempt(victim, plan)
                 if victim is request:
                     return budget  # every later request is preempted too
-            budget -= num_new
-            self._commit(plan, request, num_new, start)
+            budget -= num_new + lookahead
+            self._commit(plan, request, num_new, start, lookahead=lookahead)
         return budget
 
     def _swap_in(self, plan: PoolStepPlan, budget: int) -> int:
@@ -340,10 +391,11 @@ class PoolScheduler(Migration):
         num_new: int,
         start: int,
         hits: list[int] | None = None,
+        lookahead: int = 0,
     ) -> None:
         rid = request.request_id
         is_new = rid not in self._on_worker
-        added, copies = self.blocks.allocate(rid, start + num_new, start, hits or ())
+        added, copies = self.blocks.allocate(rid, start + num_new + lookahead, start, hits or ())
         plan.block_copies.extend(copies)
         prompt_end = max(len(request.prompt_token_ids), request.num_known_tokens - 1)
         self.num_prompt_tokens_computed += max(0, min(start + num_new, prompt_end) - start)
@@ -365,6 +417,7 @@ class PoolScheduler(Migration):
                 num_computed_before=start,
                 replaced_table=self.blocks.table(rid) if copies and not is_new else None,
                 samples=samples,
+                num_lookahead_tokens=lookahead,
             )
         )
 

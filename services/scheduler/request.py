@@ -49,6 +49,11 @@ class Request:
     # The gathered prompt logprobs went out with the first token.
     prompt_logprobs_sent: bool = False
     num_preemptions: int = 0
+    # Speculative decoding: which of its pool's planned steps verifies proposals for it
+    # (0: none in flight), and the request's proposed and accepted tokens so far.
+    lookahead_step: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None

@@ -136,6 +136,9 @@ def pool_stats(pool: Pool) -> scheduler_pb2.PoolStats:
         num_free_swap_blocks=0 if swap is None else swap.num_free_blocks,
         kv_migrations_out=pool.scheduler.num_migrations_out,
         prompt_tokens_computed=pool.scheduler.num_prompt_tokens_computed,
+        spec_decode_num_steps=pool.scheduler.spec_decode.num_steps,
+        spec_decode_num_draft_tokens=pool.scheduler.spec_decode.num_draft_tokens,
+        spec_decode_num_accepted_tokens=pool.scheduler.spec_decode.num_accepted_tokens,
     )
 
 

@@ -125,6 +125,8 @@ def updates_from_events(events: list) -> list[scheduler_pb2.SubmitResponse]:
                 prompt_tokens=event.prompt_tokens,
                 completion_tokens=event.completion_tokens,
                 cached_tokens=event.cached_tokens,
+                num_draft_tokens=event.num_draft_tokens,
+                num_accepted_tokens=event.num_accepted_tokens,
             )
         )
         if event.error is not None:

@@ -10,8 +10,14 @@ from common.kv_shared_memory import shared_memory_from_pb
 from common.pb.tandem.internal.v1 import types_pb2, worker_pb2
 from common.sampling_pb import ROLE_FROM_PB, logprob_from_pb, sampling_to_pb
 from services.scheduler.pool_scheduler import PoolStepPlan
-from services.scheduler.request import Request
-from services.scheduler.worker_types import ModelShape, StepResult, WorkerInfo
+from services.scheduler.request import Logprob, Request
+from services.scheduler.worker_types import (
+    ModelShape,
+    SpecCounts,
+    SpeculativeInfo,
+    StepResult,
+    WorkerInfo,
+)
 
 
 def _worker_sampling(request: Request) -> types_pb2.SamplingParams:
@@ -47,6 +53,7 @@ def plan_to_pb(step_id: int, plan: PoolStepPlan) -> worker_pb2.StepRequest:
                     num_scheduled_tokens=item.num_new_tokens,
                     sampling=_worker_sampling(req),
                     num_prompt_tokens=len(req.prompt_token_ids),
+                    num_lookahead_tokens=item.num_lookahead_tokens,
                 )
             )
         else:
@@ -56,6 +63,7 @@ def plan_to_pb(step_id: int, plan: PoolStepPlan) -> worker_pb2.StepRequest:
                     new_block_ids=[] if item.replaced_table else item.new_block_ids,
                     num_scheduled_tokens=item.num_new_tokens,
                     block_table=item.replaced_table or [],
+                    num_lookahead_tokens=item.num_lookahead_tokens,
                 )
             )
     return message
@@ -85,18 +93,41 @@ def worker_info_from_pb(address: str, d: worker_pb2.DescribeWorkerResponse) -> W
         shared_memory=(
             shared_memory_from_pb(d.kv_shared_memory) if d.HasField("kv_shared_memory") else None
         ),
+        speculative=(
+            SpeculativeInfo(
+                d.speculative.method,
+                d.speculative.num_speculative_tokens,
+                d.speculative.disable_by_batch_size,
+            )
+            if d.HasField("speculative")
+            else None
+        ),
     )
 
 
 def step_result_from_pb(response: worker_pb2.StepResponse) -> StepResult:
+    """A request's entries come in order; all but its last are accepted proposals."""
+    sampled: dict[str, int] = {}
+    logprobs: dict[str, Logprob] = {}
+    accepted: dict[str, list[tuple[int, Logprob | None]]] = {}
+    for t in response.sampled_tokens:
+        entry = logprob_from_pb(t.logprob) if t.HasField("logprob") else None
+        if t.request_id in sampled:  # the one before was an accepted proposal
+            accepted.setdefault(t.request_id, []).append(
+                (sampled[t.request_id], logprobs.pop(t.request_id, None))
+            )
+        sampled[t.request_id] = t.token_id
+        if entry is not None:
+            logprobs[t.request_id] = entry
     return StepResult(
         step_id=response.step_id,
-        sampled={t.request_id: t.token_id for t in response.sampled_tokens},
+        sampled=sampled,
         execute_seconds=response.execute_seconds,
-        logprobs={
-            t.request_id: logprob_from_pb(t.logprob)
-            for t in response.sampled_tokens
-            if t.HasField("logprob")
+        logprobs=logprobs,
+        accepted=accepted,
+        spec={
+            c.request_id: SpecCounts(c.num_draft_tokens, c.num_accepted_tokens)
+            for c in response.spec_decode
         },
         prompt_logprobs={
             p.request_id: (p.start, [logprob_from_pb(e) for e in p.entries])

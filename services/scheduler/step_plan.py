@@ -23,6 +23,9 @@ class ScheduledRequest:
     replaced_table: list[int] | None = None
     # The step reaches the request's last token and samples the next one.
     samples: bool = False
+    # Slots (blocks allocated) after the new tokens for proposals the worker verifies in
+    # this step (speculative decoding); only when it samples.
+    num_lookahead_tokens: int = 0
 
 
 @dataclass

@@ -47,6 +47,16 @@ class WorkerLimits:
 
 
 @dataclass(frozen=True)
+class SpeculativeInfo:
+    """A worker's speculative decoding: its method, the proposals it verifies per request
+    and step (the lookahead slots to plan), and the batch size from which it is off."""
+
+    method: str
+    num_speculative_tokens: int
+    disable_by_batch_size: int = 0  # 0: never off
+
+
+@dataclass(frozen=True)
 class WorkerInfo:
     worker_id: str
     address: str
@@ -60,6 +70,7 @@ class WorkerInfo:
     limits: WorkerLimits | None = None  # None: an older worker that sends no limits
     # Its KV pool in shared memory, when it has one (a CPU worker): same-host peers pull.
     shared_memory: SharedMemoryInfo | None = None
+    speculative: SpeculativeInfo | None = None
 
     def can_pull_from(self, source: WorkerInfo) -> bool:
         """This worker can copy KV straight out of `source`'s pool (same host)."""
@@ -69,13 +80,26 @@ class WorkerInfo:
 
 
 @dataclass(frozen=True)
+class SpecCounts:
+    """One request's proposals in one step: proposed, and accepted of those."""
+
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+
+@dataclass(frozen=True)
 class StepResult:
     step_id: int
+    # request id -> the step's last token for it (after its accepted proposals, if any)
     sampled: dict[str, int]
     execute_seconds: float
     logprobs: dict[str, Logprob] = field(default_factory=dict)
     # request id -> (first prompt position covered, entries)
     prompt_logprobs: dict[str, tuple[int, list[Logprob]]] = field(default_factory=dict)
+    # Speculative decoding: the proposals a request accepted, in order, before its sampled
+    # token (with their logprobs where it asked), and its counts.
+    accepted: dict[str, list[tuple[int, Logprob | None]]] = field(default_factory=dict)
+    spec: dict[str, SpecCounts] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         both_ports=_ports(args.both_port, args.both),
         log_level=args.log_level,
         http_port=None if args.no_http else args.http_port,
+        extra_args=(
+            {role: ["--speculative-config", args.speculative_config] for role in ("decode", "both")}
+            if args.speculative_config
+            else {}
+        ),
     )
     print(
         "starting "
@@ -125,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         "--http-port", type=int, default=8000, help="port of the OpenAI-compatible HTTP API"
     )
     up.add_argument("--no-http", action="store_true", help="do not start the HTTP API")
+    up.add_argument(
+        "--speculative-config",
+        default="",
+        help="speculative decoding on the decode (or both) workers, vLLM's JSON",
+    )
     up.add_argument("--log-level", default="info")
     up.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for SERVING")
     sub.add_parser("down", help="stop what `up` started")

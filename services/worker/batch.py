@@ -37,6 +37,7 @@ class NewRequestData:
     num_scheduled_tokens: int
     sampling: SamplingParams
     num_prompt_tokens: int = 0
+    num_lookahead_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class CachedRequestData:
     num_scheduled_tokens: int
     # Whole replacement table (copy-on-write replaced blocks); empty = append new_block_ids.
     block_table: Sequence[int] = ()
+    num_lookahead_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,9 @@ class ScheduledWork:
 
     request: WorkerRequest
     num_new_tokens: int
+    # Slots after the new tokens (their blocks are in the table) for proposed tokens this
+    # step may verify (speculative decoding); only on a step that samples.
+    num_lookahead_tokens: int = 0
 
     @property
     def samples(self) -> bool:
@@ -110,7 +115,7 @@ class PersistentBatch:
                 num_prompt_tokens=data.num_prompt_tokens or len(data.token_ids),
             )
             self.requests[data.request_id] = request
-            work.append(self._work(request, data.num_scheduled_tokens))
+            work.append(self._work(request, data.num_scheduled_tokens, data.num_lookahead_tokens))
         for delta in cached:
             request = self.requests.get(delta.request_id)
             if request is None:
@@ -121,13 +126,22 @@ class PersistentBatch:
                 request.block_ids.extend(
                     self._checked_blocks(delta.request_id, delta.new_block_ids)
                 )
-            work.append(self._work(request, delta.num_scheduled_tokens))
+            work.append(self._work(request, delta.num_scheduled_tokens, delta.num_lookahead_tokens))
         return work
 
-    def complete(self, work: Sequence[ScheduledWork], sampled: dict[str, int]) -> None:
-        """Advance progress after the forward pass and append the sampled tokens."""
+    def complete(
+        self,
+        work: Sequence[ScheduledWork],
+        sampled: dict[str, int],
+        accepted: dict[str, list[int]] | None = None,
+    ) -> None:
+        """Advance progress after the forward pass and append the sampled tokens, after the
+        proposed tokens a request accepted (their KV was written by the pass)."""
+        accepted = accepted or {}
         for item in work:
-            item.request.num_computed_tokens += item.num_new_tokens
+            extra = accepted.get(item.request.request_id, ())
+            item.request.num_computed_tokens += item.num_new_tokens + len(extra)
+            item.request.token_ids.extend(extra)
         for request_id, token in sampled.items():
             self.requests[request_id].token_ids.append(token)
 
@@ -137,16 +151,20 @@ class PersistentBatch:
             raise PlanError(f"request {request_id}: block ids {bad[:4]} outside the pool")
         return list(blocks)
 
-    def _work(self, request: WorkerRequest, num_new: int) -> ScheduledWork:
+    def _work(self, request: WorkerRequest, num_new: int, lookahead: int = 0) -> ScheduledWork:
         end = request.num_computed_tokens + num_new
         if num_new <= 0 or end > len(request.token_ids):
             raise PlanError(
                 f"request {request.request_id}: cannot compute {num_new} tokens from "
                 f"{request.num_computed_tokens} of {len(request.token_ids)}"
             )
-        if end > len(request.block_ids) * self.block_size:
+        if lookahead and end != len(request.token_ids):
+            raise PlanError(
+                f"request {request.request_id}: lookahead slots on a step that does not sample"
+            )
+        if end + lookahead > len(request.block_ids) * self.block_size:
             raise PlanError(
                 f"request {request.request_id}: {len(request.block_ids)} blocks cannot hold "
-                f"{end} tokens"
+                f"{end + lookahead} tokens"
             )
-        return ScheduledWork(request, num_new)
+        return ScheduledWork(request, num_new, lookahead)

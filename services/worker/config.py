@@ -12,6 +12,7 @@ from common.config import (
     port_setting,
     setting,
 )
+from common.speculative_config import SpeculativeConfig, parse_speculative_config
 from services.worker.models.attention_backend import BACKENDS
 
 ROLES = ("prefill", "decode", "both")
@@ -130,6 +131,13 @@ class WorkerConfig(ServiceConfig):
         "this many bytes of them are ready (smaller transfers are copied once, at the end)",
         env="TANDEM_KV_TRANSFER_STREAM_MIN_COPY_BYTES",
     )
+    speculative_config: str = setting(
+        "",
+        'speculative decoding, vLLM\'s JSON: e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (decode workers; '
+        "empty = off)",
+        env="TANDEM_SPECULATIVE_CONFIG",
+    )
     drain_timeout_s: float = drain_timeout_setting(
         "on SIGTERM: seconds to let the requests this worker holds finish"
     )
@@ -170,6 +178,17 @@ class WorkerConfig(ServiceConfig):
         )
         self._positive("kv_transfer_timeout_s")
         self._at_least(0, "kv_transfer_stream_min_copy_bytes")
+        spec = parse_speculative_config(self.speculative_config)  # one clear line if bad
+        if spec is not None and self.role == "prefill":
+            raise ValueError("--speculative-config is for decode (or both) workers")
+        if spec is not None and spec.method == "draft_model":
+            raise ValueError(
+                "--speculative-config: method draft_model is not built yet (only ngram)"
+            )
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return parse_speculative_config(self.speculative_config)
 
     @property
     def resolved_worker_id(self) -> str:

@@ -30,6 +30,8 @@ from services.worker.models.attention_metadata import (
     build_attention_metadata,
 )
 from services.worker.sampler import DeviceSample, SamplingRow, sample_on_device, to_device
+from services.worker.spec_decode.spec_step import SpecOutcome, SpecStep
+from services.worker.spec_decode.verify import Proposer
 
 # Prompt logprobs compute logits for at most this many elements (rows x vocab) at a time.
 PROMPT_LOGITS_CHUNK = 1 << 24
@@ -37,10 +39,17 @@ PROMPT_LOGITS_CHUNK = 1 << 24
 
 @dataclass(frozen=True)
 class StepOutput:
-    sampled: dict[str, int]  # request_id -> token id, in plan order
+    # request_id -> the step's last token for it, in plan order (with speculative decoding
+    # the accepted proposals in `spec` come before it)
+    sampled: dict[str, int]
     execute_seconds: float
     logprobs: dict[str, Logprob] = field(default_factory=dict)  # requests that asked
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    spec: dict[str, SpecOutcome] = field(default_factory=dict)
+
+    @property
+    def accepted(self) -> dict[str, list[int]]:
+        return {rid: o.accepted for rid, o in self.spec.items() if o.accepted}
 
 
 @dataclass(frozen=True)
@@ -66,8 +75,12 @@ class ModelRunner:
         kv_cache: KvCache,
         device: torch.device,
         graphs: DecodeGraphs | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
+        """`proposer`: proposes tokens for requests with lookahead slots (speculative
+        decoding); None: lookahead slots stay unused."""
         self.model = model
+        self.proposer = proposer
         self.kv_cache = kv_cache
         self.device = device
         self.graphs = graphs
@@ -86,6 +99,8 @@ class ModelRunner:
             begin = req.num_computed_tokens
             input_ids.extend(req.token_ids[begin : begin + item.num_new_tokens])
             slices.append(SequenceSlice(begin, item.num_new_tokens, req.block_ids))
+        spec = SpecStep(work, self.proposer)  # proposals to verify (see spec_decode)
+        spec.rows(input_ids, slices)
         positions, meta = build_attention_metadata(slices, self.kv_cache.block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         if self.graphs is not None and self.graphs.supports(meta):
@@ -95,14 +110,15 @@ class ModelRunner:
         samplers = [i for i, item in enumerate(work) if item.samples]
         sample: DeviceSample | None = None
         if samplers:
-            last_rows = to_device(
-                [meta.query_start_loc[i + 1] - 1 for i in samplers], torch.int64, self.device
-            )
-            logits = self.model.compute_logits(hidden[last_rows])
+            flat = [meta.query_start_loc[i + 1] - 1 for i in samplers]
             rows = [
                 SamplingRow(r.sampling, r.token_ids, r.num_prompt_tokens)
                 for r in (work[i].request for i in samplers)
             ]
+            extra_flat, extra_rows = spec.sample_rows(meta.query_start_loc)
+            flat.extend(extra_flat)
+            rows.extend(extra_rows)
+            logits = self.model.compute_logits(hidden[to_device(flat, torch.int64, self.device)])
             sample = sample_on_device(logits, rows, self.generator)
         prompt = self._score_prompts(work, meta, hidden)
         sample_tensors = sample.tensors() if sample is not None else []
@@ -110,15 +126,17 @@ class ModelRunner:
         values = to_host(sample_tensors + prompt_tensors)  # the step's one device-to-host copy
         sampled: dict[str, int] = {}
         logprobs: dict[str, Logprob] = {}
+        outcomes: dict[str, SpecOutcome] = {}
         if sample is not None:
             result = sample.from_host(values[: len(sample_tensors)])
-            for i, token, entry in zip(samplers, result.token_ids, result.logprobs, strict=True):
-                request_id = work[i].request.request_id
-                sampled[request_id] = token
-                if entry is not None:
-                    logprobs[request_id] = entry
+            tokens, entries = result.token_ids, result.logprobs
+            for k, i in enumerate(samplers):
+                sampled[work[i].request.request_id] = tokens[k]
+                if entries[k] is not None:
+                    logprobs[work[i].request.request_id] = entries[k]
+            outcomes = spec.outcomes(samplers, tokens, entries, sampled, logprobs)
         scored = prompt.from_host(values[len(sample_tensors) :]) if prompt is not None else {}
-        return StepOutput(sampled, time.perf_counter() - start, logprobs, scored)
+        return StepOutput(sampled, time.perf_counter() - start, logprobs, scored, outcomes)
 
     def _score_prompts(
         self, work: Sequence[ScheduledWork], meta: AttentionMetadata, hidden: torch.Tensor

@@ -27,18 +27,31 @@ log = get_logger(__name__)
 SLOW_STEP_S = 2.0  # a step this slow is logged with what it ran
 
 
+def _sampled_pb(request_id: str, token: int, entry) -> worker_pb2.SampledToken:
+    return worker_pb2.SampledToken(
+        request_id=request_id,
+        token_id=token,
+        logprob=None if entry is None else logprob_to_pb(entry),
+    )
+
+
 def step_response_pb(step_id: int, output: StepOutput) -> worker_pb2.StepResponse:
-    sampled = []
+    sampled, spec = [], []
     for request_id, token in output.sampled.items():
-        entry = output.logprobs.get(request_id)
-        sampled.append(
-            worker_pb2.SampledToken(
-                request_id=request_id,
-                token_id=token,
-                logprob=None if entry is None else logprob_to_pb(entry),
+        outcome = output.spec.get(request_id)
+        if outcome is not None:  # accepted proposals first, in order
+            for accepted, entry in zip(outcome.accepted, outcome.logprobs, strict=True):
+                sampled.append(_sampled_pb(request_id, accepted, entry))
+            spec.append(
+                worker_pb2.SpecDecodeCounts(
+                    request_id=request_id,
+                    num_draft_tokens=outcome.num_drafts,
+                    num_accepted_tokens=len(outcome.accepted),
+                )
             )
-        )
+        sampled.append(_sampled_pb(request_id, token, output.logprobs.get(request_id)))
     return worker_pb2.StepResponse(
+        spec_decode=spec,
         step_id=step_id,
         sampled_tokens=sampled,
         execute_seconds=output.execute_seconds,
@@ -127,6 +140,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             kv_shared_memory=(
                 None if worker.shared_pool is None else shared_memory_to_pb(worker.shared_pool.info)
             ),
+            speculative=(
+                None
+                if worker.speculative is None
+                else worker_pb2.SpeculativeDecoding(
+                    method=worker.speculative.method,
+                    num_speculative_tokens=worker.speculative.num_speculative_tokens,
+                    disable_by_batch_size=worker.speculative.disable_by_batch_size or 0,
+                )
+            ),
         )
 
     async def Step(self, request_iterator, context):
@@ -193,12 +215,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                         num_scheduled_tokens=r.num_scheduled_tokens,
                         sampling=sampling_from_pb(r.sampling),
                         num_prompt_tokens=r.num_prompt_tokens,
+                        num_lookahead_tokens=r.num_lookahead_tokens,
                     )
                     for r in plan.new_requests
                 ]
                 cached = [
                     CachedRequestData(
-                        r.request_id, r.new_block_ids, r.num_scheduled_tokens, r.block_table
+                        r.request_id,
+                        r.new_block_ids,
+                        r.num_scheduled_tokens,
+                        r.block_table,
+                        r.num_lookahead_tokens,
                     )
                     for r in plan.cached_requests
                 ]

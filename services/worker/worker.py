@@ -33,6 +33,7 @@ from services.worker.config import WorkerConfig
 from services.worker.kv_pull import KvPuller, KvSource, PullResult
 from services.worker.kv_transfer import KvTransferError, UcxTransport
 from services.worker.runner import ModelRunner, StepOutput
+from services.worker.spec_decode.proposers import make_proposer
 from services.worker.staging import StagingBuffers
 from services.worker.startup import LoadedWorker, load_worker
 
@@ -72,7 +73,14 @@ class Worker:
         self.swap_cache = loaded.swap_cache
         self.max_model_len = loaded.max_model_len
         self.device = loaded.device
-        self.runner = ModelRunner(loaded.model, loaded.kv_cache, loaded.device, loaded.graphs)
+        self.speculative = config.speculative
+        self.runner = ModelRunner(
+            loaded.model,
+            loaded.kv_cache,
+            loaded.device,
+            loaded.graphs,
+            proposer=make_proposer(self.speculative),
+        )
         self.shared_pool = loaded.shared_pool
         # Only a prefill worker's prompts are streamed while they compute: only it reports
         # progress (a peer pulling from any other worker's pool copies final blocks).
@@ -154,7 +162,7 @@ class Worker:
         output = self.runner.execute(work)
         if self._progress is not None:
             self._progress.step_done(step_id)
-        self.batch.complete(work, output.sampled)
+        self.batch.complete(work, output.sampled, output.accepted)
         return output
 
     def _layer_written(self, layer: int) -> None:

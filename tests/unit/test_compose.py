@@ -2,6 +2,7 @@
 OpenAI-compatible HTTP front), with commands and settings that the services' own config
 parsers accept (no container engine runs here)."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,11 @@ def compose():
 def parsed(service: dict):
     command = service["command"]
     assert command[:2] == ["python", "-m"]
-    env = {k: str(v) for k, v in service.get("environment", {}).items()}
+    # compose's `${VAR:-default}` with VAR unset: the default
+    env = {
+        k: re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", str(v))
+        for k, v in service.get("environment", {}).items()
+    }
     return command[2], load_config(CONFIGS[command[2]], command[3:], env=env)
 
 

@@ -136,6 +136,7 @@ def fake_worker(device: str) -> SimpleNamespace:
         swap_cache=None,
         transport=SimpleNamespace(address=b"ucx"),
         shared_pool=None,
+        speculative=None,
         batch=[],
         device=torch.device(device),
     )

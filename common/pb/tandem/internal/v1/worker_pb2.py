@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from common.pb.tandem.internal.v1 import types_pb2 as tandem_dot_internal_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ftandem/internal/v1/worker.proto\x12\x12tandem.internal.v1\x1a\x1etandem/internal/v1/types.proto\"\x17\n\x15\x44\x65scribeWorkerRequest\"\xc8\x02\n\x16\x44\x65scribeWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12,\n\x04role\x18\x02 \x01(\x0e\x32\x1e.tandem.internal.v1.WorkerRole\x12\x33\n\x05model\x18\x03 \x01(\x0b\x32$.tandem.internal.v1.ModelDescription\x12\x38\n\x08kv_cache\x18\x04 \x01(\x0b\x32&.tandem.internal.v1.KvCacheDescription\x12\x13\n\x0bucx_address\x18\x05 \x01(\x0c\x12\x1b\n\x13num_active_requests\x18\x06 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12<\n\x10kv_shared_memory\x18\x08 \x01(\x0b\x32\".tandem.internal.v1.KvSharedMemory\"q\n\x0eKvSharedMemory\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\n\n\x02\x66\x64\x18\x03 \x01(\r\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\r\n\x05token\x18\x05 \x01(\x0c\x12\x13\n\x0bpool_offset\x18\x06 \x01(\x04\"\xe5\x02\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x34\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1e.tandem.internal.v1.NewRequest\x12:\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32!.tandem.internal.v1.CachedRequest\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\x12/\n\x08swap_out\x18\x05 \x03(\x0b\x32\x1d.tandem.internal.v1.BlockCopy\x12.\n\x07swap_in\x18\x06 \x03(\x0b\x32\x1d.tandem.internal.v1.BlockCopy\x12\x33\n\x0c\x62lock_copies\x18\x07 \x03(\x0b\x32\x1d.tandem.internal.v1.BlockCopy\x12\x1f\n\x17\x63\x61ncelled_transfer_tags\x18\x08 \x03(\x04\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\xd2\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\x12\x34\n\x08sampling\x18\x06 \x01(\x0b\x32\".tandem.internal.v1.SamplingParams\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\r\"m\n\rCachedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\r\"\xaf\x01\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x38\n\x0esampled_tokens\x18\x02 \x03(\x0b\x32 .tandem.internal.v1.SampledToken\x12\x17\n\x0f\x65xecute_seconds\x18\x03 \x01(\x01\x12;\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\".tandem.internal.v1.PromptLogprobs\"f\n\x0ePromptLogprobs\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x31\n\x07\x65ntries\x18\x03 \x03(\x0b\x32 .tandem.internal.v1.TokenLogprob\"g\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x03\x12\x31\n\x07logprob\x18\x03 \x01(\x0b\x32 .tandem.internal.v1.TokenLogprob\"j\n\rSendKvRequest\x12\x14\n\x0ctransfer_tag\x18\x01 \x01(\x04\x12\x16\n\x0epeer_worker_id\x18\x02 \x01(\t\x12\x18\n\x10peer_ucx_address\x18\x03 \x01(\x0c\x12\x11\n\tblock_ids\x18\x04 \x03(\r\"4\n\x0eSendKvResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\x80\x01\n\x10ReceiveKvRequest\x12\x14\n\x0ctransfer_tag\x18\x01 \x01(\x04\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x15\n\rafter_step_id\x18\x03 \x01(\x04\x12,\n\x06source\x18\x04 \x01(\x0b\x32\x1c.tandem.internal.v1.KvSource\"\x82\x01\n\x08KvSource\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x39\n\rshared_memory\x18\x02 \x01(\x0b\x32\".tandem.internal.v1.KvSharedMemory\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x15\n\rready_step_id\x18\x04 \x01(\x04\"S\n\x11ReceiveKvResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x1a\n\x12source_lag_seconds\x18\x03 \x01(\x01\x32\xf2\x02\n\rWorkerService\x12g\n\x0e\x44\x65scribeWorker\x12).tandem.internal.v1.DescribeWorkerRequest\x1a*.tandem.internal.v1.DescribeWorkerResponse\x12M\n\x04Step\x12\x1f.tandem.internal.v1.StepRequest\x1a .tandem.internal.v1.StepResponse(\x01\x30\x01\x12O\n\x06SendKv\x12!.tandem.internal.v1.SendKvRequest\x1a\".tandem.internal.v1.SendKvResponse\x12X\n\tReceiveKv\x12$.tandem.internal.v1.ReceiveKvRequest\x1a%.tandem.internal.v1.ReceiveKvResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ftandem/internal/v1/worker.proto\x12\x12tandem.internal.v1\x1a\x1etandem/internal/v1/types.proto\"\x17\n\x15\x44\x65scribeWorkerRequest\"\x86\x03\n\x16\x44\x65scribeWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12,\n\x04role\x18\x02 \x01(\x0e\x32\x1e.tandem.internal.v1.WorkerRole\x12\x33\n\x05model\x18\x03 \x01(\x0b\x32$.tandem.internal.v1.ModelDescription\x12\x38\n\x08kv_cache\x18\x04 \x01(\x0b\x32&.tandem.internal.v1.KvCacheDescription\x12\x13\n\x0bucx_address\x18\x05 \x01(\x0c\x12\x1b\n\x13num_active_requests\x18\x06 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12<\n\x10kv_shared_memory\x18\x08 \x01(\x0b\x32\".tandem.internal.v1.KvSharedMemory\x12<\n\x0bspeculative\x18\t \x01(\x0b\x32\'.tandem.internal.v1.SpeculativeDecoding\"d\n\x13SpeculativeDecoding\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\r\x12\x1d\n\x15\x64isable_by_batch_size\x18\x03 \x01(\r\"q\n\x0eKvSharedMemory\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\n\n\x02\x66\x64\x18\x03 \x01(\r\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\r\n\x05token\x18\x05 \x01(\x0c\x12\x13\n\x0bpool_offset\x18\x06 \x01(\x04\"\xe5\x02\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x34\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1e.tandem.internal.v1.NewRequest\x12:\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32!.tandem.internal.v1.CachedRequest\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\x12/\n\x08swap_out\x18\x05 \x03(\x0b\x32\x1d.tandem.internal.v1.BlockCopy\x12.\n\x07swap_in\x18\x06 \x03(\x0b\x32\x1d.tandem.internal.v1.BlockCopy\x12\x33\n\x0c\x62lock_copies\x18\x07 \x03(\x0b\x32\x1d.tandem.internal.v1.BlockCopy\x12\x1f\n\x17\x63\x61ncelled_transfer_tags\x18\x08 \x03(\x04\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\xf0\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\x12\x34\n\x08sampling\x18\x06 \x01(\x0b\x32\".tandem.internal.v1.SamplingParams\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\r\x12\x1c\n\x14num_lookahead_tokens\x18\x08 \x01(\r\"\x8b\x01\n\rCachedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\r\x12\x1c\n\x14num_lookahead_tokens\x18\x05 \x01(\r\"\xea\x01\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x38\n\x0esampled_tokens\x18\x02 \x03(\x0b\x32 .tandem.internal.v1.SampledToken\x12\x17\n\x0f\x65xecute_seconds\x18\x03 \x01(\x01\x12;\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\".tandem.internal.v1.PromptLogprobs\x12\x39\n\x0bspec_decode\x18\x05 \x03(\x0b\x32$.tandem.internal.v1.SpecDecodeCounts\"]\n\x10SpecDecodeCounts\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\r\"f\n\x0ePromptLogprobs\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x31\n\x07\x65ntries\x18\x03 \x03(\x0b\x32 .tandem.internal.v1.TokenLogprob\"g\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x03\x12\x31\n\x07logprob\x18\x03 \x01(\x0b\x32 .tandem.internal.v1.TokenLogprob\"j\n\rSendKvRequest\x12\x14\n\x0ctransfer_tag\x18\x01 \x01(\x04\x12\x16\n\x0epeer_worker_id\x18\x02 \x01(\t\x12\x18\n\x10peer_ucx_address\x18\x03 \x01(\x0c\x12\x11\n\tblock_ids\x18\x04 \x03(\r\"4\n\x0eSendKvResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\x80\x01\n\x10ReceiveKvRequest\x12\x14\n\x0ctransfer_tag\x18\x01 \x01(\x04\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x15\n\rafter_step_id\x18\x03 \x01(\x04\x12,\n\x06source\x18\x04 \x01(\x0b\x32\x1c.tandem.internal.v1.KvSource\"\x82\x01\n\x08KvSource\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x39\n\rshared_memory\x18\x02 \x01(\x0b\x32\".tandem.internal.v1.KvSharedMemory\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x15\n\rready_step_id\x18\x04 \x01(\x04\"S\n\x11ReceiveKvResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x1a\n\x12source_lag_seconds\x18\x03 \x01(\x01\x32\xf2\x02\n\rWorkerService\x12g\n\x0e\x44\x65scribeWorker\x12).tandem.internal.v1.DescribeWorkerRequest\x1a*.tandem.internal.v1.DescribeWorkerResponse\x12M\n\x04Step\x12\x1f.tandem.internal.v1.StepRequest\x1a .tandem.internal.v1.StepResponse(\x01\x30\x01\x12O\n\x06SendKv\x12!.tandem.internal.v1.SendKvRequest\x1a\".tandem.internal.v1.SendKvResponse\x12X\n\tReceiveKv\x12$.tandem.internal.v1.ReceiveKvRequest\x1a%.tandem.internal.v1.ReceiveKvResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,33 +35,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEWORKERREQUEST']._serialized_start=87
   _globals['_DESCRIBEWORKERREQUEST']._serialized_end=110
   _globals['_DESCRIBEWORKERRESPONSE']._serialized_start=113
-  _globals['_DESCRIBEWORKERRESPONSE']._serialized_end=441
-  _globals['_KVSHAREDMEMORY']._serialized_start=443
-  _globals['_KVSHAREDMEMORY']._serialized_end=556
-  _globals['_STEPREQUEST']._serialized_start=559
-  _globals['_STEPREQUEST']._serialized_end=916
-  _globals['_BLOCKCOPY']._serialized_start=918
-  _globals['_BLOCKCOPY']._serialized_end=955
-  _globals['_NEWREQUEST']._serialized_start=958
-  _globals['_NEWREQUEST']._serialized_end=1168
-  _globals['_CACHEDREQUEST']._serialized_start=1170
-  _globals['_CACHEDREQUEST']._serialized_end=1279
-  _globals['_STEPRESPONSE']._serialized_start=1282
-  _globals['_STEPRESPONSE']._serialized_end=1457
-  _globals['_PROMPTLOGPROBS']._serialized_start=1459
-  _globals['_PROMPTLOGPROBS']._serialized_end=1561
-  _globals['_SAMPLEDTOKEN']._serialized_start=1563
-  _globals['_SAMPLEDTOKEN']._serialized_end=1666
-  _globals['_SENDKVREQUEST']._serialized_start=1668
-  _globals['_SENDKVREQUEST']._serialized_end=1774
-  _globals['_SENDKVRESPONSE']._serialized_start=1776
-  _globals['_SENDKVRESPONSE']._serialized_end=1828
-  _globals['_RECEIVEKVREQUEST']._serialized_start=1831
-  _globals['_RECEIVEKVREQUEST']._serialized_end=1959
-  _globals['_KVSOURCE']._serialized_start=1962
-  _globals['_KVSOURCE']._serialized_end=2092
-  _globals['_RECEIVEKVRESPONSE']._serialized_start=2094
-  _globals['_RECEIVEKVRESPONSE']._serialized_end=2177
-  _globals['_WORKERSERVICE']._serialized_start=2180
-  _globals['_WORKERSERVICE']._serialized_end=2550
+  _globals['_DESCRIBEWORKERRESPONSE']._serialized_end=503
+  _globals['_SPECULATIVEDECODING']._serialized_start=505
+  _globals['_SPECULATIVEDECODING']._serialized_end=605
+  _globals['_KVSHAREDMEMORY']._serialized_start=607
+  _globals['_KVSHAREDMEMORY']._serialized_end=720
+  _globals['_STEPREQUEST']._serialized_start=723
+  _globals['_STEPREQUEST']._serialized_end=1080
+  _globals['_BLOCKCOPY']._serialized_start=1082
+  _globals['_BLOCKCOPY']._serialized_end=1119
+  _globals['_NEWREQUEST']._serialized_start=1122
+  _globals['_NEWREQUEST']._serialized_end=1362
+  _globals['_CACHEDREQUEST']._serialized_start=1365
+  _globals['_CACHEDREQUEST']._serialized_end=1504
+  _globals['_STEPRESPONSE']._serialized_start=1507
+  _globals['_STEPRESPONSE']._serialized_end=1741
+  _globals['_SPECDECODECOUNTS']._serialized_start=1743
+  _globals['_SPECDECODECOUNTS']._serialized_end=1836
+  _globals['_PROMPTLOGPROBS']._serialized_start=1838
+  _globals['_PROMPTLOGPROBS']._serialized_end=1940
+  _globals['_SAMPLEDTOKEN']._serialized_start=1942
+  _globals['_SAMPLEDTOKEN']._serialized_end=2045
+  _globals['_SENDKVREQUEST']._serialized_start=2047
+  _globals['_SENDKVREQUEST']._serialized_end=2153
+  _globals['_SENDKVRESPONSE']._serialized_start=2155
+  _globals['_SENDKVRESPONSE']._serialized_end=2207
+  _globals['_RECEIVEKVREQUEST']._serialized_start=2210
+  _globals['_RECEIVEKVREQUEST']._serialized_end=2338
+  _globals['_KVSOURCE']._serialized_start=2341
+  _globals['_KVSOURCE']._serialized_end=2471
+  _globals['_RECEIVEKVRESPONSE']._serialized_start=2473
+  _globals['_RECEIVEKVRESPONSE']._serialized_end=2556
+  _globals['_WORKERSERVICE']._serialized_start=2559
+  _globals['_WORKERSERVICE']._serialized_end=2929
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,154 @@
+"""Speculative decoding: time per output token and acceptance with and without
+`--speculative-config`, at concurrency 1 and 16, in one run on the same stack shape (1
+prefill + 1 decode worker), the same model and the same requests.
+
+Random-weight models never repeat their prompt or themselves, so the workload makes the
+output repeat (`--sampling repeat`: greedy, with the request's first two prompt tokens pushed
+up by logit_bias; logit_bias shifts logits and costs the same with speculation on or off).
+Modes alternate (off, on, off, on, ...) because the box drifts between runs. Acceptance
+comes from the requests' usage (proposed and accepted tokens) and the decode pool's
+`GetPoolStats` (mean accepted length = 1 + accepted / verifying steps). JSON goes to
+bench/results/spec_decode_cpu.json.
+
+    python -m bench.spec_decode [--model llama-32m] [--speculative-config JSON] [--repeats 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import uuid
+from pathlib import Path
+
+import grpc
+from transformers import AutoTokenizer
+
+from bench.metrics import summarize
+from bench.models import BENCH_MODELS, bench_model
+from bench.report import load_average, machine_info
+from bench.serve_client import run_client, warm_up
+from bench.workloads import MixedParams, build_workload, usable_token_ids
+from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.stack.launcher import Stack, StackSpec
+
+RESULTS = Path(__file__).resolve().parent / "results"
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}  # fmt: skip
+LOADS = ((1, 8), (16, 32))  # (concurrency, requests)
+
+
+def decode_stats(address: str):
+    with grpc.insecure_channel(address) as channel:
+        stats = scheduler_pb2_grpc.SchedulerServiceStub(channel).GetPoolStats(
+            scheduler_pb2.GetPoolStatsRequest(), timeout=10
+        )
+    return next(p for p in stats.pools if p.role == 2)  # WORKER_ROLE_DECODE
+
+
+def run_mode(model: Path, speculative: str, requests_by_load, sampling: str) -> dict:
+    extra = {"decode": ["--speculative-config", speculative]} if speculative else {}
+    spec = StackSpec.on_free_ports(str(model), extra_args=extra)
+    label = "on" if speculative else "off"
+    run_dir = Path(tempfile.mkdtemp(prefix=f"bench-spec-{label}-"))
+    stack = Stack.start(spec, run_dir, ready_timeout_s=300, exit_with_parent=True)
+    out = {}
+    try:
+        vocab = usable_token_ids(AutoTokenizer.from_pretrained(model))
+        warm_up(spec.gateway_address, vocab)
+        for (concurrency, _), requests in zip(LOADS, requests_by_load, strict=True):
+            before = decode_stats(spec.scheduler_address)
+            load = load_average()
+            records, wall = run_client(
+                spec.gateway_address,
+                requests,
+                None,
+                concurrency,
+                f"bench-spec-{uuid.uuid4().hex}",
+                label=f"spec {label} c{concurrency}",
+                show_progress=False,
+                sampling=sampling,
+            )
+            after = decode_stats(spec.scheduler_address)
+            summary = summarize(records, wall)
+            drafts = sum(r.draft_tokens for r in records)
+            accepted = sum(r.accepted_tokens for r in records)
+            steps = after.spec_decode_num_steps - before.spec_decode_num_steps
+            out[f"c{concurrency}"] = {
+                "output_tokens_per_s": summary["output_tokens_per_s"],
+                "tpot_ms": summary["tpot_ms"],
+                "ttft_ms": summary["ttft_ms"],
+                "completed": summary["completed"],
+                "draft_tokens": drafts,
+                "accepted_tokens": accepted,
+                "acceptance_rate": round(accepted / drafts, 4) if drafts else None,
+                "verifying_steps": steps,
+                "mean_accepted_length": round(1 + accepted / steps, 3) if steps else None,
+                "decode_steps": after.steps - before.steps,
+                "load_avg_1m_before": load,
+            }
+    finally:
+        stack.stop()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="llama-32m", choices=list(BENCH_MODELS))
+    parser.add_argument("--speculative-config", default=json.dumps(NGRAM))
+    parser.add_argument("--sampling", default="repeat", choices=("repeat", "greedy"))
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per mode, alternating")
+    parser.add_argument("--out", default=str(RESULTS / "spec_decode_cpu.json"))
+    args = parser.parse_args()
+    model = bench_model(args.model)
+    vocab = usable_token_ids(AutoTokenizer.from_pretrained(model))
+    shape = dict(
+        prompt_len_median=args.prompt_len,
+        prompt_len_range=(args.prompt_len, args.prompt_len),
+        output_len_range=(args.output_len, args.output_len),
+    )
+    requests_by_load = [
+        build_workload("mixed", vocab, MixedParams(num_requests=n, **shape), seed=c)
+        for c, n in LOADS
+    ]
+    runs = {"off": [], "on": []}
+    for _ in range(args.repeats):
+        runs["off"].append(run_mode(model, "", requests_by_load, args.sampling))
+        runs["on"].append(run_mode(model, args.speculative_config, requests_by_load, args.sampling))
+    ratios = {}
+    for concurrency, _ in LOADS:
+        key = f"c{concurrency}"
+        off = [r[key]["tpot_ms"]["p50"] for r in runs["off"]]
+        on = [r[key]["tpot_ms"]["p50"] for r in runs["on"]]
+        ratios[key] = {
+            "tpot_p50_off_over_on": [round(a / b, 3) for a, b in zip(off, on, strict=True)],
+            "throughput_on_over_off": [
+                round(b[key]["output_tokens_per_s"] / a[key]["output_tokens_per_s"], 3)
+                for a, b in zip(runs["off"], runs["on"], strict=True)
+            ],
+        }
+    report = {
+        "benchmark": "spec_decode",
+        "model": args.model,
+        "speculative_config": json.loads(args.speculative_config),
+        "sampling": args.sampling,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "loads": [{"concurrency": c, "requests": n} for c, n in LOADS],
+        "runs": runs,
+        "ratios": ratios,
+        "machine": machine_info(),
+    }
+    print(json.dumps({"ratios": ratios, "runs": runs}, indent=1))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

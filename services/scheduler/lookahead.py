@@ -1,0 +1,63 @@
+"""Lookahead slots for speculative decoding: how many proposals a decoding request may have
+verified in its next step, and the pool's counts of what was proposed and accepted.
+
+A request's step with k lookahead slots computes its last token plus up to k proposals and
+emits between 1 and k + 1 tokens, so the slots are capped by what the request may still
+emit (`max_tokens`), the context length, and the step's token budget; at or above
+`disable_by_batch_size` running requests a step plans none (vLLM's setting). The KV of
+accepted proposals counts as computed when the result comes in (`num_computed_tokens`
+catches up by that many); rejected slots are simply written again later. A request with
+proposals in flight is not planned again until their result is in: how far it got is not
+known before. Pure Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.scheduler.request import Request
+from services.scheduler.worker_types import SpecCounts
+
+
+@dataclass(frozen=True)
+class Lookahead:
+    num_speculative_tokens: int
+    disable_by_batch_size: int = 0  # 0: never off
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1: {self.num_speculative_tokens}")
+
+    def slots(self, request: Request, budget: int, batch_size: int) -> int:
+        """Proposal slots for the request's next decoding step (0: a plain step)."""
+        if self.disable_by_batch_size and batch_size >= self.disable_by_batch_size:
+            return 0
+        produced = len(request.output_token_ids) + request.num_pending_tokens
+        room = request.max_tokens - produced - 1  # the step emits 1 + accepted tokens
+        if request.max_model_len is not None:
+            room = min(room, request.max_model_len - request.num_tokens - 1)
+        return max(0, min(self.num_speculative_tokens, room, budget))
+
+
+@dataclass
+class SpecDecodeCounters:
+    """Since the worker joined: steps in which a request verified proposals, tokens
+    proposed, and accepted."""
+
+    num_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def record(self, counts: SpecCounts) -> None:
+        self.num_steps += 1
+        self.num_draft_tokens += counts.num_draft_tokens
+        self.num_accepted_tokens += counts.num_accepted_tokens
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a request gains per verifying step (1 + accepted / steps)."""
+        return 1.0 + self.num_accepted_tokens / self.num_steps if self.num_steps else 0.0
