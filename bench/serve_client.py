@@ -19,9 +19,10 @@ from bench.workloads import BenchRequest
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
 
 SAMPLING_MODES = ("greedy", "full", "repeat")
-# "repeat": greedy with the request's first REPEAT_TOKENS prompt tokens pushed up by
-# logit_bias, so its output repeats itself (random-weight models never do on their own):
-# a workload where n-gram speculation has something to find.
+# "repeat" (or "repeat:N"): greedy with the request's first N (default 2) prompt tokens
+# pushed up by logit_bias, so its output repeats itself (random-weight models never do on
+# their own): a workload where n-gram speculation has something to find (with N = 1 every
+# proposal is right: the upper bound).
 REPEAT_TOKENS = 2
 REPEAT_BIAS = 30.0
 # "full": every per-token feature of the generation API at once (seeded by request index).
@@ -52,8 +53,9 @@ def make_request(
         message.stopping.stop.append(FULL_STOP)
     else:
         message.sampling.temperature = 0.0
-    if sampling == "repeat":
-        for token in dict.fromkeys(request.prompt_ids[:REPEAT_TOKENS]):
+    if sampling.startswith("repeat"):
+        count = int(sampling.partition(":")[2] or REPEAT_TOKENS)
+        for token in dict.fromkeys(request.prompt_ids[:count]):
             message.sampling.logit_bias[token] = REPEAT_BIAS
     if cache_salt and "cache_salt" in generate_pb2.GenerateRequest.DESCRIPTOR.fields_by_name:
         message.cache_salt = cache_salt

@@ -3,8 +3,9 @@
 prefill + 1 decode worker), the same model and the same requests.
 
 Random-weight models never repeat their prompt or themselves, so the workload makes the
-output repeat (`--sampling repeat`: greedy, with the request's first two prompt tokens pushed
-up by logit_bias; logit_bias shifts logits and costs the same with speculation on or off).
+output repeat (`--sampling repeat:N`: greedy, with the request's first N prompt tokens pushed
+up by logit_bias; logit_bias shifts logits and costs the same with speculation on or off;
+N = 1 makes every proposal right, the upper bound; N = 2 gives partial acceptance).
 Modes alternate (off, on, off, on, ...) because the box drifts between runs. Acceptance
 comes from the requests' usage (proposed and accepted tokens) and the decode pool's
 `GetPoolStats` (mean accepted length = 1 + accepted / verifying steps). JSON goes to
@@ -34,7 +35,7 @@ from services.stack.launcher import Stack, StackSpec
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 3}  # fmt: skip
+         "prompt_lookup_max": 3, "disable_by_batch_size": 4}  # fmt: skip
 LOADS = ((1, 8), (16, 32))  # (concurrency, requests)
 
 
@@ -98,7 +99,11 @@ def main() -> None:
     )
     parser.add_argument("--model", default="llama-32m", choices=list(BENCH_MODELS))
     parser.add_argument("--speculative-config", default=json.dumps(NGRAM))
-    parser.add_argument("--sampling", default="repeat", choices=("repeat", "greedy"))
+    parser.add_argument(
+        "--sampling",
+        default="repeat:2",
+        help="repeat:N (outputs repeat: N prompt tokens pushed up by logit_bias) or greedy",
+    )
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1, help="runs per mode, alternating")
