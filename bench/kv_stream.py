@@ -34,7 +34,7 @@ from pathlib import Path
 import grpc
 
 from bench.models import bench_model
-from bench.report import machine_info
+from bench.report import machine_info, write_report
 from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
 from services.stack.launcher import Stack, StackSpec
@@ -190,10 +190,7 @@ def main() -> None:
         "machine": machine_info(),
     }
     print(json.dumps(report, indent=2))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {write_report(args.out, report)}")
 
 
 if __name__ == "__main__":

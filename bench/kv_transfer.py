@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from bench.report import write_report
+
 RESULTS = Path(__file__).resolve().parent / "results"
 # A Llama-3-8B-shaped block: 32 layers, 8 KV heads of 128, 16 tokens, bf16 -> 2 MiB.
 GEOMETRY = dict(block_size=16, num_layers=32, num_kv_heads=8, head_dim=128)
@@ -303,10 +305,7 @@ def main() -> None:
                 f"{row[f'{name}_of_memcpy']:>4.0%}"
             )
         print(line)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {write_report(args.out, report)}")
 
 
 if __name__ == "__main__":

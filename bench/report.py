@@ -3,6 +3,7 @@ PNG plot."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 from pathlib import Path
@@ -19,6 +20,14 @@ def load_average() -> float | None:
         return round(os.getloadavg()[0], 2)
     except OSError:
         return None
+
+
+def write_report(path: str | Path, report: dict) -> Path:
+    """Write a benchmark's JSON report (folders made as needed); returns the path."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    return out
 
 
 def machine_info() -> dict:

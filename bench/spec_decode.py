@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 
 from bench.metrics import summarize
 from bench.models import BENCH_MODELS, bench_model
-from bench.report import load_average, machine_info
+from bench.report import load_average, machine_info, write_report
 from bench.serve_client import run_client, warm_up
 from bench.workloads import MixedParams, build_workload, usable_token_ids
 from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -149,10 +149,7 @@ def main() -> None:
         "machine": machine_info(),
     }
     print(json.dumps({"ratios": ratios, "runs": runs}, indent=1))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {write_report(args.out, report)}")
 
 
 if __name__ == "__main__":

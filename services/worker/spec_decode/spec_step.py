@@ -57,7 +57,7 @@ class SpecStep:
         token after it, with the proposals up to it taken as accepted."""
         flat: list[int] = []
         rows: list[SamplingRow] = []
-        for i, proposal in self.drafts.items():
+        for i, proposal in self.drafts.items():  # (none: a plain step, nothing to do)
             request, first = self.work[i].request, self._first_slice[i]
             for j in range(len(proposal)):
                 flat.append(query_start_loc[first + j])
@@ -77,6 +77,8 @@ class SpecStep:
         rows of `samplers`, then `sample_rows`' in order); each request's last token and its
         logprob go into `sampled`/`logprobs` in place of the plain row's."""
         out: dict[str, SpecOutcome] = {}
+        if not self.drafts:
+            return out
         at, row_of = len(samplers), {i: k for k, i in enumerate(samplers)}
         for i, proposal in self.drafts.items():
             rid, k = self.work[i].request.request_id, row_of[i]
