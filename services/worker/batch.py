@@ -26,6 +26,9 @@ class WorkerRequest:
     num_computed_tokens: int
     sampling: SamplingParams
     num_prompt_tokens: int = 0
+    # Leading tokens whose KV is in the draft model's pool (speculative decoding with a
+    # draft model): stale KV past them is rewritten before it is read.
+    num_draft_computed_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,16 @@ class PersistentBatch:
             if request is None:
                 raise PlanError(f"request {delta.request_id} is not in the batch")
             if delta.block_table:
-                request.block_ids = self._checked_blocks(delta.request_id, delta.block_table)
+                table = self._checked_blocks(delta.request_id, delta.block_table)
+                same = 0  # copied blocks hold the target's KV only: the draft's is redone
+                while same < min(len(table), len(request.block_ids)) and (
+                    table[same] == request.block_ids[same]
+                ):
+                    same += 1
+                request.num_draft_computed_tokens = min(
+                    request.num_draft_computed_tokens, same * self.block_size
+                )
+                request.block_ids = table
             else:
                 request.block_ids.extend(
                     self._checked_blocks(delta.request_id, delta.new_block_ids)
@@ -136,12 +148,17 @@ class PersistentBatch:
         accepted: dict[str, list[int]] | None = None,
     ) -> None:
         """Advance progress after the forward pass and append the sampled tokens, after the
-        proposed tokens a request accepted (their KV was written by the pass)."""
+        proposed tokens a request accepted (their KV was written by the pass; a draft
+        model's KV past them is stale)."""
         accepted = accepted or {}
         for item in work:
-            extra = accepted.get(item.request.request_id, ())
-            item.request.num_computed_tokens += item.num_new_tokens + len(extra)
-            item.request.token_ids.extend(extra)
+            request = item.request
+            extra = accepted.get(request.request_id, ())
+            request.num_draft_computed_tokens = min(
+                request.num_draft_computed_tokens, len(request.token_ids) + len(extra)
+            )
+            request.num_computed_tokens += item.num_new_tokens + len(extra)
+            request.token_ids.extend(extra)
         for request_id, token in sampled.items():
             self.requests[request_id].token_ids.append(token)
 

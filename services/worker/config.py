@@ -181,10 +181,6 @@ class WorkerConfig(ServiceConfig):
         spec = parse_speculative_config(self.speculative_config)  # one clear line if bad
         if spec is not None and self.role == "prefill":
             raise ValueError("--speculative-config is for decode (or both) workers")
-        if spec is not None and spec.method == "draft_model":
-            raise ValueError(
-                "--speculative-config: method draft_model is not built yet (only ngram)"
-            )
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

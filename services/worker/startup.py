@@ -28,6 +28,7 @@ from services.worker.kv_shared import SharedPool
 from services.worker.models.attention_backend import select_backend
 from services.worker.models.attention_metadata import SequenceSlice, build_attention_metadata
 from services.worker.models.weight_loader import load_model
+from services.worker.spec_decode.draft_loader import DraftModel, load_draft
 
 log = get_logger(__name__)
 
@@ -45,6 +46,9 @@ class LoadedWorker:
     swap_cache: KvCache | None
     graphs: DecodeGraphs | None
     shared_pool: SharedPool | None = None  # the pool's memory, when same-host peers map it
+    # speculative decoding's draft model and its pool (the target pool's blocks)
+    draft: DraftModel | None = None
+    draft_cache: KvCache | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -135,11 +139,14 @@ def load_worker(config: WorkerConfig, worker_id: str) -> LoadedWorker:
     free_at_start = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
     backend = select_backend(config.attention_backend, device)
     model, model_config = load_model(config.model, dtype=dtype, device=device, attention=backend)
-    packed_bytes = model.pack_weights() if wants_packed_weights(config, model, device) else 0
     max_model_len = min(
         config.max_model_len or model_config.max_position_embeddings,
         model_config.max_position_embeddings,
     )
+    draft = load_draft(config.speculative, model_config, max_model_len, dtype, device, backend)
+    packed_bytes = 0
+    if wants_packed_weights(config, model, device):
+        packed_bytes = model.pack_weights() + (draft.model.pack_weights() if draft else 0)
     geometry = dict(
         block_size=config.block_size,
         num_layers=model_config.num_hidden_layers,
@@ -174,7 +181,10 @@ def load_worker(config: WorkerConfig, worker_id: str) -> LoadedWorker:
         }
     else:
         pool_bytes = parse_size(config.kv_cache_memory)
-    num_blocks = config.num_blocks or KvCache.num_blocks_for_bytes(pool_bytes, **geometry)
+    # A block of the pool is the target's block plus the draft's (same ids, own pools).
+    block_bytes = KvCache.bytes_per_block(**geometry)
+    draft_block_bytes = draft.block_bytes(config.block_size) if draft else 0
+    num_blocks = config.num_blocks or pool_bytes // (block_bytes + draft_block_bytes)
     if num_blocks * config.block_size < max_model_len:
         raise ValueError(
             f"the KV pool ({num_blocks} blocks of {config.block_size} tokens) cannot hold "
@@ -191,6 +201,11 @@ def load_worker(config: WorkerConfig, worker_id: str) -> LoadedWorker:
         device=device,
         storage=None if shared_pool is None else shared_pool.pool,
         **geometry,
+    )
+    draft_cache = (
+        KvCache(num_blocks=num_blocks, device=device, **draft.geometry(config.block_size))
+        if draft
+        else None
     )
     graphs = None
     if use_graphs:
@@ -214,6 +229,8 @@ def load_worker(config: WorkerConfig, worker_id: str) -> LoadedWorker:
         packed_weights_mib=round(packed_bytes / 2**20, 1),
         num_blocks=num_blocks,
         kv_pool_mib=round(num_blocks * kv_cache.block_bytes / 2**20, 1),
+        draft_layers=draft.config.num_hidden_layers if draft else 0,
+        draft_kv_pool_mib=round(num_blocks * draft_block_bytes / 2**20, 1),
         swap_blocks=num_swap_blocks,
         shared_pool=shared_pool is not None,
         max_model_len=max_model_len,
@@ -221,5 +238,6 @@ def load_worker(config: WorkerConfig, worker_id: str) -> LoadedWorker:
         **{k: round(v, 3) for k, v in sizing.items()},
     )
     return LoadedWorker(
-        model, model_config, kv_cache, max_model_len, device, swap_cache, graphs, shared_pool
-    )
+        model, model_config, kv_cache, max_model_len, device, swap_cache, graphs, shared_pool,
+        draft, draft_cache,
+    )  # fmt: skip

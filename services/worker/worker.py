@@ -79,7 +79,9 @@ class Worker:
             loaded.kv_cache,
             loaded.device,
             loaded.graphs,
-            proposer=make_proposer(self.speculative),
+            proposer=make_proposer(
+                self.speculative, loaded.draft, loaded.draft_cache, loaded.device
+            ),
         )
         self.shared_pool = loaded.shared_pool
         # Only a prefill worker's prompts are streamed while they compute: only it reports

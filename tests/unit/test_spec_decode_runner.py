@@ -15,6 +15,7 @@ from services.worker.batch import CachedRequestData, NewRequestData, PersistentB
 from services.worker.kv_cache import KvCache
 from services.worker.models.weight_loader import load_model
 from services.worker.runner import ModelRunner
+from services.worker.spec_decode.draft_model_proposer import DraftModelProposer
 from services.worker.spec_decode.ngram_proposer import NgramProposer
 from services.worker.spec_decode.verify import verify
 from tests.unit.test_sampler_stats import fits
@@ -127,22 +128,36 @@ SAMPLINGS = {
 }
 
 
+def draft_model(folder, layers: int | None, num_blocks: int = 256) -> DraftModelProposer:
+    """A draft model proposer over its own pool of the Driver's blocks."""
+    ours, config = load_model(folder, dtype=torch.float32, num_layers=layers)
+    cache = KvCache(
+        num_blocks, BLOCK, config.num_hidden_layers, config.num_key_value_heads,
+        config.head_dim, torch.float32,
+    )  # fmt: skip
+    return DraftModelProposer(ours, cache, torch.device("cpu"))
+
+
 @pytest.mark.parametrize("sampling", list(SAMPLINGS), ids=list(SAMPLINGS))
-def test_verified_proposals_give_plain_decodings_tokens(model, sampling):
+def test_verified_proposals_give_plain_decodings_tokens(model, sampling, tiny_llama_dir):
     config = model[1]
     params = SAMPLINGS[sampling]
     prompts = prompts_for(config)
     plain, _ = Driver(model).generate(prompts, 24, params)
     sequences = [p + o for p, o in zip(prompts, plain, strict=True)]
+    self_draft = draft_model(tiny_llama_dir, None)  # the target as its own draft
     for proposer, k in (
         (NgramProposer(1, 3), 4),
         (Oracle(sequences), 5),
         (Wrong(sequences, config.vocab_size), 3),
+        (draft_model(tiny_llama_dir, 1), 3),  # its first layer: some proposals rejected
+        (self_draft, 4),
     ):
         driver = Driver(model, proposer)
         got, accepted = driver.generate(prompts, 24, params, k)
         assert got == plain, type(proposer).__name__
-        if isinstance(proposer, Oracle):  # all accepted: k + 1 tokens a step
+        if isinstance(proposer, Oracle) or (proposer is self_draft and sampling != "seeded"):
+            # all accepted (the draft applies the request's logit_bias too): k + 1 a step
             assert accepted > 0 and driver.num_steps <= 1 + -(-23 // (k + 1))
         if isinstance(proposer, Wrong):
             assert accepted == 0

@@ -6,11 +6,17 @@ device (no wasted random init), then reads `model.safetensors` or the shards lis
 `model.safetensors.index.json` and assigns the tensors, cast to the requested dtype and
 device. Loading is strict: a missing or unexpected weight is a `ValueError` naming a few of
 them (rotary `inv_freq` buffers, which some checkpoints carry, are ignored).
+
+`num_layers` loads only the first N decoder layers (then the final norm and LM head): the
+truncated, self-speculative draft of `spec_decode`; the later layers' weights are skipped
+unread.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -21,6 +27,7 @@ from services.worker.models.attention_backend import AttentionBackend
 from services.worker.models.llama import LlamaForCausalLM
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def load_model(
@@ -28,10 +35,19 @@ def load_model(
     dtype: torch.dtype,
     device: str | torch.device = "cpu",
     attention: AttentionBackend | None = None,
+    num_layers: int | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build the model for `folder` and load its weights; returns (model in eval mode, config)."""
+    """Build the model for `folder` and load its weights; returns (model in eval mode, config
+    — with `num_hidden_layers` = `num_layers` when that truncates it)."""
     path = Path(folder)
     config = ModelConfig.from_folder(path)
+    if num_layers is not None:
+        if not 1 <= num_layers <= config.num_hidden_layers:
+            raise ValueError(
+                f"num_layers must be in [1, {config.num_hidden_layers}] for {str(path)!r}, "
+                f"got {num_layers}"
+            )
+        config = dataclasses.replace(config, num_hidden_layers=num_layers)
     device = torch.device(device)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, dtype=dtype, attention=attention)
@@ -42,6 +58,9 @@ def load_model(
     unexpected: list[str] = []
 
     def wanted(name: str) -> bool:
+        layer = _LAYER.match(name)
+        if layer is not None and int(layer.group(1)) >= config.num_hidden_layers:
+            return False  # beyond a truncated model's layers
         return name != tied_head and not name.endswith(_IGNORED_SUFFIXES)
 
     for name, tensor in iter_tensors(path, keep=wanted):

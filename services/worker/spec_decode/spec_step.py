@@ -12,7 +12,7 @@ from common.sampling import Logprob
 from services.worker.batch import ScheduledWork
 from services.worker.models.attention_metadata import SequenceSlice
 from services.worker.sampler import SamplingRow
-from services.worker.spec_decode.verify import Proposer, verify
+from services.worker.spec_decode.verify import BatchProposer, Proposer, verify
 
 
 @dataclass(frozen=True)
@@ -27,18 +27,29 @@ class SpecOutcome:
 
 
 class SpecStep:
-    def __init__(self, work: Sequence[ScheduledWork], proposer: Proposer | None) -> None:
+    def __init__(
+        self, work: Sequence[ScheduledWork], proposer: Proposer | BatchProposer | None
+    ) -> None:
         """Proposals for the requests with lookahead slots that sample this step."""
         self.work = work
         self.drafts: dict[int, list[int]] = {}  # work index -> its proposals (none empty)
         self._first_slice: dict[int, int] = {}
         if proposer is None:
             return
-        for i, item in enumerate(work):
-            if item.num_lookahead_tokens and item.samples:
-                proposal = proposer.propose(item.request.token_ids, item.num_lookahead_tokens)
-                if len(proposal):
-                    self.drafts[i] = list(proposal[: item.num_lookahead_tokens])
+        wanted = [i for i, item in enumerate(work) if item.num_lookahead_tokens and item.samples]
+        if not wanted:
+            return
+        if hasattr(proposer, "propose_batch"):
+            asked = [(work[i].request, work[i].num_lookahead_tokens) for i in wanted]
+            proposals = proposer.propose_batch(asked)
+        else:
+            proposals = [
+                proposer.propose(work[i].request.token_ids, work[i].num_lookahead_tokens)
+                for i in wanted
+            ]
+        for i, proposal in zip(wanted, proposals, strict=True):
+            if len(proposal):
+                self.drafts[i] = list(proposal[: work[i].num_lookahead_tokens])
 
     def rows(self, input_ids: list[int], slices: list[SequenceSlice]) -> None:
         """Append each proposal as a one-token row at the next position, with its request's

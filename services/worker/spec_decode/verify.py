@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -47,5 +47,14 @@ def verify(drafts: Sequence[int], samples: Sequence[int]) -> Verified:
 
 
 class Proposer(Protocol):
+    """Proposes from one request's tokens alone (n-gram lookup)."""
+
     def propose(self, token_ids: Sequence[int], max_tokens: int) -> Sequence[int]:
         """Up to `max_tokens` tokens likely to follow `token_ids` (may be none)."""
+
+
+class BatchProposer(Protocol):
+    """Proposes for the step's requests together (a draft model's batched passes)."""
+
+    def propose_batch(self, requests: Sequence[tuple[Any, int]]) -> list[list[int]]:
+        """For each (worker request, k): up to k tokens likely to follow its tokens."""
