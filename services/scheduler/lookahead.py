@@ -6,9 +6,15 @@ emits between 1 and k + 1 tokens, so the slots are capped by what the request ma
 emit (`max_tokens`), the context length, and the step's token budget; at or above
 `disable_by_batch_size` running requests a step plans none (vLLM's setting). The KV of
 accepted proposals counts as computed when the result comes in (`num_computed_tokens`
-catches up by that many); rejected slots are simply written again later. A request with
-proposals in flight is not planned again until their result is in: how far it got is not
-known before. Pure Python.
+catches up by that many); rejected slots are simply written again later.
+
+With async scheduling a request whose proposals are still in flight is planned again
+before their result is in, like any decoding request: its next step computes one token
+(the one its step in flight samples), wherever the worker's copy of the request ends, which
+only the worker knows yet. The scheduler allocates blocks for the most the steps in flight
+can bring (`num_lookahead_in_flight` more tokens) and caps the next slots as if they all
+were accepted; when they may have finished the request (`max_tokens`, the context) it
+waits for them instead. Pure Python.
 """
 
 from __future__ import annotations
@@ -32,11 +38,22 @@ class Lookahead:
         """Proposal slots for the request's next decoding step (0: a plain step)."""
         if self.disable_by_batch_size and batch_size >= self.disable_by_batch_size:
             return 0
-        produced = len(request.output_token_ids) + request.num_pending_tokens
+        ahead = request.num_lookahead_in_flight  # counted as if all accepted
+        produced = len(request.output_token_ids) + request.num_pending_tokens + ahead
         room = request.max_tokens - produced - 1  # the step emits 1 + accepted tokens
         if request.max_model_len is not None:
-            room = min(room, request.max_model_len - request.num_tokens - 1)
+            room = min(room, request.max_model_len - request.num_tokens - ahead - 1)
         return max(0, min(self.num_speculative_tokens, room, budget))
+
+    @staticmethod
+    def can_plan_ahead(request: Request) -> bool:
+        """Whether a request with proposals in flight may be planned before their result:
+        not if accepting all of them could end it (max_tokens, the context length)."""
+        ahead = request.num_lookahead_in_flight
+        produced = len(request.output_token_ids) + request.num_pending_tokens + ahead
+        if produced >= request.max_tokens:
+            return False
+        return request.max_model_len is None or request.num_tokens + ahead < request.max_model_len
 
 
 @dataclass

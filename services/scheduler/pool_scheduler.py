@@ -69,7 +69,8 @@ class PoolScheduler(Migration):
         self._held_for_cancels: list[str] = []
         # Per step sent and not yet answered, oldest first: the requests it computes.
         # Per step in flight: its number and the requests it computes.
-        self._in_flight: deque[tuple[int, dict[str, Request]]] = deque()
+        # (step number, its requests, proposal slots per request) of each step in flight
+        self._in_flight: deque[tuple[int, dict[str, Request], dict[str, int]]] = deque()
         self._num_planned = 0
         # Draining: requests leave with their KV (pool_migration.py); those that left
         # stay in the worker's batch until their blocks here are freed.
@@ -183,11 +184,13 @@ class PoolScheduler(Migration):
         plan.dropped_request_ids, self._pending_drops = self._pending_drops, []
         if not plan.is_empty:  # the caller sends every plan that is not empty
             self._num_planned += 1
-            for s in plan.scheduled:
-                if s.num_lookahead_tokens:
-                    s.request.lookahead_step = self._num_planned
+            slots = {s.request.request_id: s.num_lookahead_tokens for s in plan.scheduled}
             self._in_flight.append(
-                (self._num_planned, {s.request.request_id: s.request for s in plan.scheduled})
+                (
+                    self._num_planned,
+                    {s.request.request_id: s.request for s in plan.scheduled},
+                    {rid: k for rid, k in slots.items() if k},
+                )
             )
         return plan
 
@@ -200,8 +203,11 @@ class PoolScheduler(Migration):
         aborted while the step ran is dropped."""
         if not self._in_flight:
             raise ValueError(f"step {result.step_id}: no step of this pool is in flight")
-        number, scheduled = self._in_flight.popleft()
+        _, scheduled, slots = self._in_flight.popleft()
         update = StepUpdate()
+        for request_id, k in slots.items():  # this step's proposals are accounted for now
+            request = scheduled[request_id]
+            request.num_lookahead_in_flight = max(0, request.num_lookahead_in_flight - k)
         for request_id, (start, entries) in result.prompt_logprobs.items():
             request = scheduled.get(request_id)
             if request is not None and not request.is_finished and not request.prompt_logprobs_sent:
@@ -215,8 +221,6 @@ class PoolScheduler(Migration):
                 update.unexpected.append(request_id)
                 continue
             request.num_pending_tokens -= 1
-            if request.lookahead_step == number:
-                request.lookahead_step = 0
             reason = self._apply_accepted(request, result, update)
             if reason is None:
                 reason = request.append_token(token)
@@ -276,11 +280,14 @@ class PoolScheduler(Migration):
             if todo <= 0:
                 continue  # waiting for a token, or a prompt done in a prefill-only pool
             lookahead = 0
+            # Proposals in flight: the worker knows where the request's tokens end, the
+            # blocks cover the most they can bring (see lookahead.py).
+            ahead = request.num_lookahead_in_flight
             if todo == 1:
                 later_decodes -= 1
                 num_new = 1
-                if request.lookahead_step:
-                    continue  # how many tokens its step in flight brings is not known yet
+                if ahead and not Lookahead.can_plan_ahead(request):
+                    continue  # its steps in flight may finish it: wait for them
                 if self.lookahead is not None:
                     lookahead = self.lookahead.slots(
                         request, budget - 1 - later_decodes, len(self.running)
@@ -290,11 +297,12 @@ class PoolScheduler(Migration):
                 if num_new <= 0:
                     continue
             start = request.num_computed_tokens
+            end = start + ahead + num_new
             if lookahead and not self.blocks.can_allocate(
-                request.request_id, start + num_new + lookahead, 0, start
+                request.request_id, end + lookahead, 0, start
             ):
                 lookahead = 0  # no room for proposals: a plain step
-            while not self.blocks.can_allocate(request.request_id, start + num_new, 0, start):
+            while not self.blocks.can_allocate(request.request_id, end, 0, start):
                 victim = self.running[-1]
                 if self.schedulable_tokens(victim) == 1 and victim is not request:
                     later_decodes -= 1
@@ -395,7 +403,11 @@ class PoolScheduler(Migration):
     ) -> None:
         rid = request.request_id
         is_new = rid not in self._on_worker
-        added, copies = self.blocks.allocate(rid, start + num_new + lookahead, start, hits or ())
+        ahead = request.num_lookahead_in_flight  # slots its steps in flight may fill
+        added, copies = self.blocks.allocate(
+            rid, start + ahead + num_new + lookahead, start, hits or ()
+        )
+        request.num_lookahead_in_flight += lookahead
         plan.block_copies.extend(copies)
         prompt_end = max(len(request.prompt_token_ids), request.num_known_tokens - 1)
         self.num_prompt_tokens_computed += max(0, min(start + num_new, prompt_end) - start)

@@ -38,7 +38,7 @@ class Recovery:
         request = handle.request
         request.num_computed_tokens = 0
         request.num_pending_tokens = 0  # a dead worker's steps in flight never answer
-        request.lookahead_step = 0
+        request.num_lookahead_in_flight = 0
         self.num_restarted_requests += 1
         with bind_request(request.request_id):
             log.warning("request_restarted", reason=why, restarts=handle.num_restarts)

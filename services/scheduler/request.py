@@ -49,9 +49,9 @@ class Request:
     # The gathered prompt logprobs went out with the first token.
     prompt_logprobs_sent: bool = False
     num_preemptions: int = 0
-    # Speculative decoding: which of its pool's planned steps verifies proposals for it
-    # (0: none in flight), and the request's proposed and accepted tokens so far.
-    lookahead_step: int = 0
+    # Speculative decoding: proposal slots of its steps in flight (up to that many more
+    # tokens than num_pending_tokens may come back), and its proposed and accepted tokens.
+    num_lookahead_in_flight: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     finish_reason: FinishReason | None = None
