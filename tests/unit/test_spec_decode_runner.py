@@ -219,3 +219,31 @@ def test_verify_accepts_the_agreeing_prefix():
     assert verify([], [3]).accepted == [] and verify([], [3]).token == 3
     with pytest.raises(ValueError):
         verify([1, 2], [1])
+
+
+def test_accepted_tokens_carry_the_logprobs_plain_decoding_gives(model, tiny_llama_dir):
+    """Logprobs (the token's and the top 3) of every emitted token with the target as its
+    own draft (several accepted per step) equal HF's log_softmax at that position."""
+    from tests.hf_reference import hf_log_softmax
+
+    config = model[1]
+    prompt = prompts_for(config)[1]
+    params = SamplingParams(logprobs=3)
+    driver = Driver(model, draft_model(tiny_llama_dir, None))
+    blocks = driver.blocks(len(prompt) + 20)
+    first = driver.step(new=[NewRequestData("r", prompt, blocks, 0, len(prompt), params)])
+    tokens, entries = [first.sampled["r"]], [first.logprobs["r"]]
+    while len(tokens) < 12:
+        out = driver.step(cached=[CachedRequestData("r", [], 1, (), 3)])
+        assert len(out.spec["r"].logprobs) == len(out.accepted.get("r", []))
+        tokens += [*out.accepted.get("r", []), out.sampled["r"]]
+        entries += [*out.spec["r"].logprobs, out.logprobs["r"]]
+    assert driver.num_steps < len(tokens)  # several tokens landed in one step
+    reference = hf_log_softmax(tiny_llama_dir, prompt + tokens)
+    for i, (token, entry) in enumerate(zip(tokens, entries, strict=True)):
+        row = reference[len(prompt) + i - 1]
+        assert entry.token_id == token
+        assert entry.logprob == pytest.approx(float(row[token]), abs=1e-4)
+        top = row.topk(3)
+        assert [t for t, _ in entry.top] == top.indices.tolist()
+        assert [v for _, v in entry.top] == pytest.approx(top.values.tolist(), abs=1e-4)
