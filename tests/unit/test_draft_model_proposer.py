@@ -79,9 +79,7 @@ def test_proposals_are_the_drafts_greedy_continuation_and_survive_rollback(tiny_
     # accepted, then the bonus token.
     bonus0 = (proposals[0][1] + 1) % config.vocab_size
     bonus1 = hf_continuation(tiny_llama_dir, layers, work[1].request.token_ids, 3)[2]
-    batch.complete(
-        work, {"r0": bonus0, "r1": bonus1}, {"r0": proposals[0][:1], "r1": proposals[1]}
-    )
+    batch.complete(work, {"r0": bonus0, "r1": bonus1}, {"r0": proposals[0][:1], "r1": proposals[1]})
     assert [w.request.num_draft_computed_tokens for w in work] == [
         len(work[0].request.token_ids) - 1,  # through the accepted proposal
         len(work[1].request.token_ids) - 2,  # all but the last proposal's KV

@@ -128,4 +128,3 @@ def test_a_plain_step_in_flight_before_a_verifying_one_keeps_its_slots_counted()
     assert r.num_lookahead_in_flight == 0
     (item,) = s.schedule().scheduled
     assert item.num_computed_before == 9
-

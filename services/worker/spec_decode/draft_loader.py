@@ -51,7 +51,9 @@ def load_draft(
         return None
     folder = Path(spec.model)
     if not (folder / "config.json").is_file():
-        raise ValueError(f"{FLAG}: model {spec.model!r} is not a checkpoint folder (no config.json)")
+        raise ValueError(
+            f"{FLAG}: model {spec.model!r} is not a checkpoint folder (no config.json)"
+        )
     try:
         layers = ModelConfig.from_folder(folder).num_hidden_layers
         if spec.num_draft_layers is not None and spec.num_draft_layers > layers:

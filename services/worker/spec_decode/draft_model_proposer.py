@@ -17,7 +17,8 @@ accepted step, or the whole prompt) and proposes one token; each later pass feed
 previous proposals back as one-token rows. Proposals are the draft's argmax after the
 request's own logit processors (logit_bias, min_tokens, penalties: what the target applies
 too), so they are deterministic and the verifier's accept-while-equal rule is exact
-rejection sampling (`verify`). Runs on the worker's tensor thread, eager (no CUDA graphs for the draft).
+rejection sampling (`verify`). Runs on the worker's tensor thread, eager (no CUDA graphs
+for the draft).
 """
 
 from __future__ import annotations
