@@ -109,6 +109,12 @@ class WorkerClient:
             raise WorkerUnavailableError(
                 f"worker {self.address} step failed: {exc.code().name} {exc.details()}"
             ) from exc
+        except asyncio.InvalidStateError as exc:  # the stream ended before this write
+            call = self._step_call
+            raise WorkerUnavailableError(
+                f"worker {self.address} step failed: {(await call.code()).name} "
+                f"{await call.details()}"
+            ) from exc
         return self._step_id
 
     async def receive_step(self) -> StepResult:

@@ -182,3 +182,40 @@ def test_worker_client_reads_the_limits_a_worker_sends():
     described = asyncio.run(scenario())
     assert (described.worker_id, described.role) == ("w", "decode")
     assert described.limits == WorkerLimits(profile_num_tokens=4096, kv_transfer_timeout_s=7.5)
+
+
+def test_a_step_written_after_the_stream_ended_is_a_worker_failure():
+    """Over real gRPC: a write on a Step stream the worker already ended (it died between
+    two steps) raises WorkerUnavailableError, so the scheduler fails the worker and
+    restarts its requests, rather than aborting them as an internal error."""
+    import grpc
+
+    from common.pb.tandem.internal.v1 import worker_pb2_grpc
+    from services.scheduler.step_plan import PoolStepPlan
+    from services.scheduler.worker_client import WorkerClient
+    from services.scheduler.worker_types import WorkerUnavailableError
+
+    class EndsAtOnce(worker_pb2_grpc.WorkerServiceServicer):
+        async def Step(self, request_iterator, context):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "going away")
+
+    async def scenario() -> tuple[str, str]:
+        server = grpc.aio.server()
+        worker_pb2_grpc.add_WorkerServiceServicer_to_server(EndsAtOnce(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        client = WorkerClient(f"127.0.0.1:{port}")
+        try:
+            await client.open_step_stream()
+            with pytest.raises(WorkerUnavailableError) as read_error:
+                await client.receive_step()  # the stream is over
+            with pytest.raises(WorkerUnavailableError) as write_error:
+                await client.send_step(PoolStepPlan(cancelled_transfer_tags=[1]))
+            return str(read_error.value), str(write_error.value)
+        finally:
+            await client.close()
+            await server.stop(0)
+
+    read_error, write_error = asyncio.run(scenario())
+    assert "UNAVAILABLE going away" in read_error
+    assert "UNAVAILABLE going away" in write_error
