@@ -12,7 +12,9 @@ export BUF_CACHE_DIR := $(CURDIR)/.tools/buf-cache
 # make up knobs: MODEL=<HF folder>, GATEWAY_PORT, HTTP_PORT (the OpenAI-compatible API;
 # HTTP=0 leaves it off), PREFILL/DECODE worker counts, BOTH>0 for single-device (no
 # disaggregation) workers, SPEC='<JSON>' for speculative decoding on the decode workers
-# (vLLM's --speculative-config, e.g. SPEC='{"method": "ngram", "num_speculative_tokens": 4}').
+# (vLLM's --speculative-config, e.g. SPEC='{"method": "ngram", "num_speculative_tokens": 4}'),
+# PREFILL_TP/DECODE_TP/BOTH_TP the tensor-parallel size of each worker of that role (ranks
+# started by the worker; today only both-role workers, e.g. BOTH=1 PREFILL=0 DECODE=0 BOTH_TP=2).
 MODEL        ?=
 GATEWAY_PORT ?= 50051
 HTTP_PORT    ?= 8000
@@ -20,6 +22,9 @@ HTTP         ?= 1
 PREFILL      ?= 1
 DECODE       ?= 1
 BOTH         ?= 0
+PREFILL_TP   ?= 1
+DECODE_TP    ?= 1
+BOTH_TP      ?= 1
 SPEC         ?=
 PYTEST_ARGS  ?=
 
@@ -71,6 +76,7 @@ up: $(STAMP)
 	$(PY) -m services.stack up $(if $(MODEL),--model "$(MODEL)") --gateway-port $(GATEWAY_PORT) \
 		$(if $(filter 0,$(HTTP)),--no-http,--http-port $(HTTP_PORT)) \
 		--prefill $(PREFILL) --decode $(DECODE) --both $(BOTH) \
+		--prefill-tp $(PREFILL_TP) --decode-tp $(DECODE_TP) --both-tp $(BOTH_TP) \
 		$(if $(SPEC),--speculative-config '$(SPEC)')
 
 down:

@@ -210,3 +210,21 @@ def load_config(
         if choices and values[field.name] not in choices:
             raise ValueError(f"{source} must be one of {', '.join(choices)}, got {raw!r}")
     return cls(**values)
+
+
+def config_argv(config: ServiceConfig) -> list[str]:
+    """Flags that make `load_config` rebuild `config` exactly (every field, so the
+    environment cannot change it): how a worker hands its settings to the ranks it starts."""
+    argv: list[str] = []
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if value is None:
+            text = "none"
+        elif isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, tuple):
+            text = ",".join(str(v) for v in value)
+        else:
+            text = str(value)
+        argv += [flag_name(field.name), text]
+    return argv

@@ -28,6 +28,21 @@ def _ports(base: int, count: int) -> tuple[int, ...]:
     return tuple(base + i for i in range(count))
 
 
+def worker_args(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Each role's extra worker flags: speculative decoding, tensor-parallel size."""
+    out: dict[str, list[str]] = {}
+    for role in ("prefill", "decode", "both"):
+        flags = []
+        if args.speculative_config and role != "prefill":
+            flags += ["--speculative-config", args.speculative_config]
+        size = getattr(args, f"{role}_tp")
+        if size != 1:
+            flags += ["--tensor-parallel-size", str(size)]
+        if flags:
+            out[role] = flags
+    return out
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     existing = Stack.load(args.run_dir)
@@ -50,11 +65,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         both_ports=_ports(args.both_port, args.both),
         log_level=args.log_level,
         http_port=None if args.no_http else args.http_port,
-        extra_args=(
-            {role: ["--speculative-config", args.speculative_config] for role in ("decode", "both")}
-            if args.speculative_config
-            else {}
-        ),
+        extra_args=worker_args(args),
     )
     print(
         "starting "
@@ -123,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument(
         "--both", type=int, default=0, help="both-role workers (instead of prefill/decode)"
     )
+    for role in ("prefill", "decode", "both"):
+        up.add_argument(
+            f"--{role}-tp", type=int, default=1, help=f"tensor-parallel size of each {role} worker"
+        )
     up.add_argument("--prefill-port", type=int, default=50061, help="first prefill port")
     up.add_argument("--decode-port", type=int, default=50071, help="first decode port")
     up.add_argument("--both-port", type=int, default=50081, help="first both-role port")

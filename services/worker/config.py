@@ -138,6 +138,17 @@ class WorkerConfig(ServiceConfig):
         "empty = off)",
         env="TANDEM_SPECULATIVE_CONFIG",
     )
+    tensor_parallel_size: int = setting(
+        1,
+        "ranks that each hold a slice of every layer (attention heads, MLP, vocabulary); the "
+        "worker starts the other ranks itself (gloo on CPU, NCCL on GPU)",
+        env="TANDEM_TENSOR_PARALLEL_SIZE",
+    )
+    pipeline_parallel_size: int = setting(
+        1,
+        "stages that each hold a contiguous range of layers (only 1 is supported yet)",
+        env="TANDEM_PIPELINE_PARALLEL_SIZE",
+    )
     drain_timeout_s: float = drain_timeout_setting(
         "on SIGTERM: seconds to let the requests this worker holds finish"
     )
@@ -181,6 +192,28 @@ class WorkerConfig(ServiceConfig):
         spec = parse_speculative_config(self.speculative_config)  # one clear line if bad
         if spec is not None and self.role == "prefill":
             raise ValueError("--speculative-config is for decode (or both) workers")
+        self._at_least(1, "tensor_parallel_size", "pipeline_parallel_size")
+        self._require(
+            self.pipeline_parallel_size == 1,
+            "pipeline_parallel_size",
+            "must be 1: pipeline stages are not built yet",
+        )
+        if self.tensor_parallel_size > 1:
+            self._require(
+                self.role == "both",
+                "tensor_parallel_size",
+                "must be 1 on a prefill or decode worker: KV transfer between "
+                "tensor-parallel workers is not built yet (use --role both)",
+            )
+            self._require(
+                spec is None,
+                "tensor_parallel_size",
+                "must be 1 with --speculative-config (not combined yet)",
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

@@ -29,6 +29,7 @@ from services.worker.models.attention_metadata import (
     SequenceSlice,
     build_attention_metadata,
 )
+from services.worker.parallel.rank_context import TokenShare
 from services.worker.sampler import DeviceSample, SamplingRow, sample_on_device, to_device
 from services.worker.spec_decode.spec_step import SpecOutcome, SpecStep
 from services.worker.spec_decode.verify import Proposer
@@ -76,10 +77,14 @@ class ModelRunner:
         device: torch.device,
         graphs: DecodeGraphs | None = None,
         proposer: Proposer | None = None,
+        tokens: TokenShare | None = None,
     ) -> None:
         """`proposer`: proposes tokens for requests with lookahead slots (speculative
-        decoding); None: lookahead slots stay unused."""
+        decoding); None: lookahead slots stay unused. `tokens`: in a tensor-parallel
+        worker, how rank 0 hands its sampled tokens to the other ranks (which compute the
+        same logits collectively but do not sample)."""
         self.model = model
+        self.tokens = tokens
         self.proposer = proposer
         self.kv_cache = kv_cache
         self.device = device
@@ -119,8 +124,13 @@ class ModelRunner:
             flat.extend(extra_flat)
             rows.extend(extra_rows)
             logits = self.model.compute_logits(hidden[to_device(flat, torch.int64, self.device)])
-            sample = sample_on_device(logits, rows, self.generator)
+            if self.tokens is None or self.tokens.samples:
+                sample = sample_on_device(logits, rows, self.generator)
         prompt = self._score_prompts(work, meta, hidden)
+        if self.tokens is not None and not self.tokens.samples:
+            shared = self.tokens.receive(len(samplers)) if samplers else []
+            sampled = {work[i].request.request_id: t for i, t in zip(samplers, shared, strict=True)}
+            return StepOutput(sampled, time.perf_counter() - start)
         sample_tensors = sample.tensors() if sample is not None else []
         prompt_tensors = prompt.scores.tensors() if prompt is not None else []
         values = to_host(sample_tensors + prompt_tensors)  # the step's one device-to-host copy
@@ -130,6 +140,8 @@ class ModelRunner:
         if sample is not None:
             result = sample.from_host(values[: len(sample_tensors)])
             tokens, entries = result.token_ids, result.logprobs
+            if self.tokens is not None:
+                self.tokens.send(tokens[: len(samplers)])
             for k, i in enumerate(samplers):
                 sampled[work[i].request.request_id] = tokens[k]
                 if entries[k] is not None:

@@ -11,16 +11,12 @@ from common.kv_shared_memory import shared_memory_from_pb, shared_memory_to_pb
 from common.lifecycle import wait_until
 from common.log import get_logger
 from common.pb.tandem.internal.v1 import types_pb2, worker_pb2, worker_pb2_grpc
-from common.sampling_pb import ROLE_TO_PB, logprob_to_pb, sampling_from_pb
-from services.worker.batch import (
-    BlockMoves,
-    CachedRequestData,
-    NewRequestData,
-    PlanError,
-)
+from common.sampling_pb import ROLE_TO_PB, logprob_to_pb
+from services.worker.batch import PlanError
 from services.worker.kv_pull import KvMapError, KvSource
 from services.worker.kv_transfer import KvTransferError
 from services.worker.runner import StepOutput
+from services.worker.step_wire import plan_from_pb
 from services.worker.worker import KV_LAYOUT, Worker
 
 log = get_logger(__name__)
@@ -205,39 +201,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 if stream_id != self._step_stream_id:
                     submitted.put_nowait("a newer Step stream took over")
                     return
-                worker.cancel_transfers(plan.cancelled_transfer_tags)
-                new = [
-                    NewRequestData(
-                        request_id=r.request_id,
-                        token_ids=r.token_ids,
-                        block_ids=r.block_ids,
-                        num_computed_tokens=r.num_computed_tokens,
-                        num_scheduled_tokens=r.num_scheduled_tokens,
-                        sampling=sampling_from_pb(r.sampling),
-                        num_prompt_tokens=r.num_prompt_tokens,
-                        num_lookahead_tokens=r.num_lookahead_tokens,
-                    )
-                    for r in plan.new_requests
-                ]
-                cached = [
-                    CachedRequestData(
-                        r.request_id,
-                        r.new_block_ids,
-                        r.num_scheduled_tokens,
-                        r.block_table,
-                        r.num_lookahead_tokens,
-                    )
-                    for r in plan.cached_requests
-                ]
-                moves = BlockMoves(
-                    swap_out=[(c.src, c.dst) for c in plan.swap_out],
-                    swap_in=[(c.src, c.dst) for c in plan.swap_in],
-                    copies=[(c.src, c.dst) for c in plan.block_copies],
-                )
+                step = plan_from_pb(plan)
+                worker.cancel_transfers(step.cancelled_transfer_tags)
                 future = worker.submit_step(
-                    plan.finished_request_ids, new, cached, moves, plan.step_id
+                    step.finished_ids, step.new, step.cached, step.moves, step.step_id, wire=plan
                 )
-                submitted.put_nowait((plan.step_id, new, asyncio.wrap_future(future)))
+                submitted.put_nowait((step.step_id, step.new, asyncio.wrap_future(future)))
         finally:
             submitted.put_nowait(None)
 

@@ -28,6 +28,7 @@ from services.worker.kv_shared import SharedPool
 from services.worker.models.attention_backend import select_backend
 from services.worker.models.attention_metadata import SequenceSlice, build_attention_metadata
 from services.worker.models.weight_loader import load_model
+from services.worker.parallel.rank_context import RankContext, threads_per_rank
 from services.worker.spec_decode.draft_loader import DraftModel, load_draft
 
 log = get_logger(__name__)
@@ -128,17 +129,24 @@ def wants_packed_weights(config: WorkerConfig, model: torch.nn.Module, device) -
     return PACKED_WEIGHT_FACTOR * weight_bytes <= psutil.virtual_memory().available / 2
 
 
-def load_worker(config: WorkerConfig, worker_id: str) -> LoadedWorker:
-    """Everything `Worker` needs, loaded and sized (blocking; run off the event loop)."""
-    if config.torch_threads:
-        torch.set_num_threads(config.torch_threads)
+def load_worker(
+    config: WorkerConfig, worker_id: str, ranks: RankContext | None = None
+) -> LoadedWorker:
+    """Everything `Worker` needs, loaded and sized (blocking; run off the event loop).
+    `ranks`: this process is one rank of a parallel worker: it loads its slice of the model
+    and of the pool, on its own device, with as many blocks as every rank can hold."""
+    if config.torch_threads or ranks is not None:
+        torch.set_num_threads(config.torch_threads or threads_per_rank(config.world_size))
     started = time.perf_counter()
-    device = resolve_device(config.device)
+    device = resolve_device(config.device) if ranks is None else ranks.device
     model_config = ModelConfig.from_folder(config.model)
     dtype = resolve_dtype(config.dtype, device, model_config.torch_dtype)
     free_at_start = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
     backend = select_backend(config.attention_backend, device)
-    model, model_config = load_model(config.model, dtype=dtype, device=device, attention=backend)
+    model, model_config = load_model(
+        config.model, dtype=dtype, device=device, attention=backend,
+        tp=None if ranks is None else ranks.tp,
+    )  # fmt: skip
     max_model_len = min(
         config.max_model_len or model_config.max_position_embeddings,
         model_config.max_position_embeddings,
@@ -150,11 +158,17 @@ def load_worker(config: WorkerConfig, worker_id: str) -> LoadedWorker:
     geometry = dict(
         block_size=config.block_size,
         num_layers=model_config.num_hidden_layers,
-        num_kv_heads=model_config.num_key_value_heads,
+        num_kv_heads=len(model.shard.kv_heads),  # this rank's heads (all, without TP)
         head_dim=model_config.head_dim,
         dtype=dtype,
     )
-    use_graphs = device.type == "cuda" and not config.enforce_eager and config.role != "prefill"
+    # Decode steps of a tensor-parallel worker run eagerly (no collectives in the graphs).
+    use_graphs = (
+        device.type == "cuda"
+        and not config.enforce_eager
+        and config.role != "prefill"
+        and ranks is None
+    )
     buckets = graph_buckets(config.cuda_graph_max_batch_size)
     sizing: dict[str, float] = {}
     if device.type == "cuda":
@@ -185,6 +199,8 @@ def load_worker(config: WorkerConfig, worker_id: str) -> LoadedWorker:
     block_bytes = KvCache.bytes_per_block(**geometry)
     draft_block_bytes = draft.block_bytes(config.block_size) if draft else 0
     num_blocks = config.num_blocks or pool_bytes // (block_bytes + draft_block_bytes)
+    if ranks is not None:  # block ids must mean the same blocks on every rank
+        num_blocks = ranks.min_over_ranks(num_blocks)
     if num_blocks * config.block_size < max_model_len:
         raise ValueError(
             f"the KV pool ({num_blocks} blocks of {config.block_size} tokens) cannot hold "
@@ -192,7 +208,7 @@ def load_worker(config: WorkerConfig, worker_id: str) -> LoadedWorker:
             f"kv_cache_memory/num_blocks/gpu_memory_utilization or lower max_model_len"
         )
     shared_pool = None
-    if device.type == "cpu" and config.kv_transfer_shared_memory:
+    if device.type == "cpu" and config.kv_transfer_shared_memory and ranks is None:
         shared_pool = SharedPool(
             num_blocks * KvCache.bytes_per_block(**geometry), model_config.num_hidden_layers
         )
@@ -221,6 +237,8 @@ def load_worker(config: WorkerConfig, worker_id: str) -> LoadedWorker:
         "worker_loaded",
         worker_id=worker_id,
         role=config.role,
+        rank=0 if ranks is None else ranks.rank,
+        world_size=config.world_size,
         model=model_config.name,
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),

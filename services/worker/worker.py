@@ -21,17 +21,20 @@ from dataclasses import dataclass
 import torch
 
 from common.log import get_logger
+from common.pb.tandem.internal.v1 import worker_pb2
 from services.worker.batch import (
     BlockMoves,
     CachedRequestData,
     NewRequestData,
     PersistentBatch,
-    PlanError,
 )
+from services.worker.block_moves import run_moves
 from services.worker.compute_lock import ComputeLock, make_compute_lock
 from services.worker.config import WorkerConfig
 from services.worker.kv_pull import KvPuller, KvSource, PullResult
 from services.worker.kv_transfer import KvTransferError, UcxTransport
+from services.worker.parallel.peer_ranks import PeerRanks, start_peer_ranks
+from services.worker.parallel.rank_context import RankContext
 from services.worker.runner import ModelRunner, StepOutput
 from services.worker.spec_decode.proposers import make_proposer
 from services.worker.staging import StagingBuffers
@@ -64,8 +67,11 @@ class Worker:
         loaded: LoadedWorker,
         executor: ThreadPoolExecutor | None = None,
         compute_lock: ComputeLock | None = None,
+        peers: PeerRanks | None = None,
+        ranks: RankContext | None = None,
     ) -> None:
         self.config = config
+        self.peers = peers
         self.worker_id = worker_id
         self.role = config.role
         self.model_config = loaded.model_config
@@ -82,6 +88,7 @@ class Worker:
             proposer=make_proposer(
                 self.speculative, loaded.draft, loaded.draft_cache, loaded.device
             ),
+            tokens=None if ranks is None else ranks.tokens,
         )
         self.shared_pool = loaded.shared_pool
         # Only a prefill worker's prompts are streamed while they compute: only it reports
@@ -121,9 +128,19 @@ class Worker:
         UCX starts on the loop."""
         executor = tensor_executor()
         loop = asyncio.get_running_loop()
-        loaded = await loop.run_in_executor(executor, load_worker, config, worker_id)
+        peers = None
+        if config.world_size > 1:  # rank 0 here; the others start as processes of their own
+            peers, ranks = await loop.run_in_executor(executor, start_peer_ranks, config)
+        else:
+            ranks = None
+        try:
+            loaded = await loop.run_in_executor(executor, load_worker, config, worker_id, ranks)
+        except BaseException:
+            if peers is not None:
+                peers.close()
+            raise
         lock = make_compute_lock(config.cpu_compute_lock, loaded.device.type)
-        return cls(config, worker_id, loaded, executor, lock)
+        return cls(config, worker_id, loaded, executor, lock, peers, ranks)
 
     def _submit(self, fn, *args) -> concurrent.futures.Future:
         """Queue `fn` on the tensor thread (run holding the host's compute lock, if any)."""
@@ -146,18 +163,24 @@ class Worker:
         cached: Sequence[CachedRequestData],
         moves: BlockMoves = NO_MOVES,
         step_id: int = 0,
+        wire: worker_pb2.StepRequest | None = None,
     ) -> concurrent.futures.Future:
         """Queue a whole step on the tensor thread: apply the plan to the persistent batch,
         the block moves, the forward pass, the progress. Steps run in submission order and
         back to back (the next starts when the previous ends, with no round trip through
-        the event loop). The future holds the StepOutput, or the PlanError."""
-        return self._submit(self._run_step, finished_ids, new, cached, moves, step_id)
+        the event loop). The future holds the StepOutput, or the PlanError. `wire`: the
+        plan as received, which a tensor-parallel worker's other ranks need."""
+        if self.peers is not None and wire is None:
+            raise ValueError("a tensor-parallel worker needs each step's StepRequest")
+        return self._submit(self._run_step, finished_ids, new, cached, moves, step_id, wire)
 
-    def _run_step(self, finished_ids, new, cached, moves: BlockMoves, step_id: int) -> StepOutput:
+    def _run_step(
+        self, finished_ids, new, cached, moves: BlockMoves, step_id: int, wire
+    ) -> StepOutput:
+        if self.peers is not None:  # the other ranks run the same plan on their slices
+            self.peers.send_step(wire)
         work = self.batch.apply(finished_ids, new, cached)
-        if moves:
-            self._check_moves(moves)
-            self._move_blocks(moves)
+        run_moves(moves, self.kv_cache, self.swap_cache)
         if self._progress is not None:  # peers stream this step's KV layer by layer
             self._running_step_id = step_id
             self._progress.step_started(step_id)
@@ -191,26 +214,6 @@ class Worker:
             self.executed_step_id = step_id
             self._step_done.notify_all()
 
-    def _check_moves(self, moves: BlockMoves) -> None:
-        swap_blocks = 0 if self.swap_cache is None else self.swap_cache.num_blocks
-        if (moves.swap_out or moves.swap_in) and not swap_blocks:
-            raise PlanError("the plan swaps blocks but this worker has no swap space")
-        for name, pairs, (src_n, dst_n) in (
-            ("swap_out", moves.swap_out, (self.kv_cache.num_blocks, swap_blocks)),
-            ("swap_in", moves.swap_in, (swap_blocks, self.kv_cache.num_blocks)),
-            ("block_copies", moves.copies, (self.kv_cache.num_blocks,) * 2),
-        ):
-            bad = [p for p in pairs if not (0 <= p[0] < src_n and 0 <= p[1] < dst_n)]
-            if bad:
-                raise PlanError(f"{name} pairs {bad[:4]} are outside the pools")
-
-    def _move_blocks(self, moves: BlockMoves) -> None:
-        if moves.swap_out:
-            self.swap_cache.copy_blocks(moves.swap_out, source=self.kv_cache)
-        if moves.swap_in:
-            self.kv_cache.copy_blocks(moves.swap_in, source=self.swap_cache)
-        self.kv_cache.copy_blocks(moves.copies)
-
     @property
     def is_idle(self) -> bool:
         """No request in the batch and no KV receive under way."""
@@ -226,6 +229,8 @@ class Worker:
 
     def _clear(self) -> None:
         self.batch.clear()
+        if self.peers is not None:
+            self.peers.reset()
         if self._progress is not None:
             self._progress.reset()
 
@@ -320,6 +325,8 @@ class Worker:
             self._receives.pop(tag, None)
 
     def _check_blocks(self, block_ids: Sequence[int]) -> None:
+        if self.peers is not None:  # rank 0 holds only its own heads of each block
+            raise KvTransferError("KV transfer to or from a tensor-parallel worker is not built")
         if not block_ids:
             raise KvTransferError("a transfer needs at least one block")
         bad = [b for b in block_ids if not 0 <= b < self.kv_cache.num_blocks]
@@ -329,6 +336,8 @@ class Worker:
             )
 
     async def close(self) -> None:
+        if self.peers is not None:
+            self.peers.close()
         self.puller.close()
         await self.transport.close()
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -80,9 +80,9 @@ def test_loading_steps_and_moves_run_on_one_tensor_thread(tiny_llama_dir, monkey
     threads: list[str] = []
     real_load = worker_module.load_worker
 
-    def recording_load(config, worker_id):
+    def recording_load(config, worker_id, ranks):
         threads.append(threading.current_thread().name)
-        return real_load(config, worker_id)
+        return real_load(config, worker_id, ranks)
 
     monkeypatch.setattr(worker_module, "load_worker", recording_load)
 

@@ -7,7 +7,14 @@ parameter names equal Hugging Face's, so an HF state dict loads without renaming
 
 `forward` takes a flat varlen batch of new tokens; each attention layer writes their K/V into
 the cache and attends through the block tables with the `AttentionBackend` the model was
-built with (SDPA, the plain-torch reference, or Triton). After loading, `merge_projections`
+built with (SDPA, the plain-torch reference, or Triton).
+
+Tensor parallelism (`tp`, a `TpGroup` of size > 1): the model holds one rank's slice
+(`TpShard`): its query and KV heads (q/k/v column-parallel, o row-parallel), its slice of
+the MLP's inner dimension (gate/up column-parallel, down row-parallel), and its rows of the
+vocabulary (embedding and LM head). The row-parallel outputs and the embedding are summed
+over the group (one all-reduce each), the logits gathered; a rank's KV cache holds its own
+KV heads. Size 1 is the plain model. After loading, `merge_projections`
 turns q/k/v and gate/up into one matrix product each (`linear.py`); `forward` does it first
 if the loader did not.
 """
@@ -24,6 +31,7 @@ from services.worker.models.attention_backend import AttentionBackend, CpuAttent
 from services.worker.models.attention_metadata import AttentionMetadata
 from services.worker.models.linear import MergedLinear
 from services.worker.models.rope import RotaryEmbedding, rotate
+from services.worker.parallel.tp_group import TpGroup, TpShard
 
 
 class RMSNorm(nn.Module):
@@ -46,11 +54,19 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        shard: TpShard,
+        tp: TpGroup,
+    ) -> None:
         super().__init__()
         self.backend = backend
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp
+        self.num_heads = len(shard.q_heads)
+        self.num_kv_heads = len(shard.kv_heads)
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         q_size = self.num_heads * self.head_dim
@@ -93,15 +109,16 @@ class Attention(nn.Module):
             q, k = qk[:, :heads], qk[:, heads:]
         k_cache, v_cache = cache
         out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, heads * self.head_dim)))
 
 
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: TpShard, tp: TpGroup):
         super().__init__()
-        hidden, inner = config.hidden_size, config.intermediate_size
+        self.tp = tp
+        hidden, inner = config.hidden_size, len(shard.inner)
         self.gate_proj = nn.Linear(hidden, inner, bias=False, dtype=dtype)
         self.up_proj = nn.Linear(hidden, inner, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(inner, hidden, bias=False, dtype=dtype)
@@ -114,14 +131,21 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(x)
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.tp.all_reduce(self.down_proj(F.silu(gate).mul_(up)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        shard: TpShard,
+        tp: TpGroup,
+    ) -> None:
         super().__init__()
-        self.self_attn = Attention(config, dtype, backend)
-        self.mlp = MLP(config, dtype)
+        self.self_attn = Attention(config, dtype, backend, shard, tp)
+        self.mlp = MLP(config, dtype, shard, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -139,12 +163,20 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embeddings, decoder stack and final norm (HF's `model.` prefix)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        shard: TpShard,
+        tp: TpGroup,
+    ) -> None:
         super().__init__()
         self.backend = backend
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.tp, self.vocab_start = tp, shard.vocab.start
+        self.embed_tokens = nn.Embedding(shard.vocab_per_rank, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype, backend) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, dtype, backend, shard, tp) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary_emb = RotaryEmbedding(
@@ -162,12 +194,20 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         meta = self.backend.prepare(meta)
-        hidden = self.embed_tokens(input_ids)
+        hidden = self._embed(input_ids)
         rope = self.rotary_emb.tables(positions, hidden.dtype)
         for index, layer in enumerate(self.layers):
             hidden = layer(hidden, rope, kv_cache.layer(index), meta)
             kv_cache.layer_written(index)
         return self.norm(hidden)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.vocab_start  # rows outside this rank's vocabulary give 0
+        outside = (local < 0) | (local >= self.embed_tokens.num_embeddings)
+        hidden = self.embed_tokens(local.masked_fill(outside, 0))
+        return self.tp.all_reduce(hidden.masked_fill_(outside.unsqueeze(-1), 0.0))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -178,12 +218,16 @@ class LlamaForCausalLM(nn.Module):
         config: ModelConfig,
         dtype: torch.dtype = torch.float32,
         attention: AttentionBackend | None = None,
+        tp: TpGroup | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.attention = attention or CpuAttention()
-        self.model = LlamaModel(config, dtype, self.attention)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.tp = tp or TpGroup()
+        self.shard = self.tp.shard(config)
+        self.model = LlamaModel(config, dtype, self.attention, self.shard, self.tp)
+        vocab = self.shard.vocab_per_rank
+        self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False, dtype=dtype)
         self.tie_weights()
         self.merged = False
 
@@ -230,12 +274,15 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_cache, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[N, hidden]` -> float32 logits `[N, vocab]`."""
-        return self.lm_head(hidden).float()
+        """`[N, hidden]` -> float32 logits `[N, vocab]` (gathered from every rank)."""
+        logits = self.lm_head(hidden).float()
+        if self.tp.size == 1:
+            return logits
+        return self.tp.gather_last_dim(logits)[:, : self.config.vocab_size]
 
     def _check_cache(self, kv_cache: KvCache, meta: AttentionMetadata) -> None:
         config = self.config
-        expected = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
+        expected = (config.num_hidden_layers, len(self.shard.kv_heads), config.head_dim)
         actual = (kv_cache.num_layers, kv_cache.num_kv_heads, kv_cache.head_dim)
         if actual != expected:
             raise ValueError(

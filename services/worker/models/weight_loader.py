@@ -7,6 +7,7 @@ device (no wasted random init), then reads `model.safetensors` or the shards lis
 device. Loading is strict: a missing or unexpected weight is a `ValueError` naming a few of
 them (rotary `inv_freq` buffers, which some checkpoints carry, are ignored).
 
+`tp` loads one tensor-parallel rank's slice of every weight (`parallel/weight_shards.py`).
 `num_layers` loads only the first N decoder layers (then the final norm and LM head): the
 truncated, self-speculative draft of `spec_decode`; the later layers' weights are skipped
 unread.
@@ -25,6 +26,8 @@ from common.hf_checkpoint_reader import iter_tensors
 from common.model_config import ModelConfig
 from services.worker.models.attention_backend import AttentionBackend
 from services.worker.models.llama import LlamaForCausalLM
+from services.worker.parallel.tp_group import TpGroup
+from services.worker.parallel.weight_shards import shard_weight
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -36,6 +39,7 @@ def load_model(
     device: str | torch.device = "cpu",
     attention: AttentionBackend | None = None,
     num_layers: int | None = None,
+    tp: TpGroup | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model for `folder` and load its weights; returns (model in eval mode, config
     — with `num_hidden_layers` = `num_layers` when that truncates it)."""
@@ -50,7 +54,7 @@ def load_model(
         config = dataclasses.replace(config, num_hidden_layers=num_layers)
     device = torch.device(device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, dtype=dtype, attention=attention)
+        model = LlamaForCausalLM(config, dtype=dtype, attention=attention, tp=tp)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     tied_head = "lm_head.weight" if config.tie_word_embeddings else None
 
@@ -67,6 +71,7 @@ def load_model(
         if name not in expected:
             unexpected.append(name)
             continue
+        tensor = shard_weight(name, tensor, config, model.shard)  # a TP rank's slice
         if tuple(tensor.shape) != expected[name]:
             raise ValueError(
                 f"weight {name} has shape {tuple(tensor.shape)}, model expects {expected[name]}"

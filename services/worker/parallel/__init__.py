@@ -1,0 +1,1 @@
+"""Tensor and pipeline parallelism inside a worker (issue 15)."""

@@ -1,0 +1,73 @@
+"""`python -m services.worker.parallel.peer`: rank 1..N-1 of a parallel worker, started by
+rank 0 (never by hand). It joins the group, loads its slice of the model and its slice of
+the KV pool (same block ids as rank 0), then runs every step rank 0 sends: the same batch
+bookkeeping and block moves, the forward pass with its collectives, and rank 0's sampled
+tokens in place of sampling. It has no gRPC server; it ends when rank 0's pipe closes."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from common.config import load_config
+from common.log import get_logger, setup_logging
+from common.pb.tandem.internal.v1 import worker_pb2
+from services.worker.batch import PersistentBatch, PlanError
+from services.worker.block_moves import run_moves
+from services.worker.config import WorkerConfig
+from services.worker.parallel.rank_channel import RESET, STEP, read_messages
+from services.worker.parallel.rank_context import join_group, peer_store
+from services.worker.runner import ModelRunner
+from services.worker.startup import load_worker
+from services.worker.step_wire import plan_from_pb
+
+
+def serve_steps(step_fd: int, runner: ModelRunner, batch: PersistentBatch, loaded, log) -> None:
+    for kind, payload in read_messages(step_fd):
+        if kind == RESET:
+            batch.clear()
+            continue
+        if kind != STEP:
+            raise ValueError(f"unknown message {kind!r} from rank 0")
+        plan = plan_from_pb(worker_pb2.StepRequest.FromString(payload))
+        try:
+            work = batch.apply(plan.finished_ids, plan.new, plan.cached)
+            run_moves(plan.moves, loaded.kv_cache, loaded.swap_cache)
+        except PlanError as exc:  # rank 0 refuses the same plan and reports it
+            log.warning("bad_step_plan", step_id=plan.step_id, error=str(exc))
+            continue
+        output = runner.execute(work)
+        batch.complete(work, output.sampled, output.accepted)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m services.worker.parallel.peer")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--store-port", type=int, required=True)
+    parser.add_argument("--step-fd", type=int, required=True)
+    args, rest = parser.parse_known_args(argv)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 drains, then closes the pipe
+        signal.signal(sig, signal.SIG_IGN)
+    config = load_config(WorkerConfig, rest, env={})
+    setup_logging("worker", config.log_level)
+    log = get_logger("services.worker.peer").bind(rank=args.rank)
+    store = peer_store(args.store_port, config.world_size)
+    ranks = join_group(
+        args.rank, config.world_size, config.tensor_parallel_size, store, config.device
+    )
+    loaded = load_worker(config, f"{config.resolved_worker_id}/rank{args.rank}", ranks)
+    runner = ModelRunner(loaded.model, loaded.kv_cache, loaded.device, tokens=ranks.tokens)
+    batch = PersistentBatch(
+        loaded.kv_cache.block_size, loaded.kv_cache.num_blocks, loaded.model_config.vocab_size
+    )
+    log.info("rank_ready", num_blocks=loaded.kv_cache.num_blocks)
+    serve_steps(args.step_fd, runner, batch, loaded, log)
+    log.info("rank_stopping", reason="rank 0 closed the step pipe")
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except KeyboardInterrupt:
+        pass

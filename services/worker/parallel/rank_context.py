@@ -1,0 +1,109 @@
+"""One rank's place in a parallel worker: joining the group (`torch.distributed` over a
+TCP store rank 0 owns: gloo on CPU, NCCL on GPU), its device, its tensor-parallel group,
+and `TokenShare`, by which the ranks that do not sample take rank 0's sampled tokens."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from services.worker.parallel.tp_group import TpGroup
+
+STORE_HOST = "127.0.0.1"  # all ranks of a worker run on its host
+# A collective that waits this long means a rank is gone or stuck: it fails the step.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
+
+
+class TokenShare:
+    """Rank 0 samples; it sends each step's tokens to the other ranks, which keep their
+    copies of the batch (the next step's inputs) in step. Over gloo, on the host."""
+
+    def __init__(self, rank: int, group) -> None:
+        self.rank = rank
+        self.group = group
+
+    @property
+    def samples(self) -> bool:
+        return self.rank == 0
+
+    def send(self, tokens: list[int]) -> None:
+        dist.broadcast(torch.tensor(tokens, dtype=torch.int64), src=0, group=self.group)
+
+    def receive(self, count: int) -> list[int]:
+        tokens = torch.empty(count, dtype=torch.int64)
+        dist.broadcast(tokens, src=0, group=self.group)
+        return tokens.tolist()
+
+
+@dataclass(frozen=True)
+class RankContext:
+    rank: int
+    world_size: int
+    device: torch.device
+    tp: TpGroup
+    tokens: TokenShare
+    host_group: object = None  # gloo collectives on host tensors (None: the default group)
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest `value` any rank has (every rank calls it): e.g. the pool size all
+        ranks can hold, so that block ids mean the same blocks on every rank."""
+        out = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(out, op=dist.ReduceOp.MIN, group=self.host_group)
+        return int(out.item())
+
+
+def rank_device(name: str, rank: int) -> torch.device:
+    """Rank r's device: the r-th GPU after the configured one; the CPU for everyone on CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type != "cuda":
+        return device
+    first = device.index or 0
+    if first + rank >= torch.cuda.device_count():
+        raise ValueError(
+            f"rank {rank} needs cuda:{first + rank} but {torch.cuda.device_count()} GPU(s) "
+            f"are visible"
+        )
+    return torch.device("cuda", first + rank)
+
+
+def master_store(world_size: int) -> dist.TCPStore:
+    """Rank 0's store on a free port (peers connect to `store.port`)."""
+    return dist.TCPStore(
+        STORE_HOST, 0, world_size, is_master=True, wait_for_workers=False,
+        timeout=COLLECTIVE_TIMEOUT,
+    )  # fmt: skip
+
+
+def peer_store(port: int, world_size: int) -> dist.TCPStore:
+    return dist.TCPStore(STORE_HOST, port, world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+
+
+def join_group(rank: int, world_size: int, tp_size: int, store, device_name: str) -> RankContext:
+    """Join the worker's process group (blocks until every rank has)."""
+    device = rank_device(device_name, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
+    )
+    host_group = dist.new_group(backend="gloo") if backend != "gloo" else None
+    return RankContext(
+        rank=rank,
+        world_size=world_size,
+        device=device,
+        tp=TpGroup(rank=rank % tp_size, size=tp_size),
+        tokens=TokenShare(rank, host_group),
+        host_group=host_group,
+    )
+
+
+def threads_per_rank(world_size: int) -> int:
+    """Intra-op threads for one rank when the worker is told none: the cores shared out."""
+    return max(1, (os.cpu_count() or 1) // world_size)

@@ -1,0 +1,54 @@
+"""One tensor-parallel rank's slice of each checkpoint weight, by its Hugging Face name:
+q/k/v rows of the rank's heads, o_proj columns of its query heads, gate/up rows and
+down_proj columns of its inner slice, embedding and LM-head rows of its vocabulary (padded
+with zero rows to the same count on every rank); norms are whole on every rank. A
+row-parallel layer's bias (o_proj's in Llama with attention_bias) is kept by rank 0 only:
+the all-reduce after the layer adds it once."""
+
+from __future__ import annotations
+
+import torch
+
+from common.model_config import ModelConfig
+from services.worker.parallel.tp_group import TpShard
+
+
+def _rows(t: torch.Tensor, span: range, unit: int = 1) -> torch.Tensor:
+    return t[span.start * unit : span.stop * unit]
+
+
+def _cols(t: torch.Tensor, span: range, unit: int = 1) -> torch.Tensor:
+    return t[:, span.start * unit : span.stop * unit]
+
+
+def shard_weight(name: str, tensor: torch.Tensor, config: ModelConfig, shard: TpShard):
+    """The part of `tensor` (checkpoint weight `name`) rank `shard.rank` holds: a copy, so
+    the whole tensor can be freed."""
+    if shard.size == 1:
+        return tensor
+    return _slice(name, tensor, config, shard).clone()
+
+
+def _slice(name: str, tensor: torch.Tensor, config: ModelConfig, shard: TpShard):
+    hd = config.head_dim
+    leaf = name.rsplit(".", 2)[-2:]  # (module, weight|bias)
+    module, kind = leaf[0], leaf[1]
+    if module == "q_proj":
+        return _rows(tensor, shard.q_heads, hd)
+    if module in ("k_proj", "v_proj"):
+        return _rows(tensor, shard.kv_heads, hd)
+    if module == "o_proj":
+        if kind == "bias":
+            return tensor if shard.rank == 0 else torch.zeros_like(tensor)
+        return _cols(tensor, shard.q_heads, hd)
+    if module in ("gate_proj", "up_proj"):
+        return _rows(tensor, shard.inner)
+    if module == "down_proj":
+        return _cols(tensor, shard.inner)
+    if module in ("embed_tokens", "lm_head"):
+        part = _rows(tensor, shard.vocab)
+        missing = shard.vocab_per_rank - part.shape[0]
+        if missing:
+            part = torch.cat([part, part.new_zeros(missing, *part.shape[1:])])
+        return part
+    return tensor
