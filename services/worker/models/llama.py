@@ -174,7 +174,10 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.backend = backend
         self.tp, self.vocab_start = tp, shard.vocab.start
-        self.embed_tokens = nn.Embedding(shard.vocab_per_rank, config.hidden_size, dtype=dtype)
+        # An explicit (empty) weight skips nn.Embedding's random init: on the meta device
+        # its normal_ goes through torch._refs, which imports torch._dynamo (~4 s a start).
+        rows = torch.empty(shard.vocab_per_rank, config.hidden_size, dtype=dtype)
+        self.embed_tokens = nn.Embedding(rows.shape[0], rows.shape[1], _weight=rows)
         self.layers = nn.ModuleList(
             DecoderLayer(config, dtype, backend, shard, tp) for _ in range(config.num_hidden_layers)
         )
