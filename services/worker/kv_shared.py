@@ -182,3 +182,25 @@ def copy_layers(
     (block-major pools: a block's layers are contiguous)."""
     for s, d, n in runs:
         dst[d : d + n, first_layer:end_layer].copy_(src[s : s + n, first_layer:end_layer])
+
+
+def copy_head_slice(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    runs: Sequence[tuple[int, int, int]],
+    layers: tuple[range, range],
+    heads: tuple[range, range],
+) -> None:
+    """Between pools of differently sharded workers (`common.parallel_plan.KvSlice`): for
+    every run, the (src, dst) `layers` and KV `heads` of the source blocks into the same
+    layers and heads of the destination blocks, one strided copy per run. Pools are
+    `[blocks, layers, 2, slot, heads, dim]`; layer and head indices are each pool's own."""
+    (src_layers, dst_layers), (src_heads, dst_heads) = layers, heads
+    if len(src_layers) != len(dst_layers) or len(src_heads) != len(dst_heads):
+        raise ValueError(f"slice shapes differ: {layers} {heads}")
+    sl = slice(src_layers.start, src_layers.stop)
+    dl = slice(dst_layers.start, dst_layers.stop)
+    sh = slice(src_heads.start, src_heads.stop)
+    dh = slice(dst_heads.start, dst_heads.stop)
+    for s, d, n in runs:
+        dst[d : d + n, dl, :, :, dh].copy_(src[s : s + n, sl, :, :, sh])
