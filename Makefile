@@ -14,7 +14,7 @@ export BUF_CACHE_DIR := $(CURDIR)/.tools/buf-cache
 # disaggregation) workers, SPEC='<JSON>' for speculative decoding on the decode workers
 # (vLLM's --speculative-config, e.g. SPEC='{"method": "ngram", "num_speculative_tokens": 4}'),
 # PREFILL_TP/DECODE_TP/BOTH_TP the tensor-parallel size of each worker of that role (ranks
-# started by the worker; today only both-role workers, e.g. BOTH=1 PREFILL=0 DECODE=0 BOTH_TP=2).
+# started by the worker; prefill and decode may differ, e.g. PREFILL_TP=2 DECODE_TP=1).
 MODEL        ?=
 GATEWAY_PORT ?= 50051
 HTTP_PORT    ?= 8000

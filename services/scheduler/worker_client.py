@@ -170,6 +170,10 @@ class WorkerClient:
                     shared_memory=shared_memory_to_pb(source.worker.shared_memory),
                     block_ids=source.block_ids,
                     ready_step_id=source.ready_step_id,
+                    tensor_parallel_size=source.worker.tensor_parallel_size,
+                    rank_shared_memory=[
+                        shared_memory_to_pb(m) for m in source.worker.rank_shared_memory
+                    ],
                 )
             )
         try:

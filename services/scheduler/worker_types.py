@@ -71,6 +71,9 @@ class WorkerInfo:
     # Its KV pool in shared memory, when it has one (a CPU worker): same-host peers pull.
     shared_memory: SharedMemoryInfo | None = None
     speculative: SpeculativeInfo | None = None
+    # Tensor-parallel ranks, and the shared pools of ranks 1.. (shared_memory is rank 0's).
+    tensor_parallel_size: int = 1
+    rank_shared_memory: tuple[SharedMemoryInfo, ...] = ()
 
     def can_pull_from(self, source: WorkerInfo) -> bool:
         """This worker can copy KV straight out of `source`'s pool (same host)."""

@@ -200,11 +200,13 @@ class WorkerConfig(ServiceConfig):
         )
         if self.tensor_parallel_size > 1:
             self._require(
-                self.role == "both",
+                self.role == "both" or (self.kv_transfer_shared_memory and self.device != "cuda"
+                                        and not self.device.startswith("cuda:")),
                 "tensor_parallel_size",
-                "must be 1 on a prefill or decode worker: KV transfer between "
-                "tensor-parallel workers is not built yet (use --role both)",
-            )
+                "must be 1 on a prefill or decode worker without shared-memory KV transfer: "
+                "tensor-parallel workers move KV between differently sharded pools through "
+                "shared memory on one host's CPU (per-rank UCX, e.g. on GPU, is not built yet)",
+            )  # fmt: skip
             self._require(
                 spec is None,
                 "tensor_parallel_size",

@@ -23,8 +23,9 @@ from common.kv_shared_memory import SharedMemoryInfo
 from common.log import get_logger
 from services.worker.kv_cache import KvCache
 from services.worker.kv_progress_watch import ProgressWatch
-from services.worker.kv_shared import PeerPool, block_runs, copy_layers
+from services.worker.kv_shared import PeerPool, block_runs
 from services.worker.kv_transfer import KvTransferError
+from services.worker.parallel.kv_ranks import RankPools
 
 log = get_logger(__name__)
 
@@ -43,9 +44,15 @@ MIN_STREAMED_COPY_BYTES = 2 << 20
 @dataclass(frozen=True)
 class KvSource:
     worker_id: str
-    shared_memory: SharedMemoryInfo
+    shared_memory: SharedMemoryInfo  # rank 0's (its progress header speaks for all ranks)
     block_ids: tuple[int, ...]
     ready_step_id: int = 0
+    tensor_parallel_size: int = 1
+    rank_shared_memory: tuple[SharedMemoryInfo, ...] = ()  # ranks 1..
+
+    @property
+    def rank_pools(self) -> tuple[SharedMemoryInfo, ...]:
+        return (self.shared_memory, *self.rank_shared_memory)
 
 
 @dataclass(frozen=True)
@@ -63,36 +70,56 @@ class KvPuller:
         is_cancelled: Callable[[int], bool],
         timeout_s: float,
         min_streamed_copy_bytes: int = MIN_STREAMED_COPY_BYTES,
+        ranks: RankPools | None = None,
     ) -> None:
+        """`ranks`: this worker's rank pools when it is tensor-parallel (None: its one
+        pool, `kv_cache`, holds every KV head)."""
         self.kv_cache = kv_cache
+        self.ranks = ranks
         self.min_streamed_copy_bytes = min_streamed_copy_bytes
         self._on_tensor_thread = on_tensor_thread
         self._is_cancelled = is_cancelled
         self.timeout_s = timeout_s
-        self._peers: dict[str, PeerPool] = {}
+        self._peers: dict[tuple[str, int], PeerPool] = {}  # (worker id, rank)
         self._watches: dict[str, ProgressWatch] = {}
 
-    def peer(self, worker_id: str, info: SharedMemoryInfo) -> PeerPool:
-        """The peer's pool, mapped once (again if the peer came back as another process)."""
-        peer = self._peers.get(worker_id)
+    def _rank_pools(self) -> RankPools:
+        if self.ranks is None:
+            from services.worker.parallel.kv_ranks import KvGeometry
+
+            c = self.kv_cache
+            geometry = KvGeometry(c.num_kv_heads, c.num_kv_heads, c.num_layers, c.block_size,
+                                  c.head_dim)  # fmt: skip
+            self.ranks = RankPools(geometry, 1, [c.data])
+        return self.ranks
+
+    def peer(self, worker_id: str, info: SharedMemoryInfo, tp: int = 1, rank: int = 0):
+        """Rank `rank`'s pool of the peer, mapped once (again if the peer came back as
+        another process)."""
+        key = (worker_id, rank)
+        peer = self._peers.get(key)
         if peer is not None and peer.info == info:
             return peer
         if peer is not None:
             self.forget(worker_id)
+        shape = self._rank_pools().geometry.block_shape(tp, rank)
         try:
-            peer = PeerPool(info, self.kv_cache.data.shape[1:], self.kv_cache.dtype)
+            peer = PeerPool(info, shape, self.kv_cache.dtype)
         except (OSError, ValueError) as exc:
             raise KvMapError(f"cannot map the shared pool of {worker_id}: {exc}") from exc
-        self._peers[worker_id] = peer
-        self._watches[worker_id] = ProgressWatch(peer.progress, peer.alive)
-        log.info("kv_peer_mapped", peer=worker_id, pid=info.pid, mib=info.num_bytes >> 20)
+        self._peers[key] = peer
+        if rank == 0:
+            self._watches[worker_id] = ProgressWatch(peer.progress, peer.alive)
+        log.info("kv_peer_mapped", peer=worker_id, rank=rank, pid=info.pid,
+                 mib=info.num_bytes >> 20)  # fmt: skip
         return peer
 
     def forget(self, worker_id: str) -> None:
-        peer = self._peers.pop(worker_id, None)
-        if peer is not None:
-            self._watches.pop(worker_id).close()
-            peer.close()
+        for key in [k for k in self._peers if k[0] == worker_id]:
+            self._peers.pop(key).close()
+        watch = self._watches.pop(worker_id, None)
+        if watch is not None:
+            watch.close()
 
     async def pull(
         self,
@@ -106,7 +133,15 @@ class KvPuller:
             raise KvTransferError(
                 f"{len(source.block_ids)} source blocks for {len(block_ids)} destination blocks"
             )
-        peer = self.peer(source.worker_id, source.shared_memory)
+        tp = max(1, source.tensor_parallel_size)
+        if len(source.rank_pools) != tp:
+            raise KvTransferError(
+                f"{source.worker_id} has {tp} ranks but {len(source.rank_pools)} shared pools"
+            )
+        # Rank 0 first: its watch exists before the loop below (a remap drops them all).
+        ranks = [self.peer(source.worker_id, info, tp, r) for r, info in
+                 enumerate(source.rank_pools)]  # fmt: skip
+        peer = ranks[0]
         bad = [b for b in source.block_ids if not 0 <= b < peer.num_blocks]
         if bad:
             raise KvTransferError(f"source block ids {bad[:4]} outside the peer's pool")
@@ -120,7 +155,8 @@ class KvPuller:
             ready = peer.layers_ready(source.ready_step_id, num_layers)
             worth = (ready - copied) * layer_bytes >= self.min_streamed_copy_bytes
             if ready == num_layers or (ready > copied and worth):
-                await self._on_tensor_thread(self._copy, tag, peer.data, runs, copied, ready)
+                sources = [r.data for r in ranks]
+                await self._on_tensor_thread(self._copy, tag, sources, runs, copied, ready)
                 copied, stalled_since = ready, time.monotonic()
                 continue
             if not peer.alive():
@@ -145,13 +181,14 @@ class KvPuller:
         nbytes = len(block_ids) * self.kv_cache.block_bytes
         return PullResult(nbytes, time.perf_counter() - started, lag)
 
-    def _copy(self, tag: int, source, runs, first_layer: int, end_layer: int) -> None:
+    def _copy(self, tag: int, sources, runs, first_layer: int, end_layer: int) -> None:
         """On the tensor thread: a cancel seen here comes before any step that reuses the
-        blocks (the scheduler sends the tag with the step that frees them)."""
+        blocks (the scheduler sends the tag with the step that frees them). Each of this
+        worker's ranks gets its KV heads from the source ranks that hold them."""
         if self._is_cancelled(tag):
             raise KvTransferError(f"transfer {tag:#x} was cancelled")
-        copy_layers(self.kv_cache.data, source, runs, first_layer, end_layer)
+        self._rank_pools().copy(sources, runs, first_layer, end_layer)
 
     def close(self) -> None:
-        for worker_id in list(self._peers):
+        for worker_id in {key[0] for key in self._peers}:
             self.forget(worker_id)

@@ -94,14 +94,22 @@ class SharedPool:
 
 
 class PeerPool:
-    """A same-host peer's pool, mapped read-only, and its liveness."""
+    """A same-host peer's pool, mapped read-only, and its liveness. `writable`: mapped for
+    writing too, which only rank 0 of a tensor-parallel worker does, into the pools of its
+    own other ranks (the KV heads they hold, received for them)."""
 
-    def __init__(self, info: SharedMemoryInfo, block_shape: Sequence[int], dtype: torch.dtype):
-        """`block_shape`: one block's shape in this pool's layout (the peer's must match)."""
+    def __init__(
+        self,
+        info: SharedMemoryInfo,
+        block_shape: Sequence[int],
+        dtype: torch.dtype,
+        writable: bool = False,
+    ):
+        """`block_shape`: one block's shape in the peer's pool."""
         self.info = info
         self.pidfd = os.pidfd_open(info.pid)  # first: the token check below pins the process
         try:
-            fd = os.open(f"/proc/{info.pid}/fd/{info.fd}", os.O_RDONLY)
+            fd = os.open(f"/proc/{info.pid}/fd/{info.fd}", os.O_RDWR if writable else os.O_RDONLY)
             try:
                 if os.fstat(fd).st_size != info.num_bytes:
                     raise ValueError("the peer's shared pool has another size than described")
@@ -109,7 +117,7 @@ class PeerPool:
                     fd,
                     info.num_bytes,
                     flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                    prot=mmap.PROT_READ,
+                    prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0),
                 )
             finally:
                 os.close(fd)

@@ -68,6 +68,8 @@ def kv_source_from_pb(source: worker_pb2.KvSource) -> KvSource:
         shared_memory=shared_memory_from_pb(source.shared_memory),
         block_ids=tuple(source.block_ids),
         ready_step_id=source.ready_step_id,
+        tensor_parallel_size=max(1, source.tensor_parallel_size),
+        rank_shared_memory=tuple(shared_memory_from_pb(m) for m in source.rank_shared_memory),
     )
 
 
@@ -126,7 +128,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             kv_cache=types_pb2.KvCacheDescription(
                 num_blocks=worker.kv_cache.num_blocks,
                 block_size=worker.kv_cache.block_size,
-                block_bytes=worker.kv_cache.block_bytes,
+                block_bytes=worker.model_block_bytes,
                 layout=KV_LAYOUT,
                 num_swap_blocks=0 if worker.swap_cache is None else worker.swap_cache.num_blocks,
             ),
@@ -136,6 +138,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             kv_shared_memory=(
                 None if worker.shared_pool is None else shared_memory_to_pb(worker.shared_pool.info)
             ),
+            tensor_parallel_size=worker.tensor_parallel_size,
+            rank_kv_shared_memory=[
+                shared_memory_to_pb(m) for m in worker.rank_shared_memory if m is not None
+            ],
             speculative=(
                 None
                 if worker.speculative is None

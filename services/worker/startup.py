@@ -139,6 +139,11 @@ def load_worker(
         torch.set_num_threads(config.torch_threads or threads_per_rank(config.world_size))
     started = time.perf_counter()
     device = resolve_device(config.device) if ranks is None else ranks.device
+    if ranks is not None and device.type != "cpu" and config.role != "both":
+        raise ValueError(
+            "tensor_parallel_size > 1 on a GPU prefill or decode worker needs per-rank KV "
+            "transfer over UCX, which is not built yet: use --role both on GPU"
+        )
     model_config = ModelConfig.from_folder(config.model)
     dtype = resolve_dtype(config.dtype, device, model_config.torch_dtype)
     free_at_start = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
@@ -208,7 +213,7 @@ def load_worker(
             f"kv_cache_memory/num_blocks/gpu_memory_utilization or lower max_model_len"
         )
     shared_pool = None
-    if device.type == "cpu" and config.kv_transfer_shared_memory and ranks is None:
+    if device.type == "cpu" and config.kv_transfer_shared_memory:
         shared_pool = SharedPool(
             num_blocks * KvCache.bytes_per_block(**geometry), model_config.num_hidden_layers
         )

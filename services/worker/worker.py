@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.kv_shared_memory import SharedMemoryInfo
 from common.log import get_logger
 from common.pb.tandem.internal.v1 import worker_pb2
 from services.worker.batch import (
@@ -31,8 +32,11 @@ from services.worker.batch import (
 from services.worker.block_moves import run_moves
 from services.worker.compute_lock import ComputeLock, make_compute_lock
 from services.worker.config import WorkerConfig
+from services.worker.kv_cache import KvCache
 from services.worker.kv_pull import KvPuller, KvSource, PullResult
+from services.worker.kv_shared import PeerPool
 from services.worker.kv_transfer import KvTransferError, UcxTransport
+from services.worker.parallel.kv_ranks import KvGeometry, RankPools
 from services.worker.parallel.peer_ranks import PeerRanks, start_peer_ranks
 from services.worker.parallel.rank_context import RankContext
 from services.worker.runner import ModelRunner, StepOutput
@@ -69,9 +73,15 @@ class Worker:
         compute_lock: ComputeLock | None = None,
         peers: PeerRanks | None = None,
         ranks: RankContext | None = None,
+        rank_shared_memory: tuple[SharedMemoryInfo | None, ...] = (),
     ) -> None:
+        """`ranks`, `rank_shared_memory`: rank 0 of a tensor-parallel worker, and where
+        its other ranks' pools are (received KV heads are copied straight into them)."""
         self.config = config
         self.peers = peers
+        self.tensor_parallel_size = config.tensor_parallel_size
+        self.rank_shared_memory = rank_shared_memory
+        self._rank_maps: list[PeerPool] = []
         self.worker_id = worker_id
         self.role = config.role
         self.model_config = loaded.model_config
@@ -119,7 +129,34 @@ class Worker:
             lambda tag: tag in self._cancelled_tags,
             config.kv_transfer_timeout_s,
             config.kv_transfer_stream_min_copy_bytes,
+            self._rank_pools(loaded) if ranks is not None else None,
         )
+
+    def _rank_pools(self, loaded: LoadedWorker) -> RankPools | None:
+        """Every rank's pool, the others' mapped writable (None without shared memory)."""
+        if loaded.shared_pool is None or None in self.rank_shared_memory:
+            return None
+        c = self.model_config
+        geometry = KvGeometry(
+            c.num_attention_heads, c.num_key_value_heads, c.num_hidden_layers,
+            self.kv_cache.block_size, c.head_dim,
+        )  # fmt: skip
+        tp = self.tensor_parallel_size
+        self._rank_maps = [
+            PeerPool(info, geometry.block_shape(tp, rank), self.kv_cache.dtype, writable=True)
+            for rank, info in enumerate(self.rank_shared_memory, start=1)
+        ]
+        return RankPools(geometry, tp, [self.kv_cache.data, *(m.data for m in self._rank_maps)])
+
+    @property
+    def model_block_bytes(self) -> int:
+        """One block of the whole model's KV (every head, every layer): what the scheduler
+        compares between workers, whatever their tensor-parallel layouts."""
+        c = self.model_config
+        return KvCache.bytes_per_block(
+            self.kv_cache.block_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+            self.kv_cache.dtype,
+        )  # fmt: skip
 
     @classmethod
     async def load(cls, config: WorkerConfig, worker_id: str) -> Worker:
@@ -135,12 +172,15 @@ class Worker:
             ranks = None
         try:
             loaded = await loop.run_in_executor(executor, load_worker, config, worker_id, ranks)
+            rank_pools = ()
+            if ranks is not None:  # where the other ranks' pools are (they publish them)
+                rank_pools = await loop.run_in_executor(executor, ranks.collect_pools)
         except BaseException:
             if peers is not None:
                 peers.close()
             raise
         lock = make_compute_lock(config.cpu_compute_lock, loaded.device.type)
-        return cls(config, worker_id, loaded, executor, lock, peers, ranks)
+        return cls(config, worker_id, loaded, executor, lock, peers, ranks, tuple(rank_pools))
 
     def _submit(self, fn, *args) -> concurrent.futures.Future:
         """Queue `fn` on the tensor thread (run holding the host's compute lock, if any)."""
@@ -257,6 +297,7 @@ class Worker:
         """Gather the blocks into a staging buffer where the pool is (host or device memory)
         and send it: UCX reads device memory itself."""
         started = time.perf_counter()
+        self._check_ucx()
         self._check_blocks(block_ids)
         nbytes = len(block_ids) * self.kv_cache.block_bytes
         # A failed transfer's buffer is not reused: UCX may still hold it.
@@ -281,6 +322,7 @@ class Worker:
         scatter it into the blocks. Not straight into the pool: a UCX receive cannot be
         cancelled, and a late message must never land in blocks given to someone else."""
         started = time.perf_counter()
+        self._check_ucx()
         self._check_blocks(block_ids)
         if tag in self._cancelled_tags:
             raise KvTransferError(f"transfer {tag:#x} was cancelled")
@@ -313,6 +355,8 @@ class Worker:
         self, tag: int, source: KvSource, block_ids: Sequence[int], after_step_id: int = 0
     ) -> PullResult:
         """Copy blocks out of a same-host peer's shared pool (see kv_pull)."""
+        if self.peers is not None and self.puller.ranks is None:
+            raise KvTransferError("a tensor-parallel worker without shared pools cannot pull KV")
         self._check_blocks(block_ids)
         if tag in self._cancelled_tags:
             raise KvTransferError(f"transfer {tag:#x} was cancelled")
@@ -324,9 +368,14 @@ class Worker:
         finally:
             self._receives.pop(tag, None)
 
-    def _check_blocks(self, block_ids: Sequence[int]) -> None:
+    def _check_ucx(self) -> None:
         if self.peers is not None:  # rank 0 holds only its own heads of each block
-            raise KvTransferError("KV transfer to or from a tensor-parallel worker is not built")
+            raise KvTransferError(
+                "KV over UCX to or from a tensor-parallel worker is not built: tensor-parallel "
+                "workers move KV through shared memory (same host, CPU)"
+            )
+
+    def _check_blocks(self, block_ids: Sequence[int]) -> None:
         if not block_ids:
             raise KvTransferError("a transfer needs at least one block")
         bad = [b for b in block_ids if not 0 <= b < self.kv_cache.num_blocks]
@@ -339,6 +388,8 @@ class Worker:
         if self.peers is not None:
             self.peers.close()
         self.puller.close()
+        for mapped in self._rank_maps:
+            mapped.close()
         await self.transport.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self.compute_lock is not None:

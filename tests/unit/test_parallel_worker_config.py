@@ -20,12 +20,12 @@ from services.worker.parallel.rank_channel import RESET, STEP, read_messages, wr
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),
         ({"pipeline_parallel_size": 2}, "pipeline stages are not built yet"),
         (
-            {"tensor_parallel_size": 2, "role": "prefill"},
-            "KV transfer between tensor-parallel workers is not built yet",
+            {"tensor_parallel_size": 2, "role": "prefill", "kv_transfer_shared_memory": False},
+            "through shared memory on one host's CPU",
         ),
         (
-            {"tensor_parallel_size": 2, "role": "decode"},
-            "KV transfer between tensor-parallel workers is not built yet",
+            {"tensor_parallel_size": 2, "role": "decode", "device": "cuda"},
+            "through shared memory on one host's CPU",
         ),
         (
             {

@@ -137,6 +137,9 @@ def fake_worker(device: str) -> SimpleNamespace:
         transport=SimpleNamespace(address=b"ucx"),
         shared_pool=None,
         speculative=None,
+        tensor_parallel_size=1,
+        rank_shared_memory=(),
+        model_block_bytes=1024,
         batch=[],
         device=torch.device(device),
     )

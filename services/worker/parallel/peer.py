@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     batch = PersistentBatch(
         loaded.kv_cache.block_size, loaded.kv_cache.num_blocks, loaded.model_config.vocab_size
     )
+    ranks.publish_pool(None if loaded.shared_pool is None else loaded.shared_pool.info)
     log.info("rank_ready", num_blocks=loaded.kv_cache.num_blocks)
     serve_steps(args.step_fd, runner, batch, loaded, log)
     log.info("rank_stopping", reason="rank 0 closed the step pipe")

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from common.kv_shared_memory import SharedMemoryInfo, shared_memory_from_pb, shared_memory_to_pb
+from common.pb.tandem.internal.v1 import worker_pb2
 from services.worker.parallel.tp_group import TpGroup
 
 STORE_HOST = "127.0.0.1"  # all ranks of a worker run on its host
@@ -47,6 +49,21 @@ class RankContext:
     tp: TpGroup
     tokens: TokenShare
     host_group: object = None  # gloo collectives on host tensors (None: the default group)
+    store: object = None  # the group's TCP store (rank 0 owns it)
+
+    def publish_pool(self, info: SharedMemoryInfo | None) -> None:
+        """A peer rank tells rank 0 where its KV pool's shared memory is (empty: none)."""
+        data = b"" if info is None else shared_memory_to_pb(info).SerializeToString()
+        self.store.set(f"kv_pool/{self.rank}", data)
+
+    def collect_pools(self) -> list[SharedMemoryInfo | None]:
+        """Rank 0: every other rank's published pool, in rank order (waits for them)."""
+        out = []
+        for rank in range(1, self.world_size):
+            data = self.store.get(f"kv_pool/{rank}")
+            out.append(shared_memory_from_pb(worker_pb2.KvSharedMemory.FromString(data))
+                       if data else None)  # fmt: skip
+        return out
 
     def min_over_ranks(self, value: int) -> int:
         """The smallest `value` any rank has (every rank calls it): e.g. the pool size all
@@ -101,6 +118,7 @@ def join_group(rank: int, world_size: int, tp_size: int, store, device_name: str
         tp=TpGroup(rank=rank % tp_size, size=tp_size),
         tokens=TokenShare(rank, host_group),
         host_group=host_group,
+        store=store,
     )
 
 
