@@ -19,18 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import uuid
 from pathlib import Path
 
-import grpc
 from transformers import AutoTokenizer
 
-from bench.metrics import summarize
+from bench.load_runs import pool_stats, run_loads
 from bench.models import BENCH_MODELS, bench_model
-from bench.report import load_average, machine_info, write_report
-from bench.serve_client import run_client, warm_up
+from bench.report import machine_info, write_report
 from bench.workloads import MixedParams, build_workload, usable_token_ids
-from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.stack.launcher import Stack, StackSpec
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -39,12 +35,18 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 LOADS = ((1, 8), (16, 32))  # (concurrency, requests)
 
 
-def decode_stats(address: str):
-    with grpc.insecure_channel(address) as channel:
-        stats = scheduler_pb2_grpc.SchedulerServiceStub(channel).GetPoolStats(
-            scheduler_pb2.GetPoolStatsRequest(), timeout=10
-        )
-    return next(p for p in stats.pools if p.role == 2)  # WORKER_ROLE_DECODE
+def spec_row(records, summary, before, after) -> dict:
+    drafts = sum(r.draft_tokens for r in records)
+    accepted = sum(r.accepted_tokens for r in records)
+    steps = after.spec_decode_num_steps - before.spec_decode_num_steps
+    return {
+        "draft_tokens": drafts,
+        "accepted_tokens": accepted,
+        "acceptance_rate": round(accepted / drafts, 4) if drafts else None,
+        "verifying_steps": steps,
+        "mean_accepted_length": round(1 + accepted / steps, 3) if steps else None,
+        "decode_steps": after.steps - before.steps,
+    }
 
 
 def run_mode(model: Path, speculative: str, requests_by_load, sampling: str) -> dict:
@@ -53,44 +55,14 @@ def run_mode(model: Path, speculative: str, requests_by_load, sampling: str) -> 
     label = "on" if speculative else "off"
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench-spec-{label}-"))
     stack = Stack.start(spec, run_dir, ready_timeout_s=300, exit_with_parent=True)
-    out = {}
     try:
-        vocab = usable_token_ids(AutoTokenizer.from_pretrained(model))
-        warm_up(spec.gateway_address, vocab)
-        for (concurrency, _), requests in zip(LOADS, requests_by_load, strict=True):
-            before = decode_stats(spec.scheduler_address)
-            load = load_average()
-            records, wall = run_client(
-                spec.gateway_address,
-                requests,
-                None,
-                concurrency,
-                f"bench-spec-{uuid.uuid4().hex}",
-                label=f"spec {label} c{concurrency}",
-                show_progress=False,
-                sampling=sampling,
-            )
-            after = decode_stats(spec.scheduler_address)
-            summary = summarize(records, wall)
-            drafts = sum(r.draft_tokens for r in records)
-            accepted = sum(r.accepted_tokens for r in records)
-            steps = after.spec_decode_num_steps - before.spec_decode_num_steps
-            out[f"c{concurrency}"] = {
-                "output_tokens_per_s": summary["output_tokens_per_s"],
-                "tpot_ms": summary["tpot_ms"],
-                "ttft_ms": summary["ttft_ms"],
-                "completed": summary["completed"],
-                "draft_tokens": drafts,
-                "accepted_tokens": accepted,
-                "acceptance_rate": round(accepted / drafts, 4) if drafts else None,
-                "verifying_steps": steps,
-                "mean_accepted_length": round(1 + accepted / steps, 3) if steps else None,
-                "decode_steps": after.steps - before.steps,
-                "load_avg_1m_before": load,
-            }
+        return run_loads(
+            spec.gateway_address, model, LOADS, requests_by_load, f"spec {label}",
+            lambda: pool_stats(spec.scheduler_address, role=2),  # WORKER_ROLE_DECODE
+            spec_row, sampling,
+        )  # fmt: skip
     finally:
         stack.stop()
-    return out
 
 
 def main() -> None:

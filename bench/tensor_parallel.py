@@ -13,32 +13,19 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import uuid
 from pathlib import Path
 
-import grpc
 import psutil
 from transformers import AutoTokenizer
 
-from bench.metrics import summarize
+from bench.load_runs import pool_stats, run_loads
 from bench.models import BENCH_MODELS, bench_model
-from bench.report import load_average, machine_info, write_report
-from bench.serve_client import run_client, warm_up
+from bench.report import machine_info, write_report
 from bench.workloads import MixedParams, build_workload, usable_token_ids
-from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.stack.launcher import Stack, StackSpec
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LOADS = ((1, 4), (16, 32))  # (concurrency, requests)
-
-
-def pool(address: str):
-    with grpc.insecure_channel(address) as channel:
-        stats = scheduler_pb2_grpc.SchedulerServiceStub(channel).GetPoolStats(
-            scheduler_pb2.GetPoolStatsRequest(), timeout=10
-        )
-    (only,) = stats.pools
-    return only
 
 
 def rank_memory_mib(stack: Stack) -> list[float]:
@@ -55,38 +42,24 @@ def run_size(model: Path, size: int, requests_by_load, kv_cache_memory: str) -> 
     )
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench-tp{size}-"))
     stack = Stack.start(spec, run_dir, ready_timeout_s=300, exit_with_parent=True)
-    out: dict = {"rank_rss_mib": rank_memory_mib(stack)}
     try:
-        vocab = usable_token_ids(AutoTokenizer.from_pretrained(model))
-        warm_up(spec.gateway_address, vocab)
-        for (concurrency, _), requests in zip(LOADS, requests_by_load, strict=True):
-            before = pool(spec.scheduler_address)
-            load = load_average()
-            records, wall = run_client(
-                spec.gateway_address,
-                requests,
-                None,
-                concurrency,
-                f"bench-tp-{uuid.uuid4().hex}",
-                label=f"tp{size} c{concurrency}",
-                show_progress=False,
-            )
-            after = pool(spec.scheduler_address)
-            summary = summarize(records, wall)
-            steps = after.steps - before.steps
-            out[f"c{concurrency}"] = {
-                "output_tokens_per_s": summary["output_tokens_per_s"],
-                "tpot_ms": summary["tpot_ms"],
-                "ttft_ms": summary["ttft_ms"],
-                "completed": summary["completed"],
-                "steps": steps,
-                # the pool's running mean over the worker's life (warm-up included)
-                "mean_execute_ms": round(after.mean_execute_ms, 3),
-                "load_avg_1m_before": load,
-            }
+        rss = rank_memory_mib(stack)  # once loaded, before any request
+        out = run_loads(
+            spec.gateway_address, model, LOADS, requests_by_load, f"tp{size}",
+            lambda: pool_stats(spec.scheduler_address), tp_row,
+        )  # fmt: skip
+        out["rank_rss_mib"] = rss
     finally:
         stack.stop()
     return out
+
+
+def tp_row(records, summary, before, after) -> dict:
+    return {
+        "steps": after.steps - before.steps,
+        # the pool's running mean over the worker's life (warm-up included)
+        "mean_execute_ms": round(after.mean_execute_ms, 3),
+    }
 
 
 def main() -> None:
