@@ -13,8 +13,9 @@ export BUF_CACHE_DIR := $(CURDIR)/.tools/buf-cache
 # HTTP=0 leaves it off), PREFILL/DECODE worker counts, BOTH>0 for single-device (no
 # disaggregation) workers, SPEC='<JSON>' for speculative decoding on the decode workers
 # (vLLM's --speculative-config, e.g. SPEC='{"method": "ngram", "num_speculative_tokens": 4}'),
-# PREFILL_TP/DECODE_TP/BOTH_TP the tensor-parallel size of each worker of that role (ranks
-# started by the worker; prefill and decode may differ, e.g. PREFILL_TP=2 DECODE_TP=1).
+# PREFILL_TP/DECODE_TP/BOTH_TP the tensor-parallel size of each worker of that role and
+# PREFILL_PP/DECODE_PP/BOTH_PP its pipeline stages (ranks started by the worker; prefill
+# and decode may differ, e.g. PREFILL_TP=2 DECODE_TP=1, or PREFILL_TP=2 DECODE_PP=2).
 MODEL        ?=
 GATEWAY_PORT ?= 50051
 HTTP_PORT    ?= 8000
@@ -25,6 +26,9 @@ BOTH         ?= 0
 PREFILL_TP   ?= 1
 DECODE_TP    ?= 1
 BOTH_TP      ?= 1
+PREFILL_PP   ?= 1
+DECODE_PP    ?= 1
+BOTH_PP      ?= 1
 SPEC         ?=
 PYTEST_ARGS  ?=
 
@@ -77,6 +81,7 @@ up: $(STAMP)
 		$(if $(filter 0,$(HTTP)),--no-http,--http-port $(HTTP_PORT)) \
 		--prefill $(PREFILL) --decode $(DECODE) --both $(BOTH) \
 		--prefill-tp $(PREFILL_TP) --decode-tp $(DECODE_TP) --both-tp $(BOTH_TP) \
+		--prefill-pp $(PREFILL_PP) --decode-pp $(DECODE_PP) --both-pp $(BOTH_PP) \
 		$(if $(SPEC),--speculative-config '$(SPEC)')
 
 down:

@@ -1,11 +1,12 @@
-"""Tensor parallelism on this machine: decode step time, time per output token and output
-tokens/s of one both-role worker with `--tensor-parallel-size 1` and with 2 (each rank a
-process; gloo all-reduces between them), at concurrency 1 and 16, on the same model and
-requests, in one run. Sizes alternate (1, 2, 1, 2, ...) because the box drifts. Also the
-resident memory of each rank once loaded (weights and pool slices). JSON goes to
-bench/results/tensor_parallel_cpu.json.
+"""Tensor and pipeline parallelism on this machine: decode step time, time per output
+token and output tokens/s of one both-role worker in each layout — `tp1` (one process),
+`tp2` (`--tensor-parallel-size 2`: gloo all-reduces between two ranks), `pp2`
+(`--pipeline-parallel-size 2`: two stages of half the layers, one after the other) — at
+concurrency 1 and 16, on the same model and requests, in one run. Layouts alternate
+(tp1, tp2, tp1, tp2, ...) because the box drifts. Also the resident memory of each rank
+once loaded (weights and pool slices). JSON goes to bench/results/tensor_parallel_cpu.json.
 
-    python -m bench.tensor_parallel [--model llama-150m] [--sizes 1,2] [--repeats 1]
+    python -m bench.tensor_parallel [--model llama-150m] [--layouts tp1,tp2,pp2] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -35,17 +36,22 @@ def rank_memory_mib(stack: Stack) -> list[float]:
     return [round(p.memory_info().rss / 2**20, 1) for p in ranks]
 
 
-def run_size(model: Path, size: int, requests_by_load, kv_cache_memory: str) -> dict:
-    worker_args = ["--tensor-parallel-size", str(size), "--kv-cache-memory", kv_cache_memory]
+FLAGS = {"tp": "--tensor-parallel-size", "pp": "--pipeline-parallel-size"}
+
+
+def run_layout(model: Path, layout: str, requests_by_load, kv_cache_memory: str) -> dict:
+    """`layout`: "tp<N>" or "pp<N>"."""
+    flag, size = FLAGS[layout[:2]], int(layout[2:])
+    worker_args = [flag, str(size), "--kv-cache-memory", kv_cache_memory]
     spec = StackSpec.on_free_ports(
         str(model), prefill=0, decode=0, both=1, extra_args={"both": worker_args}
     )
-    run_dir = Path(tempfile.mkdtemp(prefix=f"bench-tp{size}-"))
+    run_dir = Path(tempfile.mkdtemp(prefix=f"bench-{layout}-"))
     stack = Stack.start(spec, run_dir, ready_timeout_s=300, exit_with_parent=True)
     try:
         rss = rank_memory_mib(stack)  # once loaded, before any request
         out = run_loads(
-            spec.gateway_address, model, LOADS, requests_by_load, f"tp{size}",
+            spec.gateway_address, model, LOADS, requests_by_load, layout,
             lambda: pool_stats(spec.scheduler_address), tp_row,
         )  # fmt: skip
         out["rank_rss_mib"] = rss
@@ -67,14 +73,19 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="llama-150m", choices=list(BENCH_MODELS))
-    parser.add_argument("--sizes", default="1,2", help="tensor-parallel sizes, comma-separated")
+    parser.add_argument(
+        "--layouts", default="tp1,tp2", help="comma-separated: tp<N> and pp<N> (tp1: one rank)"
+    )
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--kv-cache-memory", default="1GiB", help="per rank")
     parser.add_argument("--repeats", type=int, default=1, help="runs per size, alternating")
     parser.add_argument("--out", default=str(RESULTS / "tensor_parallel_cpu.json"))
     args = parser.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
+    layouts = args.layouts.split(",")
+    for layout in layouts:
+        if layout[:2] not in FLAGS or not layout[2:].isdigit():
+            parser.error(f"--layouts: {layout!r} is not tp<N> or pp<N>")
     model = bench_model(args.model)
     vocab = usable_token_ids(AutoTokenizer.from_pretrained(model))
     shape = dict(
@@ -86,26 +97,26 @@ def main() -> None:
         build_workload("mixed", vocab, MixedParams(num_requests=n, **shape), seed=c)
         for c, n in LOADS
     ]
-    runs: dict[str, list] = {f"tp{s}": [] for s in sizes}
+    runs: dict[str, list] = {layout: [] for layout in layouts}
     for _ in range(args.repeats):
-        for size in sizes:
-            runs[f"tp{size}"].append(run_size(model, size, requests_by_load, args.kv_cache_memory))
-    base = runs[f"tp{sizes[0]}"]
+        for layout in layouts:
+            runs[layout].append(run_layout(model, layout, requests_by_load, args.kv_cache_memory))
+    base = runs[layouts[0]]
     ratios = {
-        f"tp{size}_over_tp{sizes[0]}": {
+        f"{layout}_over_{layouts[0]}": {
             f"c{c}": {
                 "output_tokens_per_s": [
                     round(r[f"c{c}"]["output_tokens_per_s"] / b[f"c{c}"]["output_tokens_per_s"], 3)
-                    for b, r in zip(base, runs[f"tp{size}"], strict=True)
+                    for b, r in zip(base, runs[layout], strict=True)
                 ],
                 "tpot_p50": [
                     round(r[f"c{c}"]["tpot_ms"]["p50"] / b[f"c{c}"]["tpot_ms"]["p50"], 3)
-                    for b, r in zip(base, runs[f"tp{size}"], strict=True)
+                    for b, r in zip(base, runs[layout], strict=True)
                 ],
             }
             for c, _ in LOADS
         }
-        for size in sizes[1:]
+        for layout in layouts[1:]
     }
     report = {
         "benchmark": "tensor_parallel",

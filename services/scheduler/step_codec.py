@@ -94,6 +94,7 @@ def worker_info_from_pb(address: str, d: worker_pb2.DescribeWorkerResponse) -> W
             shared_memory_from_pb(d.kv_shared_memory) if d.HasField("kv_shared_memory") else None
         ),
         tensor_parallel_size=max(1, d.tensor_parallel_size),
+        pipeline_parallel_size=max(1, d.pipeline_parallel_size),
         rank_shared_memory=tuple(shared_memory_from_pb(m) for m in d.rank_kv_shared_memory),
         speculative=(
             SpeculativeInfo(

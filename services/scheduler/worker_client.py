@@ -171,6 +171,7 @@ class WorkerClient:
                     block_ids=source.block_ids,
                     ready_step_id=source.ready_step_id,
                     tensor_parallel_size=source.worker.tensor_parallel_size,
+                    pipeline_parallel_size=source.worker.pipeline_parallel_size,
                     rank_shared_memory=[
                         shared_memory_to_pb(m) for m in source.worker.rank_shared_memory
                     ],

@@ -74,6 +74,7 @@ class WorkerInfo:
     # Tensor-parallel ranks, and the shared pools of ranks 1.. (shared_memory is rank 0's).
     tensor_parallel_size: int = 1
     rank_shared_memory: tuple[SharedMemoryInfo, ...] = ()
+    pipeline_parallel_size: int = 1
 
     def can_pull_from(self, source: WorkerInfo) -> bool:
         """This worker can copy KV straight out of `source`'s pool (same host)."""

@@ -29,15 +29,17 @@ def _ports(base: int, count: int) -> tuple[int, ...]:
 
 
 def worker_args(args: argparse.Namespace) -> dict[str, list[str]]:
-    """Each role's extra worker flags: speculative decoding, tensor-parallel size."""
+    """Each role's extra worker flags: speculative decoding, tensor- and pipeline-parallel
+    sizes."""
     out: dict[str, list[str]] = {}
     for role in ("prefill", "decode", "both"):
         flags = []
         if args.speculative_config and role != "prefill":
             flags += ["--speculative-config", args.speculative_config]
-        size = getattr(args, f"{role}_tp")
-        if size != 1:
-            flags += ["--tensor-parallel-size", str(size)]
+        for kind, flag in (("tp", "--tensor-parallel-size"), ("pp", "--pipeline-parallel-size")):
+            size = getattr(args, f"{role}_{kind}")
+            if size != 1:
+                flags += [flag, str(size)]
         if flags:
             out[role] = flags
     return out
@@ -138,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         up.add_argument(
             f"--{role}-tp", type=int, default=1, help=f"tensor-parallel size of each {role} worker"
         )
+        up.add_argument(
+            f"--{role}-pp", type=int, default=1,
+            help=f"pipeline-parallel size (stages) of each {role} worker",
+        )  # fmt: skip
     up.add_argument("--prefill-port", type=int, default=50061, help="first prefill port")
     up.add_argument("--decode-port", type=int, default=50071, help="first decode port")
     up.add_argument("--both-port", type=int, default=50081, help="first both-role port")

@@ -12,6 +12,7 @@ from common.config import (
     port_setting,
     setting,
 )
+from common.parallel_plan import Layout
 from common.speculative_config import SpeculativeConfig, parse_speculative_config
 from services.worker.models.attention_backend import BACKENDS
 
@@ -146,7 +147,8 @@ class WorkerConfig(ServiceConfig):
     )
     pipeline_parallel_size: int = setting(
         1,
-        "stages that each hold a contiguous range of layers (only 1 is supported yet)",
+        "stages that each hold a contiguous range of decoder layers (ranks = tensor x "
+        "pipeline size; the last stage samples)",
         env="TANDEM_PIPELINE_PARALLEL_SIZE",
     )
     drain_timeout_s: float = drain_timeout_setting(
@@ -193,29 +195,28 @@ class WorkerConfig(ServiceConfig):
         if spec is not None and self.role == "prefill":
             raise ValueError("--speculative-config is for decode (or both) workers")
         self._at_least(1, "tensor_parallel_size", "pipeline_parallel_size")
-        self._require(
-            self.pipeline_parallel_size == 1,
-            "pipeline_parallel_size",
-            "must be 1: pipeline stages are not built yet",
-        )
-        if self.tensor_parallel_size > 1:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) == 1:
+                continue
             self._require(
                 self.role == "both" or (self.kv_transfer_shared_memory and self.device != "cuda"
                                         and not self.device.startswith("cuda:")),
-                "tensor_parallel_size",
+                name,
                 "must be 1 on a prefill or decode worker without shared-memory KV transfer: "
-                "tensor-parallel workers move KV between differently sharded pools through "
-                "shared memory on one host's CPU (per-rank UCX, e.g. on GPU, is not built yet)",
+                "parallel workers move KV between differently sharded pools through shared "
+                "memory on one host's CPU (per-rank UCX, e.g. on GPU, is not built yet)",
             )  # fmt: skip
             self._require(
-                spec is None,
-                "tensor_parallel_size",
-                "must be 1 with --speculative-config (not combined yet)",
+                spec is None, name, "must be 1 with --speculative-config (not combined yet)"
             )
 
     @property
+    def layout(self) -> Layout:
+        return Layout(self.tensor_parallel_size, self.pipeline_parallel_size)
+
+    @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        return self.layout.world_size
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from common.kv_shared_memory import SharedMemoryInfo
 from common.log import get_logger
+from common.parallel_plan import Layout
 from services.worker.kv_cache import KvCache
 from services.worker.kv_progress_watch import ProgressWatch
 from services.worker.kv_shared import PeerPool, block_runs
@@ -49,6 +50,11 @@ class KvSource:
     ready_step_id: int = 0
     tensor_parallel_size: int = 1
     rank_shared_memory: tuple[SharedMemoryInfo, ...] = ()  # ranks 1..
+    pipeline_parallel_size: int = 1
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(max(1, self.tensor_parallel_size), max(1, self.pipeline_parallel_size))
 
     @property
     def rank_pools(self) -> tuple[SharedMemoryInfo, ...]:
@@ -72,8 +78,8 @@ class KvPuller:
         min_streamed_copy_bytes: int = MIN_STREAMED_COPY_BYTES,
         ranks: RankPools | None = None,
     ) -> None:
-        """`ranks`: this worker's rank pools when it is tensor-parallel (None: its one
-        pool, `kv_cache`, holds every KV head)."""
+        """`ranks`: this worker's rank pools when it is parallel (None: its one pool,
+        `kv_cache`, holds every KV head of every layer)."""
         self.kv_cache = kv_cache
         self.ranks = ranks
         self.min_streamed_copy_bytes = min_streamed_copy_bytes
@@ -90,10 +96,12 @@ class KvPuller:
             c = self.kv_cache
             geometry = KvGeometry(c.num_kv_heads, c.num_kv_heads, c.num_layers, c.block_size,
                                   c.head_dim)  # fmt: skip
-            self.ranks = RankPools(geometry, 1, [c.data])
+            self.ranks = RankPools(geometry, Layout(), [c.data])
         return self.ranks
 
-    def peer(self, worker_id: str, info: SharedMemoryInfo, tp: int = 1, rank: int = 0):
+    def peer(
+        self, worker_id: str, info: SharedMemoryInfo, layout: Layout | None = None, rank: int = 0
+    ):
         """Rank `rank`'s pool of the peer, mapped once (again if the peer came back as
         another process)."""
         key = (worker_id, rank)
@@ -102,7 +110,7 @@ class KvPuller:
             return peer
         if peer is not None:
             self.forget(worker_id)
-        shape = self._rank_pools().geometry.block_shape(tp, rank)
+        shape = self._rank_pools().geometry.block_shape(layout or Layout(), rank)
         try:
             peer = PeerPool(info, shape, self.kv_cache.dtype)
         except (OSError, ValueError) as exc:
@@ -133,13 +141,14 @@ class KvPuller:
             raise KvTransferError(
                 f"{len(source.block_ids)} source blocks for {len(block_ids)} destination blocks"
             )
-        tp = max(1, source.tensor_parallel_size)
-        if len(source.rank_pools) != tp:
+        layout = source.layout
+        if len(source.rank_pools) != layout.world_size:
             raise KvTransferError(
-                f"{source.worker_id} has {tp} ranks but {len(source.rank_pools)} shared pools"
+                f"{source.worker_id} has {layout.world_size} ranks but "
+                f"{len(source.rank_pools)} shared pools"
             )
         # Rank 0 first: its watch exists before the loop below (a remap drops them all).
-        ranks = [self.peer(source.worker_id, info, tp, r) for r, info in
+        ranks = [self.peer(source.worker_id, info, layout, r) for r, info in
                  enumerate(source.rank_pools)]  # fmt: skip
         peer = ranks[0]
         bad = [b for b in source.block_ids if not 0 <= b < peer.num_blocks]
@@ -147,8 +156,8 @@ class KvPuller:
             raise KvTransferError(f"source block ids {bad[:4]} outside the peer's pool")
         await wait_for_step()
         runs = block_runs(source.block_ids, block_ids)
-        num_layers, copied = self.kv_cache.num_layers, 0
-        layer_bytes = len(block_ids) * self.kv_cache.block_bytes // num_layers
+        num_layers, copied = self._rank_pools().geometry.num_layers, 0  # the model's
+        layer_bytes = len(block_ids) * self.kv_cache.block_bytes // self.kv_cache.num_layers
         watch = self._watches[source.worker_id]
         stalled_since = time.monotonic()
         while copied < num_layers:
@@ -156,7 +165,7 @@ class KvPuller:
             worth = (ready - copied) * layer_bytes >= self.min_streamed_copy_bytes
             if ready == num_layers or (ready > copied and worth):
                 sources = [r.data for r in ranks]
-                await self._on_tensor_thread(self._copy, tag, sources, runs, copied, ready)
+                await self._on_tensor_thread(self._copy, tag, layout, sources, runs, copied, ready)
                 copied, stalled_since = ready, time.monotonic()
                 continue
             if not peer.alive():
@@ -181,13 +190,13 @@ class KvPuller:
         nbytes = len(block_ids) * self.kv_cache.block_bytes
         return PullResult(nbytes, time.perf_counter() - started, lag)
 
-    def _copy(self, tag: int, sources, runs, first_layer: int, end_layer: int) -> None:
+    def _copy(self, tag: int, src: Layout, sources, runs, first_layer: int, end_layer: int):
         """On the tensor thread: a cancel seen here comes before any step that reuses the
         blocks (the scheduler sends the tag with the step that frees them). Each of this
         worker's ranks gets its KV heads from the source ranks that hold them."""
         if self._is_cancelled(tag):
             raise KvTransferError(f"transfer {tag:#x} was cancelled")
-        self._rank_pools().copy(sources, runs, first_layer, end_layer)
+        self._rank_pools().copy(src, sources, runs, first_layer, end_layer)
 
     def close(self) -> None:
         for worker_id in {key[0] for key in self._peers}:

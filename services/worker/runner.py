@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -29,7 +30,6 @@ from services.worker.models.attention_metadata import (
     SequenceSlice,
     build_attention_metadata,
 )
-from services.worker.parallel.rank_context import TokenShare
 from services.worker.sampler import DeviceSample, SamplingRow, sample_on_device, to_device
 from services.worker.spec_decode.spec_step import SpecOutcome, SpecStep
 from services.worker.spec_decode.verify import Proposer
@@ -51,6 +51,25 @@ class StepOutput:
     @property
     def accepted(self) -> dict[str, list[int]]:
         return {rid: o.accepted for rid, o in self.spec.items() if o.accepted}
+
+
+class StepShare(Protocol):
+    """How the ranks of a parallel worker that do not sample learn a step's results
+    (`parallel.rank_context.TokenShare`: the tokens, from rank 0; `parallel.output_share.
+    OutputShare`: the whole output, from the last pipeline stage)."""
+
+    pipeline: bool
+
+    @property
+    def samples(self) -> bool: ...
+
+    def send(self, tokens: list[int]) -> None: ...
+
+    def receive(self, count: int) -> list[int]: ...
+
+    def send_output(self, output: StepOutput) -> None: ...
+
+    def receive_output(self) -> StepOutput: ...
 
 
 @dataclass(frozen=True)
@@ -77,12 +96,13 @@ class ModelRunner:
         device: torch.device,
         graphs: DecodeGraphs | None = None,
         proposer: Proposer | None = None,
-        tokens: TokenShare | None = None,
+        tokens: StepShare | None = None,
     ) -> None:
         """`proposer`: proposes tokens for requests with lookahead slots (speculative
-        decoding); None: lookahead slots stay unused. `tokens`: in a tensor-parallel
-        worker, how rank 0 hands its sampled tokens to the other ranks (which compute the
-        same logits collectively but do not sample)."""
+        decoding); None: lookahead slots stay unused. `tokens`: in a parallel
+        worker, how the sampling rank hands its results to the other ranks (which compute
+        the same logits collectively, or an earlier pipeline stage's part, but do not
+        sample)."""
         self.model = model
         self.tokens = tokens
         self.proposer = proposer
@@ -112,6 +132,8 @@ class ModelRunner:
             hidden = self.graphs.run(ids, positions, meta)
         else:
             hidden = self.model(ids, positions, self.kv_cache, meta)
+        if hidden is None:  # an earlier pipeline stage: the last one samples
+            return self.tokens.receive_output()
         samplers = [i for i, item in enumerate(work) if item.samples]
         sample: DeviceSample | None = None
         if samplers:
@@ -128,6 +150,8 @@ class ModelRunner:
                 sample = sample_on_device(logits, rows, self.generator)
         prompt = self._score_prompts(work, meta, hidden)
         if self.tokens is not None and not self.tokens.samples:
+            if self.tokens.pipeline:
+                return self.tokens.receive_output()
             shared = self.tokens.receive(len(samplers)) if samplers else []
             sampled = {work[i].request.request_id: t for i, t in zip(samplers, shared, strict=True)}
             return StepOutput(sampled, time.perf_counter() - start)
@@ -140,7 +164,7 @@ class ModelRunner:
         if sample is not None:
             result = sample.from_host(values[: len(sample_tensors)])
             tokens, entries = result.token_ids, result.logprobs
-            if self.tokens is not None:
+            if self.tokens is not None and not self.tokens.pipeline:
                 self.tokens.send(tokens[: len(samplers)])
             for k, i in enumerate(samplers):
                 sampled[work[i].request.request_id] = tokens[k]
@@ -148,7 +172,10 @@ class ModelRunner:
                     logprobs[work[i].request.request_id] = entries[k]
             outcomes = spec.outcomes(samplers, tokens, entries, sampled, logprobs)
         scored = prompt.from_host(values[len(sample_tensors) :]) if prompt is not None else {}
-        return StepOutput(sampled, time.perf_counter() - start, logprobs, scored, outcomes)
+        output = StepOutput(sampled, time.perf_counter() - start, logprobs, scored, outcomes)
+        if self.tokens is not None and self.tokens.pipeline:
+            self.tokens.send_output(output)
+        return output
 
     def _score_prompts(
         self, work: Sequence[ScheduledWork], meta: AttentionMetadata, hidden: torch.Tensor

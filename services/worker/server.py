@@ -11,55 +11,16 @@ from common.kv_shared_memory import shared_memory_from_pb, shared_memory_to_pb
 from common.lifecycle import wait_until
 from common.log import get_logger
 from common.pb.tandem.internal.v1 import types_pb2, worker_pb2, worker_pb2_grpc
-from common.sampling_pb import ROLE_TO_PB, logprob_to_pb
+from common.sampling_pb import ROLE_TO_PB
 from services.worker.batch import PlanError
 from services.worker.kv_pull import KvMapError, KvSource
 from services.worker.kv_transfer import KvTransferError
-from services.worker.runner import StepOutput
+from services.worker.step_output_wire import step_response_pb
 from services.worker.step_wire import plan_from_pb
 from services.worker.worker import KV_LAYOUT, Worker
 
 log = get_logger(__name__)
 SLOW_STEP_S = 2.0  # a step this slow is logged with what it ran
-
-
-def _sampled_pb(request_id: str, token: int, entry) -> worker_pb2.SampledToken:
-    return worker_pb2.SampledToken(
-        request_id=request_id,
-        token_id=token,
-        logprob=None if entry is None else logprob_to_pb(entry),
-    )
-
-
-def step_response_pb(step_id: int, output: StepOutput) -> worker_pb2.StepResponse:
-    sampled, spec = [], []
-    for request_id, token in output.sampled.items():
-        outcome = output.spec.get(request_id)
-        if outcome is not None:  # accepted proposals first, in order
-            for accepted, entry in zip(outcome.accepted, outcome.logprobs, strict=True):
-                sampled.append(_sampled_pb(request_id, accepted, entry))
-            spec.append(
-                worker_pb2.SpecDecodeCounts(
-                    request_id=request_id,
-                    num_draft_tokens=outcome.num_drafts,
-                    num_accepted_tokens=len(outcome.accepted),
-                )
-            )
-        sampled.append(_sampled_pb(request_id, token, output.logprobs.get(request_id)))
-    return worker_pb2.StepResponse(
-        spec_decode=spec,
-        step_id=step_id,
-        sampled_tokens=sampled,
-        execute_seconds=output.execute_seconds,
-        prompt_logprobs=[
-            worker_pb2.PromptLogprobs(
-                request_id=request_id,
-                start=scored.start,
-                entries=[logprob_to_pb(e) for e in scored.entries],
-            )
-            for request_id, scored in output.prompt_logprobs.items()
-        ],
-    )
 
 
 def kv_source_from_pb(source: worker_pb2.KvSource) -> KvSource:
@@ -69,6 +30,7 @@ def kv_source_from_pb(source: worker_pb2.KvSource) -> KvSource:
         block_ids=tuple(source.block_ids),
         ready_step_id=source.ready_step_id,
         tensor_parallel_size=max(1, source.tensor_parallel_size),
+        pipeline_parallel_size=max(1, source.pipeline_parallel_size),
         rank_shared_memory=tuple(shared_memory_from_pb(m) for m in source.rank_shared_memory),
     )
 
@@ -138,7 +100,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             kv_shared_memory=(
                 None if worker.shared_pool is None else shared_memory_to_pb(worker.shared_pool.info)
             ),
-            tensor_parallel_size=worker.tensor_parallel_size,
+            tensor_parallel_size=worker.layout.tp,
+            pipeline_parallel_size=worker.layout.pp,
             rank_kv_shared_memory=[
                 shared_memory_to_pb(m) for m in worker.rank_shared_memory if m is not None
             ],

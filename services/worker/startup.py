@@ -134,14 +134,15 @@ def load_worker(
 ) -> LoadedWorker:
     """Everything `Worker` needs, loaded and sized (blocking; run off the event loop).
     `ranks`: this process is one rank of a parallel worker: it loads its slice of the model
-    and of the pool, on its own device, with as many blocks as every rank can hold."""
+    (its heads of its stage's layers) and of the pool, on its own device, with as many
+    blocks as every rank can hold."""
     if config.torch_threads or ranks is not None:
         torch.set_num_threads(config.torch_threads or threads_per_rank(config.world_size))
     started = time.perf_counter()
     device = resolve_device(config.device) if ranks is None else ranks.device
     if ranks is not None and device.type != "cpu" and config.role != "both":
         raise ValueError(
-            "tensor_parallel_size > 1 on a GPU prefill or decode worker needs per-rank KV "
+            "a parallel (tensor or pipeline) GPU prefill or decode worker needs per-rank KV "
             "transfer over UCX, which is not built yet: use --role both on GPU"
         )
     model_config = ModelConfig.from_folder(config.model)
@@ -150,7 +151,7 @@ def load_worker(
     backend = select_backend(config.attention_backend, device)
     model, model_config = load_model(
         config.model, dtype=dtype, device=device, attention=backend,
-        tp=None if ranks is None else ranks.tp,
+        tp=None if ranks is None else ranks.tp, stage=None if ranks is None else ranks.stage,
     )  # fmt: skip
     max_model_len = min(
         config.max_model_len or model_config.max_position_embeddings,
@@ -162,8 +163,9 @@ def load_worker(
         packed_bytes = model.pack_weights() + (draft.model.pack_weights() if draft else 0)
     geometry = dict(
         block_size=config.block_size,
-        num_layers=model_config.num_hidden_layers,
-        num_kv_heads=len(model.shard.kv_heads),  # this rank's heads (all, without TP)
+        # this rank's layers and heads (all of them in a one-process worker)
+        num_layers=len(model.stage.layer_range(model_config.num_hidden_layers)),
+        num_kv_heads=len(model.shard.kv_heads),
         head_dim=model_config.head_dim,
         dtype=dtype,
     )

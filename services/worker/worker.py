@@ -79,7 +79,7 @@ class Worker:
         its other ranks' pools are (received KV heads are copied straight into them)."""
         self.config = config
         self.peers = peers
-        self.tensor_parallel_size = config.tensor_parallel_size
+        self.layout = config.layout
         self.rank_shared_memory = rank_shared_memory
         self._rank_maps: list[PeerPool] = []
         self.worker_id = worker_id
@@ -141,12 +141,13 @@ class Worker:
             c.num_attention_heads, c.num_key_value_heads, c.num_hidden_layers,
             self.kv_cache.block_size, c.head_dim,
         )  # fmt: skip
-        tp = self.tensor_parallel_size
+        layout = self.layout
         self._rank_maps = [
-            PeerPool(info, geometry.block_shape(tp, rank), self.kv_cache.dtype, writable=True)
+            PeerPool(info, geometry.block_shape(layout, rank), self.kv_cache.dtype, writable=True)
             for rank, info in enumerate(self.rank_shared_memory, start=1)
         ]
-        return RankPools(geometry, tp, [self.kv_cache.data, *(m.data for m in self._rank_maps)])
+        pools = [self.kv_cache.data, *(m.data for m in self._rank_maps)]
+        return RankPools(geometry, layout, pools)
 
     @property
     def model_block_bytes(self) -> int:

@@ -1,9 +1,10 @@
-"""Tensor-parallel workers through the real services, checked against HF `generate`: a
-both-role worker of 2 ranks (gloo, one process per rank, started by the worker itself), and
-disaggregated stacks whose prefill and decode workers have different tensor-parallel sizes
-(2 -> 1, 1 -> 2, 2 -> 2: each decode rank copies exactly its KV heads from the prefill
-ranks' shared pools), on GQA models with 2 and with 8 KV heads, under concurrency, chunked
-prefill and preemption by recompute and by swap; the pools end leak-free. A rank killed
+"""Tensor- and pipeline-parallel workers through the real services, checked against HF
+`generate`: both-role workers of 2 ranks (TP=2, or PP=2: gloo, one process per rank,
+started by the worker itself), and disaggregated stacks whose prefill and decode workers
+have different layouts (TP 2 -> 1, 1 -> 2, 2 -> 2, PP 2 -> 2, TP 2 -> PP 2: each decode
+rank copies exactly its KV heads of its stage's layers from the prefill ranks' shared
+pools), on GQA models with 2 and with 8 KV heads, under concurrency, chunked prefill and
+preemption by recompute and by swap; the pools end leak-free. A rank killed
 mid-stream takes its whole worker down and the requests finish exactly on the other."""
 
 from __future__ import annotations
@@ -48,42 +49,52 @@ def peer_ranks(stack, name: str) -> list[psutil.Process]:
     ]
 
 
-def tp_flags(size: int) -> list[str]:
-    return ["--tensor-parallel-size", str(size)] if size > 1 else []
+def layout_flags(layout: str) -> list[str]:
+    """ "tp2" / "pp2" / "tp1": the worker flags of that layout."""
+    kind, size = layout[:2], int(layout[2:])
+    if size == 1:
+        return []
+    return ["--tensor-parallel-size" if kind == "tp" else "--pipeline-parallel-size", str(size)]
 
 
 @pytest.mark.parametrize(
-    ("model", "prefill_tp", "decode_tp", "preemption"),
+    ("model", "prefill", "decode", "preemption"),
     [
-        ("tiny_llama_dir", 0, 2, "recompute"),
-        ("tiny_llama_dir", 2, 1, "recompute"),
-        ("eight_kv_heads_dir", 1, 2, "swap"),
-        ("eight_kv_heads_dir", 2, 2, "swap"),
+        ("tiny_llama_dir", None, "tp2", "recompute"),
+        ("tiny_llama_dir", "tp2", "tp1", "recompute"),
+        ("eight_kv_heads_dir", "tp1", "tp2", "swap"),
+        ("eight_kv_heads_dir", "tp2", "tp2", "swap"),
+        ("tiny_llama_dir", None, "pp2", "swap"),
+        ("tiny_llama_dir", "pp2", "pp2", "recompute"),
+        ("eight_kv_heads_dir", "tp2", "pp2", "swap"),
     ],
-    ids=["both-tp2-2kv", "tp2-to-tp1-2kv", "tp1-to-tp2-8kv-swap", "tp2-to-tp2-8kv-swap"],
-)
-def test_tensor_parallel_layouts_are_hf_exact_with_chunking_and_preemption(
-    model, prefill_tp, decode_tp, preemption, request, tmp_path
+    ids=[
+        "both-tp2-2kv", "tp2-to-tp1-2kv", "tp1-to-tp2-8kv-swap", "tp2-to-tp2-8kv-swap",
+        "both-pp2-2kv-swap", "pp2-to-pp2-2kv", "tp2-to-pp2-8kv-swap",
+    ],
+)  # fmt: skip
+def test_parallel_layouts_are_hf_exact_with_chunking_and_preemption(
+    model, prefill, decode, preemption, request, tmp_path
 ):
-    """prefill_tp 0: one both-role worker of decode_tp ranks (no KV transfer)."""
+    """prefill None: one both-role worker of the decode layout (no KV transfer)."""
     folder = request.getfixturevalue(model)
     scheduler = [*SMALL_POOLS["scheduler"], "--preemption-mode", preemption]
-    if prefill_tp == 0:
+    if prefill is None:
         shape = dict(prefill=0, decode=0, both=1)
-        args = {"both": [*SMALL_POOLS["decode"], *tp_flags(decode_tp)], "scheduler": scheduler}
+        args = {"both": [*SMALL_POOLS["decode"], *layout_flags(decode)], "scheduler": scheduler}
     else:
         shape = dict(prefill=1, decode=1)
         args = {
-            "prefill": [*SMALL_POOLS["prefill"], *tp_flags(prefill_tp)],
-            "decode": [*SMALL_POOLS["decode"], *tp_flags(decode_tp)],
+            "prefill": [*SMALL_POOLS["prefill"], *layout_flags(prefill)],
+            "decode": [*SMALL_POOLS["decode"], *layout_flags(decode)],
             "scheduler": scheduler,
         }
     stack = start_stack(folder, tmp_path / "run", extra_args=args, **shape)
     try:
         workers = {p.name.split("-")[0]: p.name for p in stack.processes if "-" in p.name}
-        for role, size in (("prefill", prefill_tp), ("decode", decode_tp), ("both", decode_tp)):
+        for role, layout in (("prefill", prefill), ("decode", decode), ("both", decode)):
             if role in workers:
-                assert len(peer_ranks(stack, workers[role])) == size - 1, role
+                assert len(peer_ranks(stack, workers[role])) == int(layout[2:]) - 1, role
         work = workload(hf_tokenizer(str(folder)))
         check_against_hf(folder, work, run_concurrently(stack.spec.gateway_address, work))
         pools = wait_until_idle(stack).pools
@@ -92,7 +103,7 @@ def test_tensor_parallel_layouts_are_hf_exact_with_chunking_and_preemption(
         if preemption == "swap":
             assert decoding.swap_outs > 0
             assert decoding.num_free_swap_blocks == decoding.num_swap_blocks
-        if prefill_tp:
+        if prefill is not None:
             assert decoding.kv_transfers > 0
     finally:
         stack.stop()

@@ -56,3 +56,51 @@ def test_mismatched_slices_are_refused():
         copy_head_slice(
             pool(2, 2), pool(2, 2), [(0, 0, 1)], (range(0, 2), range(0, 1)), (range(2),) * 2
         )
+
+
+@pytest.mark.parametrize("kv_heads", [2, 8])
+def test_rank_pools_move_each_stages_layers_between_pipeline_and_tensor_layouts(kv_heads):
+    """`RankPools.copy` over (tp, pp) layouts: every rank of the receiving worker holds its
+    stage's layers (numbered from 0) and its heads, each copied from the source rank that
+    holds them; a streamed copy of some layers writes only those."""
+    from common.parallel_plan import layer_ranges
+    from services.worker.parallel.kv_ranks import KvGeometry, RankPools
+
+    geometry = KvGeometry(NUM_HEADS, kv_heads, NUM_LAYERS, SLOTS, DIM)
+    full = torch.randn(6, NUM_LAYERS, 2, SLOTS, kv_heads, DIM)
+    src_blocks, dst_blocks = [0, 1, 2, 5], [3, 4, 6, 0]
+    runs = block_runs(src_blocks, dst_blocks)
+
+    def rank_part(t, layout, rank):
+        stage, tp_rank = divmod(rank, layout.tp)
+        layers = layer_ranges(NUM_LAYERS, layout.pp)[stage]
+        heads = kv_heads_of_rank(NUM_HEADS, kv_heads, layout.tp, tp_rank)
+        return t[:, layers.start : layers.stop, :, :, heads.start : heads.stop]
+
+    layouts = [Layout(1), Layout(2), Layout(1, 2), Layout(1, 3), Layout(2, 2)]
+    for src, dst in itertools.product(layouts, repeat=2):
+        sources = [rank_part(full, src, r).clone() for r in range(src.world_size)]
+        dests = [
+            torch.full((7, *geometry.block_shape(dst, r)), -1.0) for r in range(dst.world_size)
+        ]
+        pools = RankPools(geometry, dst, dests)
+        pools.copy(src, sources, runs, 0, 1)  # the first layer, as a stream would
+        pools.copy(src, sources, runs, 1, NUM_LAYERS)  # then the rest
+        for rank, got in enumerate(dests):
+            assert got.shape[1:] == rank_part(full, dst, rank).shape[1:], (src, dst, rank)
+            want = rank_part(full[src_blocks], dst, rank)
+            assert torch.equal(got[dst_blocks], want), (src, dst, rank)
+            untouched = [b for b in range(7) if b not in dst_blocks]
+            assert bool((got[untouched] == -1.0).all()), (src, dst, rank)
+
+
+def test_a_first_layers_copy_leaves_later_stages_unwritten():
+    from services.worker.parallel.kv_ranks import KvGeometry, RankPools
+
+    geometry = KvGeometry(NUM_HEADS, 2, NUM_LAYERS, SLOTS, DIM)
+    dst = Layout(1, 3)  # one layer per stage
+    dests = [torch.full((3, *geometry.block_shape(dst, r)), -1.0) for r in range(3)]
+    source = torch.randn(3, NUM_LAYERS, 2, SLOTS, 2, DIM)
+    RankPools(geometry, dst, dests).copy(Layout(), [source], [(0, 0, 3)], 0, 2)
+    assert torch.equal(dests[0][:, 0], source[:, 0]) and torch.equal(dests[1][:, 0], source[:, 1])
+    assert bool((dests[2] == -1.0).all())

@@ -18,7 +18,18 @@ from services.worker.parallel.rank_channel import RESET, STEP, read_messages, wr
     ("kwargs", "message"),
     [
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),
-        ({"pipeline_parallel_size": 2}, "pipeline stages are not built yet"),
+        ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be >= 1"),
+        (
+            {"pipeline_parallel_size": 2, "role": "decode", "kv_transfer_shared_memory": False},
+            "through shared memory on one host's CPU",
+        ),
+        (
+            {
+                "pipeline_parallel_size": 2,
+                "speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}',
+            },
+            "with --speculative-config",
+        ),
         (
             {"tensor_parallel_size": 2, "role": "prefill", "kv_transfer_shared_memory": False},
             "through shared memory on one host's CPU",
@@ -51,6 +62,16 @@ def test_vllm_flag_names_and_env():
         WorkerConfig, ["--model", "/m"], env={"TANDEM_TENSOR_PARALLEL_SIZE": "4"}
     )
     assert from_env.world_size == 4
+    both = load_config(
+        WorkerConfig,
+        ["--model", "/m", "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"],
+        env={},
+    )
+    assert (both.layout.tp, both.layout.pp, both.world_size) == (2, 2, 4)
+    staged = load_config(
+        WorkerConfig, ["--model", "/m"], env={"TANDEM_PIPELINE_PARALLEL_SIZE": "2"}
+    )
+    assert staged.world_size == 2
 
 
 def test_the_settings_handed_to_peer_ranks_rebuild_the_config_exactly():

@@ -7,7 +7,7 @@ from common.sampling import Logprob, SamplingParams
 from common.sampling_pb import sampling_from_pb
 from services.worker.logprobs import PromptLogprobs
 from services.worker.runner import StepOutput
-from services.worker.server import step_response_pb
+from services.worker.step_output_wire import step_response_pb
 
 
 def test_every_field_is_parsed():
@@ -68,3 +68,21 @@ def test_step_response_carries_logprobs_only_where_asked():
     assert (prompt.request_id, prompt.start) == ("c", 14)
     assert [e.token_id for e in prompt.entries] == [8, 11]
     assert pb.step_id == 9
+
+
+def test_step_output_round_trips_through_the_wire():
+    """What the last pipeline stage hands the other ranks: the same output, logprobs,
+    prompt logprobs and verified proposals included."""
+    from services.worker.spec_decode.spec_step import SpecOutcome
+    from services.worker.step_output_wire import step_output_from_pb
+
+    entry = Logprob(11, -0.25, ((11, -0.25), (4, -1.5)))
+    output = StepOutput(
+        sampled={"a": 11, "b": 3, "s": 8},
+        execute_seconds=0.5,
+        logprobs={"a": entry},
+        prompt_logprobs={"c": PromptLogprobs(14, (Logprob(8, -2.0), entry))},
+        spec={"s": SpecOutcome([5, 6], 3, [None, None]), "b": SpecOutcome([], 2, [])},
+    )
+    assert step_output_from_pb(step_response_pb(4, output)) == output
+    assert step_output_from_pb(step_response_pb(1, StepOutput({}, 0.0))) == StepOutput({}, 0.0)

@@ -12,6 +12,7 @@ import torch
 
 from common.config import KV_TRANSFER_TIMEOUT_METADATA, PROFILE_NUM_TOKENS_METADATA
 from common.lifecycle import StartupError
+from common.parallel_plan import Layout
 from services.scheduler.bootstrap import check_worker_limits, pool_scheduler
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.worker_client import limits_from_metadata
@@ -137,7 +138,7 @@ def fake_worker(device: str) -> SimpleNamespace:
         transport=SimpleNamespace(address=b"ucx"),
         shared_pool=None,
         speculative=None,
-        tensor_parallel_size=1,
+        layout=Layout(),
         rank_shared_memory=(),
         model_block_bytes=1024,
         batch=[],

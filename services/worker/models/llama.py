@@ -14,7 +14,14 @@ Tensor parallelism (`tp`, a `TpGroup` of size > 1): the model holds one rank's s
 the MLP's inner dimension (gate/up column-parallel, down row-parallel), and its rows of the
 vocabulary (embedding and LM head). The row-parallel outputs and the embedding are summed
 over the group (one all-reduce each), the logits gathered; a rank's KV cache holds its own
-KV heads. Size 1 is the plain model. After loading, `merge_projections`
+KV heads. Size 1 is the plain model.
+
+Pipeline parallelism (`stage`, a `PipelineStage` of size > 1): the model holds its stage's
+decoder layers only (HF's layer `i` is its layer `i - first`, and its KV cache holds those
+layers); the first stage embeds the tokens, the others take the previous stage's hidden
+states; the last stage ends with the final norm and the LM head (and keeps the embedding
+when the two are tied), the others pass their hidden states on and `forward` returns None.
+After loading, `merge_projections`
 turns q/k/v and gate/up into one matrix product each (`linear.py`); `forward` does it first
 if the loader did not.
 """
@@ -31,6 +38,7 @@ from services.worker.models.attention_backend import AttentionBackend, CpuAttent
 from services.worker.models.attention_metadata import AttentionMetadata
 from services.worker.models.linear import MergedLinear
 from services.worker.models.rope import RotaryEmbedding, rotate
+from services.worker.parallel.pipeline_stage import PipelineStage
 from services.worker.parallel.tp_group import TpGroup, TpShard
 
 
@@ -161,7 +169,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embeddings, decoder stack and final norm (HF's `model.` prefix)."""
+    """Embeddings, decoder stack and final norm (HF's `model.` prefix); a pipeline stage
+    holds its own layers, the embedding if it is first (or last with a tied LM head) and
+    the norm if it is last."""
 
     def __init__(
         self,
@@ -170,18 +180,27 @@ class LlamaModel(nn.Module):
         backend: AttentionBackend,
         shard: TpShard,
         tp: TpGroup,
+        stage: PipelineStage,
     ) -> None:
         super().__init__()
         self.backend = backend
         self.tp, self.vocab_start = tp, shard.vocab.start
-        # An explicit (empty) weight skips nn.Embedding's random init: on the meta device
-        # its normal_ goes through torch._refs, which imports torch._dynamo (~4 s a start).
-        rows = torch.empty(shard.vocab_per_rank, config.hidden_size, dtype=dtype)
-        self.embed_tokens = nn.Embedding(rows.shape[0], rows.shape[1], _weight=rows)
+        self.stage = stage
+        self.first_layer = stage.layer_range(config.num_hidden_layers).start
+        self.hidden_size, self.dtype = config.hidden_size, dtype
+        self.embed_tokens: nn.Embedding | None = None
+        if stage.is_first or (stage.is_last and config.tie_word_embeddings):
+            # An explicit (empty) weight skips nn.Embedding's random init: on the meta
+            # device its normal_ goes through torch._refs, which imports torch._dynamo.
+            rows = torch.empty(shard.vocab_per_rank, config.hidden_size, dtype=dtype)
+            self.embed_tokens = nn.Embedding(rows.shape[0], rows.shape[1], _weight=rows)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype, backend, shard, tp) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, dtype, backend, shard, tp)
+            for _ in stage.layer_range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = (
+            RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if stage.is_last else None
+        )
         self.rotary_emb = RotaryEmbedding(
             config.head_dim,
             config.max_position_embeddings,
@@ -195,13 +214,21 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_cache: KvCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         meta = self.backend.prepare(meta)
-        hidden = self._embed(input_ids)
+        if self.stage.is_first:
+            hidden = self._embed(input_ids)
+        else:
+            hidden = self.stage.receive_hidden(
+                input_ids.shape[0], self.hidden_size, self.dtype, input_ids.device
+            )
         rope = self.rotary_emb.tables(positions, hidden.dtype)
         for index, layer in enumerate(self.layers):
             hidden = layer(hidden, rope, kv_cache.layer(index), meta)
-            kv_cache.layer_written(index)
+            kv_cache.layer_written(self.first_layer + index)  # the model's layer number
+        if self.norm is None:  # not the last stage: the next one goes on from here
+            self.stage.send_hidden(hidden)
+            return None
         return self.norm(hidden)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -222,21 +249,25 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         attention: AttentionBackend | None = None,
         tp: TpGroup | None = None,
+        stage: PipelineStage | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.attention = attention or CpuAttention()
         self.tp = tp or TpGroup()
+        self.stage = stage or PipelineStage()
         self.shard = self.tp.shard(config)
-        self.model = LlamaModel(config, dtype, self.attention, self.shard, self.tp)
+        self.model = LlamaModel(config, dtype, self.attention, self.shard, self.tp, self.stage)
         vocab = self.shard.vocab_per_rank
-        self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False, dtype=dtype)
+        self.lm_head: nn.Module | None = None
+        if self.stage.is_last:
+            self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False, dtype=dtype)
         self.tie_weights()
         self.merged = False
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head when the config asks for it."""
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def merge_projections(self) -> None:
@@ -247,7 +278,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.merge_projections()
             layer.mlp.merge_projections()
-        if not self.config.tie_word_embeddings:
+        if not self.config.tie_word_embeddings and self.lm_head is not None:
             self.lm_head = MergedLinear.merge([self.lm_head])
         self.merged = True
 
@@ -263,8 +294,9 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_cache: KvCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Flat new tokens `[T]` at `positions` `[T]` -> final hidden states `[T, hidden]`."""
+    ) -> torch.Tensor | None:
+        """Flat new tokens `[T]` at `positions` `[T]` -> final hidden states `[T, hidden]`
+        (None on a pipeline stage before the last: it sent its hidden states on)."""
         if not self.merged:
             with torch.inference_mode(False), torch.no_grad():
                 self.merge_projections()
@@ -285,7 +317,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _check_cache(self, kv_cache: KvCache, meta: AttentionMetadata) -> None:
         config = self.config
-        expected = (config.num_hidden_layers, len(self.shard.kv_heads), config.head_dim)
+        layers = len(self.stage.layer_range(config.num_hidden_layers))
+        expected = (layers, len(self.shard.kv_heads), config.head_dim)
         actual = (kv_cache.num_layers, kv_cache.num_kv_heads, kv_cache.head_dim)
         if actual != expected:
             raise ValueError(

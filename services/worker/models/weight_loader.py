@@ -8,9 +8,11 @@ device. Loading is strict: a missing or unexpected weight is a `ValueError` nami
 them (rotary `inv_freq` buffers, which some checkpoints carry, are ignored).
 
 `tp` loads one tensor-parallel rank's slice of every weight (`parallel/weight_shards.py`).
-`num_layers` loads only the first N decoder layers (then the final norm and LM head): the
-truncated, self-speculative draft of `spec_decode`; the later layers' weights are skipped
-unread.
+`stage` loads one pipeline stage's part: its decoder layers (HF's layer `i` as its layer
+`i - first`) and, where the stage holds them, the embedding, final norm and LM head; the
+other layers' weights are skipped unread. `num_layers` loads only the first N decoder
+layers (then the final norm and LM head): the truncated, self-speculative draft of
+`spec_decode`; the later layers' weights are skipped unread.
 """
 
 from __future__ import annotations
@@ -26,11 +28,14 @@ from common.hf_checkpoint_reader import iter_tensors
 from common.model_config import ModelConfig
 from services.worker.models.attention_backend import AttentionBackend
 from services.worker.models.llama import LlamaForCausalLM
+from services.worker.parallel.pipeline_stage import PipelineStage
 from services.worker.parallel.tp_group import TpGroup
 from services.worker.parallel.weight_shards import shard_weight
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# Held by the pipeline stages that need them only (first / last).
+_STAGE_ENDS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 
 
 def load_model(
@@ -40,6 +45,7 @@ def load_model(
     attention: AttentionBackend | None = None,
     num_layers: int | None = None,
     tp: TpGroup | None = None,
+    stage: PipelineStage | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model for `folder` and load its weights; returns (model in eval mode, config
     — with `num_hidden_layers` = `num_layers` when that truncates it)."""
@@ -54,20 +60,31 @@ def load_model(
         config = dataclasses.replace(config, num_hidden_layers=num_layers)
     device = torch.device(device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, dtype=dtype, attention=attention, tp=tp)
+        model = LlamaForCausalLM(config, dtype=dtype, attention=attention, tp=tp, stage=stage)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     tied_head = "lm_head.weight" if config.tie_word_embeddings else None
 
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
 
+    layers = model.stage.layer_range(config.num_hidden_layers)
+
     def wanted(name: str) -> bool:
         layer = _LAYER.match(name)
-        if layer is not None and int(layer.group(1)) >= config.num_hidden_layers:
-            return False  # beyond a truncated model's layers
+        if layer is not None and int(layer.group(1)) not in layers:
+            return False  # another stage's layer, or beyond a truncated model's layers
+        if name in _STAGE_ENDS and name not in expected:
+            return False  # another pipeline stage holds it
         return name != tied_head and not name.endswith(_IGNORED_SUFFIXES)
 
+    def local_name(name: str) -> str:
+        layer = _LAYER.match(name)
+        if layer is None or layers.start == 0:
+            return name
+        return f"model.layers.{int(layer.group(1)) - layers.start}.{name[layer.end() :]}"
+
     for name, tensor in iter_tensors(path, keep=wanted):
+        name = local_name(name)
         if name not in expected:
             unexpected.append(name)
             continue

@@ -1,8 +1,9 @@
-"""The receiving side of a KV pull between workers of different tensor-parallel layouts:
-the model's KV geometry, this worker's layout, and the pools of its ranks (rank 0's own,
-the others' mapped writable), so that each rank gets exactly the KV heads it holds,
-copied straight from the source rank that holds them (`common.parallel_plan`). A
-single-process worker is the layout of size 1: one slice, every head."""
+"""The receiving side of a KV pull between workers of different parallel layouts: the
+model's KV geometry, this worker's layout (tensor x pipeline), and the pools of its ranks
+(rank 0's own, the others' mapped writable), so that each rank gets exactly the KV heads of
+the layers it holds, copied straight from the source rank that holds them
+(`common.parallel_plan`). A rank's pool holds its stage's layers only, numbered from 0. A
+single-process worker is the layout of size 1: one slice, every head and layer."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.parallel_plan import KvSlice, Layout, kv_heads_of_rank, kv_transfer_plan
+from common.parallel_plan import KvSlice, Layout, kv_heads_of_rank, kv_transfer_plan, layer_ranges
 from services.worker.kv_shared import copy_head_slice
 
 
@@ -23,50 +24,60 @@ class KvGeometry:
     block_size: int
     head_dim: int
 
-    def block_shape(self, tp: int, rank: int) -> tuple[int, ...]:
-        """One block of rank `rank`'s pool in a worker of `tp` ranks."""
-        heads = len(kv_heads_of_rank(self.num_heads, self.num_kv_heads, tp, rank))
-        return (self.num_layers, 2, self.block_size, heads, self.head_dim)
+    def block_shape(self, layout: Layout, rank: int) -> tuple[int, ...]:
+        """One block of rank `rank`'s pool in a worker of `layout`."""
+        stage, tp_rank = divmod(rank, layout.tp)
+        heads = len(kv_heads_of_rank(self.num_heads, self.num_kv_heads, layout.tp, tp_rank))
+        layers = len(layer_ranges(self.num_layers, layout.pp)[stage])
+        return (layers, 2, self.block_size, heads, self.head_dim)
 
 
 @dataclass
 class RankPools:
     geometry: KvGeometry
-    tp: int
+    layout: Layout
     pools: Sequence[torch.Tensor]  # rank r's pool data, [blocks, layers, 2, slot, heads, dim]
-    _plans: dict[int, list[KvSlice]] = field(default_factory=dict)
+    _plans: dict[Layout, list[KvSlice]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if len(self.pools) != self.tp:
-            raise ValueError(f"{len(self.pools)} rank pools for tensor_parallel_size {self.tp}")
+        if len(self.pools) != self.layout.world_size:
+            raise ValueError(f"{len(self.pools)} rank pools for a worker of {self.layout}")
 
-    def plan(self, src_tp: int) -> list[KvSlice]:
-        if src_tp not in self._plans:
+    def plan(self, src: Layout) -> list[KvSlice]:
+        if src not in self._plans:
             g = self.geometry
-            self._plans[src_tp] = kv_transfer_plan(
-                g.num_heads, g.num_kv_heads, g.num_layers, Layout(src_tp), Layout(self.tp)
+            self._plans[src] = kv_transfer_plan(
+                g.num_heads, g.num_kv_heads, g.num_layers, src, self.layout
             )
-        return self._plans[src_tp]
+        return self._plans[src]
 
     def copy(
         self,
+        src: Layout,
         sources: Sequence[torch.Tensor],
         runs: Sequence[tuple[int, int, int]],
         first_layer: int,
         end_layer: int,
     ) -> None:
-        """Layers [first_layer, end_layer) of the runs' blocks, from the source worker's
-        rank pools (`sources`, one per rank) into this worker's."""
-        for piece in self.plan(len(sources)):
-            layers = range(max(first_layer, piece.layers.start), min(end_layer, piece.layers.stop))
-            if not layers:
+        """The model's layers [first_layer, end_layer) of the runs' blocks, from the source
+        worker's rank pools (`sources`, one per rank of layout `src`) into this worker's."""
+        if len(sources) != src.world_size:
+            raise ValueError(f"{len(sources)} source pools for a worker of {src}")
+        src_first = [r.start for r in layer_ranges(self.geometry.num_layers, src.pp)]
+        dst_first = [r.start for r in layer_ranges(self.geometry.num_layers, self.layout.pp)]
+        for piece in self.plan(src):
+            start = max(first_layer, piece.layers.start)
+            stop = min(end_layer, piece.layers.stop)
+            if start >= stop:
                 continue
+            s0 = src_first[piece.src_rank // src.tp]  # the stages' first layers
+            d0 = dst_first[piece.dst_rank // self.layout.tp]
             n = len(piece.heads)
             copy_head_slice(
                 self.pools[piece.dst_rank],
                 sources[piece.src_rank],
                 runs,
-                (layers, layers),
+                (range(start - s0, stop - s0), range(start - d0, stop - d0)),
                 (
                     range(piece.src_head, piece.src_head + n),
                     range(piece.dst_head, piece.dst_head + n),

@@ -12,6 +12,7 @@ import sys
 
 from common.config import load_config
 from common.log import get_logger, setup_logging
+from common.model_config import ModelConfig
 from common.pb.tandem.internal.v1 import worker_pb2
 from services.worker.batch import PersistentBatch, PlanError
 from services.worker.block_moves import run_moves
@@ -53,9 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging("worker", config.log_level)
     log = get_logger("services.worker.peer").bind(rank=args.rank)
     store = peer_store(args.store_port, config.world_size)
-    ranks = join_group(
-        args.rank, config.world_size, config.tensor_parallel_size, store, config.device
-    )
+    num_layers = ModelConfig.from_folder(config.model).num_hidden_layers
+    ranks = join_group(args.rank, config.layout, num_layers, store, config.device)
     loaded = load_worker(config, f"{config.resolved_worker_id}/rank{args.rank}", ranks)
     runner = ModelRunner(loaded.model, loaded.kv_cache, loaded.device, tokens=ranks.tokens)
     batch = PersistentBatch(

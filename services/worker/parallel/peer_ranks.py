@@ -12,6 +12,7 @@ import threading
 
 from common.config import config_argv
 from common.log import get_logger
+from common.model_config import ModelConfig
 from common.pb.tandem.internal.v1 import worker_pb2
 from services.worker.config import WorkerConfig
 from services.worker.parallel.rank_channel import RESET, STEP, write_message
@@ -80,8 +81,8 @@ def start_peer_ranks(config: WorkerConfig) -> tuple[PeerRanks, RankContext]:
     store = master_store(config.world_size)
     peers = PeerRanks(config, store.port)
     try:
-        ranks = join_group(0, config.world_size, config.tensor_parallel_size, store,
-                           config.device)  # fmt: skip
+        num_layers = ModelConfig.from_folder(config.model).num_hidden_layers
+        ranks = join_group(0, config.layout, num_layers, store, config.device)
     except BaseException:
         peers.close(timeout_s=1.0)
         raise

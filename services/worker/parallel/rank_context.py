@@ -1,6 +1,9 @@
 """One rank's place in a parallel worker: joining the group (`torch.distributed` over a
-TCP store rank 0 owns: gloo on CPU, NCCL on GPU), its device, its tensor-parallel group,
-and `TokenShare`, by which the ranks that do not sample take rank 0's sampled tokens."""
+TCP store rank 0 owns: gloo on CPU, NCCL on GPU), its device, its tensor-parallel group
+(the ranks of its pipeline stage), its pipeline stage, and how the ranks that do not sample
+learn the step's tokens: `TokenShare` (one stage: rank 0 samples and broadcasts them) or
+`OutputShare` (several stages: the last stage samples and broadcasts the step's output).
+Rank = stage x tensor_parallel_size + tensor rank (vLLM's order)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,10 @@ import torch
 import torch.distributed as dist
 
 from common.kv_shared_memory import SharedMemoryInfo, shared_memory_from_pb, shared_memory_to_pb
+from common.parallel_plan import Layout
 from common.pb.tandem.internal.v1 import worker_pb2
+from services.worker.parallel.output_share import OutputShare
+from services.worker.parallel.pipeline_stage import PipelineStage
 from services.worker.parallel.tp_group import TpGroup
 
 STORE_HOST = "127.0.0.1"  # all ranks of a worker run on its host
@@ -23,6 +29,8 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
 class TokenShare:
     """Rank 0 samples; it sends each step's tokens to the other ranks, which keep their
     copies of the batch (the next step's inputs) in step. Over gloo, on the host."""
+
+    pipeline = False
 
     def __init__(self, rank: int, group) -> None:
         self.rank = rank
@@ -47,9 +55,10 @@ class RankContext:
     world_size: int
     device: torch.device
     tp: TpGroup
-    tokens: TokenShare
+    tokens: TokenShare | OutputShare
     host_group: object = None  # gloo collectives on host tensors (None: the default group)
     store: object = None  # the group's TCP store (rank 0 owns it)
+    stage: PipelineStage = PipelineStage()
 
     def publish_pool(self, info: SharedMemoryInfo | None) -> None:
         """A peer rank tells rank 0 where its KV pool's shared memory is (empty: none)."""
@@ -101,8 +110,9 @@ def peer_store(port: int, world_size: int) -> dist.TCPStore:
     return dist.TCPStore(STORE_HOST, port, world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
 
 
-def join_group(rank: int, world_size: int, tp_size: int, store, device_name: str) -> RankContext:
+def join_group(rank: int, layout: Layout, num_layers: int, store, device_name: str) -> RankContext:
     """Join the worker's process group (blocks until every rank has)."""
+    world_size, tp_size = layout.world_size, layout.tp
     device = rank_device(device_name, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -111,14 +121,24 @@ def join_group(rank: int, world_size: int, tp_size: int, store, device_name: str
         backend, store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
     )
     host_group = dist.new_group(backend="gloo") if backend != "gloo" else None
+    stage = PipelineStage.of(layout, rank, num_layers)
+    tp_group = None  # one stage: the default group
+    if layout.pp > 1 and tp_size > 1:  # every rank creates every stage's group, in order
+        groups = [dist.new_group([layout.rank(s, r) for r in range(tp_size)])
+                  for s in range(layout.pp)]  # fmt: skip
+        tp_group = groups[stage.stage]
+    tokens: TokenShare | OutputShare = TokenShare(rank, host_group)
+    if layout.pp > 1:
+        tokens = OutputShare(rank, layout.rank(layout.pp - 1, 0), host_group)
     return RankContext(
         rank=rank,
         world_size=world_size,
         device=device,
-        tp=TpGroup(rank=rank % tp_size, size=tp_size),
-        tokens=TokenShare(rank, host_group),
+        tp=TpGroup(rank=rank % tp_size, size=tp_size, group=tp_group),
+        tokens=tokens,
         host_group=host_group,
         store=store,
+        stage=stage,
     )
 
 

@@ -12,7 +12,7 @@ class DescribeWorkerRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeWorkerResponse(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "kv_cache", "ucx_address", "num_active_requests", "device", "kv_shared_memory", "speculative", "tensor_parallel_size", "rank_kv_shared_memory")
+    __slots__ = ("worker_id", "role", "model", "kv_cache", "ucx_address", "num_active_requests", "device", "kv_shared_memory", "speculative", "tensor_parallel_size", "rank_kv_shared_memory", "pipeline_parallel_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class DescribeWorkerResponse(_message.Message):
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_KV_SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _types_pb2.WorkerRole
     model: _types_pb2.ModelDescription
@@ -35,7 +36,8 @@ class DescribeWorkerResponse(_message.Message):
     speculative: SpeculativeDecoding
     tensor_parallel_size: int
     rank_kv_shared_memory: _containers.RepeatedCompositeFieldContainer[KvSharedMemory]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.WorkerRole, str]] = ..., model: _Optional[_Union[_types_pb2.ModelDescription, _Mapping]] = ..., kv_cache: _Optional[_Union[_types_pb2.KvCacheDescription, _Mapping]] = ..., ucx_address: _Optional[bytes] = ..., num_active_requests: _Optional[int] = ..., device: _Optional[str] = ..., kv_shared_memory: _Optional[_Union[KvSharedMemory, _Mapping]] = ..., speculative: _Optional[_Union[SpeculativeDecoding, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., rank_kv_shared_memory: _Optional[_Iterable[_Union[KvSharedMemory, _Mapping]]] = ...) -> None: ...
+    pipeline_parallel_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.WorkerRole, str]] = ..., model: _Optional[_Union[_types_pb2.ModelDescription, _Mapping]] = ..., kv_cache: _Optional[_Union[_types_pb2.KvCacheDescription, _Mapping]] = ..., ucx_address: _Optional[bytes] = ..., num_active_requests: _Optional[int] = ..., device: _Optional[str] = ..., kv_shared_memory: _Optional[_Union[KvSharedMemory, _Mapping]] = ..., speculative: _Optional[_Union[SpeculativeDecoding, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., rank_kv_shared_memory: _Optional[_Iterable[_Union[KvSharedMemory, _Mapping]]] = ..., pipeline_parallel_size: _Optional[int] = ...) -> None: ...
 
 class SpeculativeDecoding(_message.Message):
     __slots__ = ("method", "num_speculative_tokens", "disable_by_batch_size")
@@ -202,20 +204,22 @@ class ReceiveKvRequest(_message.Message):
     def __init__(self, transfer_tag: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., after_step_id: _Optional[int] = ..., source: _Optional[_Union[KvSource, _Mapping]] = ...) -> None: ...
 
 class KvSource(_message.Message):
-    __slots__ = ("worker_id", "shared_memory", "block_ids", "ready_step_id", "tensor_parallel_size", "rank_shared_memory")
+    __slots__ = ("worker_id", "shared_memory", "block_ids", "ready_step_id", "tensor_parallel_size", "rank_shared_memory", "pipeline_parallel_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     READY_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     shared_memory: KvSharedMemory
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     ready_step_id: int
     tensor_parallel_size: int
     rank_shared_memory: _containers.RepeatedCompositeFieldContainer[KvSharedMemory]
-    def __init__(self, worker_id: _Optional[str] = ..., shared_memory: _Optional[_Union[KvSharedMemory, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., ready_step_id: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., rank_shared_memory: _Optional[_Iterable[_Union[KvSharedMemory, _Mapping]]] = ...) -> None: ...
+    pipeline_parallel_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., shared_memory: _Optional[_Union[KvSharedMemory, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., ready_step_id: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., rank_shared_memory: _Optional[_Iterable[_Union[KvSharedMemory, _Mapping]]] = ..., pipeline_parallel_size: _Optional[int] = ...) -> None: ...
 
 class ReceiveKvResponse(_message.Message):
     __slots__ = ("num_bytes", "seconds", "source_lag_seconds")
