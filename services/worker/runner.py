@@ -30,6 +30,7 @@ from services.worker.models.attention_metadata import (
     SequenceSlice,
     build_attention_metadata,
 )
+from services.worker.parallel.micro_batches import pipelined_forward
 from services.worker.sampler import DeviceSample, SamplingRow, sample_on_device, to_device
 from services.worker.spec_decode.spec_step import SpecOutcome, SpecStep
 from services.worker.spec_decode.verify import Proposer
@@ -109,6 +110,8 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = device
         self.graphs = graphs
+        stage = getattr(model, "stage", None)
+        self.pipelined = stage is not None and stage.size > 1
         self.generator = torch.Generator(device=device)
         self.generator.seed()
 
@@ -130,6 +133,10 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         if self.graphs is not None and self.graphs.supports(meta):
             hidden = self.graphs.run(ids, positions, meta)
+        elif self.pipelined:  # stages overlap over micro-batches of the step's requests
+            hidden = pipelined_forward(
+                self.model, ids, slices, self.kv_cache, self.kv_cache.block_size, self.device
+            )
         else:
             hidden = self.model(ids, positions, self.kv_cache, meta)
         if hidden is None:  # an earlier pipeline stage: the last one samples

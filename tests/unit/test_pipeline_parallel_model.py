@@ -26,6 +26,7 @@ def _rank_main(rank, tp, pp, folder, store, prompt, out):
     from services.worker.kv_cache import KvCache
     from services.worker.models.attention_metadata import SequenceSlice, build_attention_metadata
     from services.worker.models.weight_loader import load_model
+    from services.worker.parallel.micro_batches import pipelined_forward
     from services.worker.parallel.pipeline_stage import PipelineStage
     from services.worker.parallel.tp_group import TpGroup
 
@@ -42,25 +43,35 @@ def _rank_main(rank, tp, pp, folder, store, prompt, out):
         sampler = layout.rank(pp - 1, 0)
         with torch.inference_mode():
             model, config = load_model(folder, torch.float32, tp=tp_group, stage=stage)
-            cache = KvCache(8, 4, len(stage.layers), len(model.shard.kv_heads),
+            cache = KvCache(16, 4, len(stage.layers), len(model.shard.kv_heads),
                             config.head_dim, torch.float32)  # fmt: skip
-            tokens, blocks, computed = list(prompt), list(range(8)), 0
+            # Two copies of the prompt as two sequences (blocks 0-7 and 8-15): the stages
+            # run them as two micro-batches; both must follow HF.
+            seqs = [list(prompt), list(prompt)]
+            tables, computed = [list(range(8)), list(range(8, 16))], 0
             for _ in range(NEW_TOKENS):
-                todo = tokens[computed:]
-                positions, meta = build_attention_metadata(
-                    [SequenceSlice(computed, len(todo), blocks)], 4, torch.device("cpu")
-                )
-                hidden = model(torch.tensor(todo), positions, cache, meta)
+                todo = [s[computed:] for s in seqs]
+                slices = [
+                    SequenceSlice(computed, len(t), b) for t, b in zip(todo, tables, strict=True)
+                ]
+                ids = torch.tensor([t for part in todo for t in part])
+                hidden = pipelined_forward(model, ids, slices, cache, 4, torch.device("cpu"))
                 assert (hidden is None) == (not stage.is_last)
-                token = torch.zeros(1, dtype=torch.int64)
+                if stage.is_first and pp > 1:  # one send per micro-batch, all waited for
+                    assert not stage._sending
+                next_ids = torch.zeros(2, dtype=torch.int64)
                 if hidden is not None:
-                    token[0] = model.compute_logits(hidden[-1:]).argmax(-1)[0]
-                dist.broadcast(token, src=sampler)
-                computed = len(tokens)
-                tokens.append(int(token))
+                    _, meta = build_attention_metadata(slices, 4, torch.device("cpu"))
+                    last_rows = torch.tensor(meta.query_start_loc[1:]) - 1
+                    next_ids[:] = model.compute_logits(hidden[last_rows]).argmax(-1)
+                dist.broadcast(next_ids, src=sampler)
+                computed = len(seqs[0])
+                for s, t in zip(seqs, next_ids.tolist(), strict=True):
+                    s.append(t)
+            tokens = seqs[0] if seqs[0] == seqs[1] else None
             names = sorted(model.state_dict())
             params = sum(p.numel() for p in model.parameters())
-            out.put((rank, tokens[len(prompt) :], names, params))
+            out.put((rank, tokens and tokens[len(prompt) :], names, params))
     finally:
         dist.destroy_process_group()
 

@@ -3,12 +3,13 @@ layer_ranges`), whether it embeds the tokens (the first stage) or ends the model
 final norm and the LM head (the last), and the hand-over of the hidden states between
 stages: the rank of tensor rank r in stage s sends `[tokens, hidden]` to tensor rank r of
 stage s + 1 (every tensor rank holds the whole hidden state after its all-reduces), with
-point-to-point `torch.distributed` send/recv. The default is the one stage of the whole
-model: nothing is sent."""
+point-to-point `torch.distributed` send/recv. Sends do not wait (the stage goes on with
+its next micro-batch, `parallel/micro_batches.py`); `wait_sends` waits for them at the end
+of the step. The default is the one stage of the whole model: nothing is sent."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,8 @@ class PipelineStage:
     layers: range | None = None  # None: every layer of the model (one stage)
     prev_rank: int = -1  # the rank that sends this one its input (-1: first stage)
     next_rank: int = -1  # the rank this one sends its output to (-1: last stage)
+    # sends under way: (work, tensor), the tensor kept alive until the send is done
+    _sending: list = field(default_factory=list, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.stage < self.size:
@@ -57,4 +60,10 @@ class PipelineStage:
         return hidden
 
     def send_hidden(self, hidden: torch.Tensor) -> None:
-        dist.send(hidden.contiguous(), dst=self.next_rank)
+        hidden = hidden.contiguous()
+        self._sending.append((dist.isend(hidden, dst=self.next_rank), hidden))
+
+    def wait_sends(self) -> None:
+        while self._sending:
+            work, _ = self._sending.pop(0)
+            work.wait()
