@@ -29,11 +29,17 @@ RESULTS = Path(__file__).resolve().parent / "results"
 LOADS = ((1, 4), (16, 32))  # (concurrency, requests)
 
 
-def rank_memory_mib(stack: Stack) -> list[float]:
-    """Resident memory of rank 0 (the worker process) and of each rank it started."""
+def rank_memory_mib(stack: Stack) -> dict[str, list[float]]:
+    """Memory of rank 0 (the worker process) and of each rank it started: resident (RSS
+    counts shared pages in every process that maps them: rank 0 maps its peers' KV pools)
+    and proportional (PSS: shared pages split between the processes mapping them)."""
     worker = psutil.Process(next(p for p in stack.processes if p.name.startswith("both-")).pid)
     ranks = [worker, *worker.children()]
-    return [round(p.memory_info().rss / 2**20, 1) for p in ranks]
+    info = [p.memory_full_info() for p in ranks]
+    return {
+        "rss": [round(i.rss / 2**20, 1) for i in info],
+        "pss": [round(i.pss / 2**20, 1) for i in info],
+    }
 
 
 FLAGS = {"tp": "--tensor-parallel-size", "pp": "--pipeline-parallel-size"}
@@ -49,12 +55,12 @@ def run_layout(model: Path, layout: str, requests_by_load, kv_cache_memory: str)
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench-{layout}-"))
     stack = Stack.start(spec, run_dir, ready_timeout_s=300, exit_with_parent=True)
     try:
-        rss = rank_memory_mib(stack)  # once loaded, before any request
+        memory = rank_memory_mib(stack)  # once loaded, before any request
         out = run_loads(
             spec.gateway_address, model, LOADS, requests_by_load, layout,
             lambda: pool_stats(spec.scheduler_address), tp_row,
         )  # fmt: skip
-        out["rank_rss_mib"] = rss
+        out["rank_memory_mib"] = memory
     finally:
         stack.stop()
     return out
