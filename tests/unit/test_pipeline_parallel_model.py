@@ -7,13 +7,12 @@ of 2 tensor ranks each."""
 
 from __future__ import annotations
 
-import multiprocessing
-
 import pytest
 import torch
 
 from devtools.checkpoint_builder import build_checkpoint
 from tests.hf_reference import hf_greedy, hf_model
+from tests.rank_group import run_ranks
 
 NEW_TOKENS = 6
 
@@ -77,17 +76,7 @@ def _rank_main(rank, tp, pp, folder, store, prompt, out):
 
 
 def run_group(folder, tp, pp, prompt, tmp_path):
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    args = (tp, pp, str(folder), tmp_path / "store", prompt, out)
-    procs = [ctx.Process(target=_rank_main, args=(r, *args)) for r in range(tp * pp)]
-    for p in procs:
-        p.start()
-    results = sorted(out.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
-    return results
+    return run_ranks(_rank_main, tp * pp, (tp, pp, str(folder), tmp_path / "store", prompt))
 
 
 @pytest.fixture(scope="module")

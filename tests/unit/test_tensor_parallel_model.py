@@ -6,12 +6,11 @@ Qwen2 (q/k/v biases)."""
 
 from __future__ import annotations
 
-import multiprocessing
-
 import pytest
 import torch
 
 from tests.hf_reference import hf_greedy, hf_log_softmax
+from tests.rank_group import run_ranks
 
 NEW_TOKENS = 6
 
@@ -52,19 +51,7 @@ def _rank_main(rank, size, folder, store, prompt, out):
 
 
 def run_group(folder, size, prompt, tmp_path):
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, size, str(folder), tmp_path / "store", prompt, out))
-        for r in range(size)
-    ]
-    for p in procs:
-        p.start()
-    results = sorted(out.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
-    return results
+    return run_ranks(_rank_main, size, (size, str(folder), tmp_path / "store", prompt))
 
 
 @pytest.mark.parametrize(
