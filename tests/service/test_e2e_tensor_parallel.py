@@ -28,8 +28,6 @@ from tests.stack_client import (
     wait_until_idle,
 )
 
-TP2 = ["--tensor-parallel-size", "2"]
-
 
 @pytest.fixture(scope="module")
 def eight_kv_heads_dir(tmp_path_factory):
@@ -109,8 +107,12 @@ def test_parallel_layouts_are_hf_exact_with_chunking_and_preemption(
         stack.stop()
 
 
-def test_a_killed_rank_fails_its_worker_and_requests_finish_on_the_other(tiny_llama_dir, tmp_path):
-    args = {"both": TP2, "scheduler": ["--max-num-batched-tokens", "32"]}
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_a_killed_rank_fails_its_worker_and_requests_finish_on_the_other(
+    layout, tiny_llama_dir, tmp_path
+):
+    """pp2: the killed rank is the last stage, the one that samples."""
+    args = {"both": layout_flags(layout), "scheduler": ["--max-num-batched-tokens", "32"]}
     stack = start_stack(
         tiny_llama_dir, tmp_path / "run", prefill=0, decode=0, both=2, extra_args=args
     )
