@@ -1,6 +1,7 @@
 """A decode worker told to drain (SIGTERM) hands the requests it holds to the other decode
 worker with their KV, on a real stack (1 prefill + 2 decode workers, scheduler, gateway,
-each its own process), whatever moves the KV between the workers.
+each its own process), whatever moves the KV between the workers; and again with decode
+workers of two pipeline stages each (every stage's layers move from its own pool).
 
 The requests go on where they land with nothing recomputed: every stream ends with
 exactly HF's greedy tokens, no request starts over, no pool computes a prompt token
@@ -39,10 +40,13 @@ DECODE = types_pb2.WORKER_ROLE_DECODE
 PREFILL = types_pb2.WORKER_ROLE_PREFILL
 
 
-@pytest.fixture(scope="module")
-def stack(module_stacks):
-    return module_stacks(
-        name="drain-migration",
+@pytest.fixture(scope="module", params=["one-process", "pp2"])
+def stack(module_stacks, request):
+    decode = ["--drain-timeout-s", "60"]
+    if request.param == "pp2":
+        decode += ["--pipeline-parallel-size", "2"]
+    started = module_stacks(
+        name=f"drain-migration-{request.param}",
         ready_timeout_s=240,
         prefill=1,
         decode=2,
@@ -55,9 +59,11 @@ def stack(module_stacks):
                 "--max-num-seqs",
                 MAX_NUM_SEQS,
             ],
-            "decode": ["--drain-timeout-s", "60"],
+            "decode": decode,
         },
     )
+    yield started
+    started.stop()  # before the next layout's stack starts
 
 
 @pytest.fixture(scope="module")
