@@ -43,3 +43,23 @@ def test_every_split_covers_each_request_once_in_order():
 def test_parts_must_be_positive():
     with pytest.raises(ValueError, match="parts must be >= 1"):
         split_requests([1], 0)
+
+
+def test_a_reader_before_its_writer_keeps_the_step_in_one_micro_batch():
+    """Request 0 hit the prefix cache on block 7, which request 1 (later in the step, so in
+    the later micro-batch) writes this step: splitting would let request 0 attend over KV
+    not written yet."""
+    from services.worker.models.attention_metadata import SequenceSlice
+    from services.worker.parallel.micro_batches import keeps_writers_first
+
+    writer = SequenceSlice(0, 8, [7, 8])  # writes blocks 7 and 8 (block size 4)
+    reader = SequenceSlice(4, 4, [7, 9])  # reads block 7, writes block 9
+    groups = [range(0, 1), range(1, 2)]
+    assert not keeps_writers_first([reader, writer], groups, 4)
+    assert keeps_writers_first([writer, reader], groups, 4)  # the writer goes first: fine
+    assert keeps_writers_first([reader, writer], [range(0, 2)], 4)  # one pass: fine
+    # A request reading only its own partly filled block, and unrelated decodes, split freely.
+    own = SequenceSlice(5, 1, [3, 4])
+    decode = SequenceSlice(9, 1, [5, 6, 10])
+    assert keeps_writers_first([own, decode], groups, 4)
+    assert keeps_writers_first([decode, own], groups, 4)

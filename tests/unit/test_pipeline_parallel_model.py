@@ -44,14 +44,17 @@ def _rank_main(rank, tp, pp, folder, store, prompt, out):
             model, config = load_model(folder, torch.float32, tp=tp_group, stage=stage)
             cache = KvCache(16, 4, len(stage.layers), len(model.shard.kv_heads),
                             config.head_dim, torch.float32)  # fmt: skip
-            # Two copies of the prompt as two sequences (blocks 0-7 and 8-15): the stages
-            # run them as two micro-batches; both must follow HF.
+            # Two copies of the prompt as two sequences, run as two micro-batches; both must
+            # follow HF. The first starts from a prefix-cache hit on block 0, which the second
+            # writes in the same step (a later micro-batch): that step must run as one.
             seqs = [list(prompt), list(prompt)]
-            tables, computed = [list(range(8)), list(range(8, 16))], 0
+            tables = [[0, *range(9, 16)], list(range(8))]
+            computed = [4, 0]
             for _ in range(NEW_TOKENS):
-                todo = [s[computed:] for s in seqs]
+                todo = [s[c:] for s, c in zip(seqs, computed, strict=True)]
                 slices = [
-                    SequenceSlice(computed, len(t), b) for t, b in zip(todo, tables, strict=True)
+                    SequenceSlice(c, len(t), b)
+                    for c, t, b in zip(computed, todo, tables, strict=True)
                 ]
                 ids = torch.tensor([t for part in todo for t in part])
                 hidden = pipelined_forward(model, ids, slices, cache, 4, torch.device("cpu"))
@@ -64,7 +67,7 @@ def _rank_main(rank, tp, pp, folder, store, prompt, out):
                     last_rows = torch.tensor(meta.query_start_loc[1:]) - 1
                     next_ids[:] = model.compute_logits(hidden[last_rows]).argmax(-1)
                 dist.broadcast(next_ids, src=sampler)
-                computed = len(seqs[0])
+                computed = [len(seqs[0]), len(seqs[1])]
                 for s, t in zip(seqs, next_ids.tolist(), strict=True):
                     s.append(t)
             tokens = seqs[0] if seqs[0] == seqs[1] else None

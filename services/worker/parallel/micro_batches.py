@@ -3,7 +3,14 @@ requests are cut into up to P contiguous groups with about equal token counts (a
 is never split), and each stage runs them one after another — the first stage sends group
 k's hidden states on without waiting and starts group k + 1 while the next stage computes
 group k. The last stage's outputs, concatenated in order, are the step's rows as one pass
-would give them. `split_requests` is pure Python."""
+would give them.
+
+One pass lets a request read KV that another request of the same step writes (a prefix-
+cache hit on blocks planned in this step: each layer writes every new token's KV before
+anyone attends). Micro-batches only keep that true when the writer runs in the same or an
+earlier micro-batch, so a step where a request reads a block a later micro-batch writes
+runs as one (`keeps_writers_first`). `split_requests` and `keeps_writers_first` are pure
+Python."""
 
 from __future__ import annotations
 
@@ -40,6 +47,27 @@ def split_requests(tokens_per_request: Sequence[int], parts: int) -> list[range]
     return groups
 
 
+def keeps_writers_first(
+    slices: Sequence[SequenceSlice], groups: Sequence[range], block_size: int
+) -> bool:
+    """No request reads (attends over, before its new tokens) a block that a request of a
+    later group writes this step."""
+    writer_group: dict[int, int] = {}
+    for g, group in enumerate(groups):
+        for i in group:
+            s = slices[i]
+            first, last = s.num_computed_tokens // block_size, (s.seq_len - 1) // block_size
+            for block in s.block_ids[first : last + 1]:
+                writer_group.setdefault(block, g)
+    for g, group in enumerate(groups):
+        for i in group:
+            s = slices[i]
+            read = -(-s.num_computed_tokens // block_size)
+            if any(writer_group.get(b, -1) > g for b in s.block_ids[:read]):
+                return False
+    return True
+
+
 def pipelined_forward(
     model: torch.nn.Module,
     ids: torch.Tensor,
@@ -52,7 +80,10 @@ def pipelined_forward(
     every row (None on the other stages, which sent theirs on)."""
     stage = model.stage
     outputs, row = [], 0
-    for group in split_requests([s.num_new_tokens for s in slices], stage.size):
+    groups = split_requests([s.num_new_tokens for s in slices], stage.size)
+    if not keeps_writers_first(slices, groups, block_size):
+        groups = [range(len(slices))]  # one pass: a reader comes before its writer
+    for group in groups:
         part = slices[group.start : group.stop]
         rows = sum(s.num_new_tokens for s in part)
         positions, meta = build_attention_metadata(part, block_size, device)
