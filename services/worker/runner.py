@@ -134,9 +134,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.supports(meta):
             hidden = self.graphs.run(ids, positions, meta)
         elif self.pipelined:  # stages overlap over micro-batches of the step's requests
-            hidden = pipelined_forward(
-                self.model, ids, slices, self.kv_cache, self.kv_cache.block_size, self.device
-            )
+            hidden = pipelined_forward(self.model, ids, positions, meta, slices, self.kv_cache)
         else:
             hidden = self.model(ids, positions, self.kv_cache, meta)
         if hidden is None:  # an earlier pipeline stage: the last one samples

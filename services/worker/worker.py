@@ -75,7 +75,7 @@ class Worker:
         ranks: RankContext | None = None,
         rank_shared_memory: tuple[SharedMemoryInfo | None, ...] = (),
     ) -> None:
-        """`ranks`, `rank_shared_memory`: rank 0 of a tensor-parallel worker, and where
+        """`ranks`, `rank_shared_memory`: rank 0 of a parallel worker, and where
         its other ranks' pools are (received KV heads are copied straight into them)."""
         self.config = config
         self.peers = peers
@@ -152,7 +152,7 @@ class Worker:
     @property
     def model_block_bytes(self) -> int:
         """One block of the whole model's KV (every head, every layer): what the scheduler
-        compares between workers, whatever their tensor-parallel layouts."""
+        compares between workers, whatever their parallel layouts."""
         c = self.model_config
         return KvCache.bytes_per_block(
             self.kv_cache.block_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
@@ -210,9 +210,9 @@ class Worker:
         the block moves, the forward pass, the progress. Steps run in submission order and
         back to back (the next starts when the previous ends, with no round trip through
         the event loop). The future holds the StepOutput, or the PlanError. `wire`: the
-        plan as received, which a tensor-parallel worker's other ranks need."""
+        plan as received, which a parallel worker's other ranks need."""
         if self.peers is not None and wire is None:
-            raise ValueError("a tensor-parallel worker needs each step's StepRequest")
+            raise ValueError("a parallel worker needs each step's StepRequest")
         return self._submit(self._run_step, finished_ids, new, cached, moves, step_id, wire)
 
     def _run_step(
@@ -357,7 +357,7 @@ class Worker:
     ) -> PullResult:
         """Copy blocks out of a same-host peer's shared pool (see kv_pull)."""
         if self.peers is not None and self.puller.ranks is None:
-            raise KvTransferError("a tensor-parallel worker without shared pools cannot pull KV")
+            raise KvTransferError("a parallel worker without shared pools cannot pull KV")
         self._check_blocks(block_ids)
         if tag in self._cancelled_tags:
             raise KvTransferError(f"transfer {tag:#x} was cancelled")
@@ -372,7 +372,7 @@ class Worker:
     def _check_ucx(self) -> None:
         if self.peers is not None:  # rank 0 holds only its own heads of each block
             raise KvTransferError(
-                "KV over UCX to or from a tensor-parallel worker is not built: tensor-parallel "
+                "KV over UCX to or from a parallel worker is not built: parallel "
                 "workers move KV through shared memory (same host, CPU)"
             )
 

@@ -57,13 +57,13 @@ def _rank_main(rank, tp, pp, folder, store, prompt, out):
                     for c, t, b in zip(computed, todo, tables, strict=True)
                 ]
                 ids = torch.tensor([t for part in todo for t in part])
-                hidden = pipelined_forward(model, ids, slices, cache, 4, torch.device("cpu"))
+                positions, meta = build_attention_metadata(slices, 4, torch.device("cpu"))
+                hidden = pipelined_forward(model, ids, positions, meta, slices, cache)
                 assert (hidden is None) == (not stage.is_last)
                 if stage.is_first and pp > 1:  # one send per micro-batch, all waited for
                     assert not stage._sending
                 next_ids = torch.zeros(2, dtype=torch.int64)
                 if hidden is not None:
-                    _, meta = build_attention_metadata(slices, 4, torch.device("cpu"))
                     last_rows = torch.tensor(meta.query_start_loc[1:]) - 1
                     next_ids[:] = model.compute_logits(hidden[last_rows]).argmax(-1)
                 dist.broadcast(next_ids, src=sampler)

@@ -18,7 +18,11 @@ from collections.abc import Sequence
 
 import torch
 
-from services.worker.models.attention_metadata import SequenceSlice, build_attention_metadata
+from services.worker.models.attention_metadata import (
+    AttentionMetadata,
+    SequenceSlice,
+    build_attention_metadata,
+)
 
 
 def split_requests(tokens_per_request: Sequence[int], parts: int) -> list[range]:
@@ -58,7 +62,7 @@ def keeps_writers_first(
             s = slices[i]
             first, last = s.num_computed_tokens // block_size, (s.seq_len - 1) // block_size
             for block in s.block_ids[first : last + 1]:
-                writer_group.setdefault(block, g)
+                writer_group[block] = max(g, writer_group.get(block, g))
     for g, group in enumerate(groups):
         for i in group:
             s = slices[i]
@@ -71,23 +75,28 @@ def keeps_writers_first(
 def pipelined_forward(
     model: torch.nn.Module,
     ids: torch.Tensor,
+    positions: torch.Tensor,
+    meta: AttentionMetadata,
     slices: Sequence[SequenceSlice],
     kv_cache,
-    block_size: int,
-    device: torch.device,
 ) -> torch.Tensor | None:
     """One step of a pipeline stage in micro-batches: the last stage's hidden states for
-    every row (None on the other stages, which sent theirs on)."""
+    every row (None on the other stages, which sent theirs on). `positions` and `meta` are
+    the whole step's (used as they are when it runs as one pass)."""
     stage = model.stage
-    outputs, row = [], 0
     groups = split_requests([s.num_new_tokens for s in slices], stage.size)
-    if not keeps_writers_first(slices, groups, block_size):
+    if len(groups) > 1 and not keeps_writers_first(slices, groups, meta.block_size):
         groups = [range(len(slices))]  # one pass: a reader comes before its writer
+    if len(groups) <= 1:
+        hidden = model(ids, positions, kv_cache, meta)
+        stage.wait_sends()
+        return hidden
+    outputs, row = [], 0
     for group in groups:
         part = slices[group.start : group.stop]
         rows = sum(s.num_new_tokens for s in part)
-        positions, meta = build_attention_metadata(part, block_size, device)
-        outputs.append(model(ids[row : row + rows], positions, kv_cache, meta))
+        part_positions, part_meta = build_attention_metadata(part, meta.block_size, ids.device)
+        outputs.append(model(ids[row : row + rows], part_positions, kv_cache, part_meta))
         row += rows
     stage.wait_sends()  # the tensors sent stay alive until the next stage has them
     if outputs[0] is None:
