@@ -425,7 +425,9 @@ class FakeWorker:
         timeout_s: float,
         after_step_id: int,
         source: KvPullSource | None = None,
+        sender: WorkerInfo | None = None,
     ) -> KvTransferResult:
+        """`sender`: the UCX sender (fakes hold one-process pools; its layout is unused)."""
         self._check_alive()
         self.receive_tags.append(tag)
         if source is not None:

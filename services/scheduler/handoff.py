@@ -290,7 +290,9 @@ class KvHandoff:
         else:
             calls = [
                 asyncio.ensure_future(
-                    dst.client.receive_kv(tag, part.dst_blocks, self.timeout_s, after_step)
+                    dst.client.receive_kv(
+                        tag, part.dst_blocks, self.timeout_s, after_step, sender=src.info
+                    )
                 ),
                 asyncio.ensure_future(
                     src.client.send_kv(tag, dst.info, part.src_blocks, self.timeout_s)

@@ -96,6 +96,7 @@ def worker_info_from_pb(address: str, d: worker_pb2.DescribeWorkerResponse) -> W
         tensor_parallel_size=max(1, d.tensor_parallel_size),
         pipeline_parallel_size=max(1, d.pipeline_parallel_size),
         rank_shared_memory=tuple(shared_memory_from_pb(m) for m in d.rank_kv_shared_memory),
+        rank_ucx_addresses=tuple(d.rank_ucx_addresses),
         speculative=(
             SpeculativeInfo(
                 d.speculative.method,

@@ -143,6 +143,9 @@ class WorkerClient:
                     peer_worker_id=peer.worker_id,
                     peer_ucx_address=peer.ucx_address,
                     block_ids=block_ids,
+                    peer_tensor_parallel_size=peer.tensor_parallel_size,
+                    peer_pipeline_parallel_size=peer.pipeline_parallel_size,
+                    peer_rank_ucx_addresses=list(peer.rank_ucx_addresses),
                 ),
                 timeout=timeout_s,
             )
@@ -159,10 +162,16 @@ class WorkerClient:
         timeout_s: float,
         after_step_id: int,
         source: KvPullSource | None = None,
+        sender: WorkerInfo | None = None,
     ) -> KvTransferResult:
+        """`source`: pulled out of that worker's shared pool; otherwise received over UCX
+        from `sender` (its layout says which of its ranks send which KV heads)."""
         request = worker_pb2.ReceiveKvRequest(
             transfer_tag=tag, block_ids=block_ids, after_step_id=after_step_id
         )
+        if sender is not None:
+            request.sender_tensor_parallel_size = sender.tensor_parallel_size
+            request.sender_pipeline_parallel_size = sender.pipeline_parallel_size
         if source is not None:
             request.source.CopyFrom(
                 worker_pb2.KvSource(

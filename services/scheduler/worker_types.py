@@ -75,6 +75,7 @@ class WorkerInfo:
     tensor_parallel_size: int = 1
     rank_shared_memory: tuple[SharedMemoryInfo, ...] = ()
     pipeline_parallel_size: int = 1
+    rank_ucx_addresses: tuple[bytes, ...] = ()  # ranks 1.. (ucx_address is rank 0's)
 
     def can_pull_from(self, source: WorkerInfo) -> bool:
         """This worker can copy KV straight out of `source`'s pool (same host)."""

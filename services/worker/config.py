@@ -199,14 +199,6 @@ class WorkerConfig(ServiceConfig):
             if getattr(self, name) == 1:
                 continue
             self._require(
-                self.role == "both" or (self.kv_transfer_shared_memory and self.device != "cuda"
-                                        and not self.device.startswith("cuda:")),
-                name,
-                "must be 1 on a prefill or decode worker without shared-memory KV transfer: "
-                "parallel workers move KV between differently sharded pools through shared "
-                "memory on one host's CPU (per-rank UCX, e.g. on GPU, is not built yet)",
-            )  # fmt: skip
-            self._require(
                 spec is None, name, "must be 1 with --speculative-config (not combined yet)"
             )
 

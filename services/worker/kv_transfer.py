@@ -74,6 +74,19 @@ def _slow_idle_progress_thread(epoll_timeout_ms: int) -> None:
     application_context.ThreadMode = QuietThreadMode
 
 
+async def all_or_cancel(awaitables) -> list:
+    """Await them all; the first failure cancels the others (a cancelled UCX receive lets
+    go of its buffer safely, see `UcxTransport.receive`) and is raised."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 class UcxTransport:
     """This process's UCX worker: its address, cached endpoints to peers, tagged send/recv."""
 

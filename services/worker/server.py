@@ -10,6 +10,7 @@ from common.config import KV_TRANSFER_TIMEOUT_METADATA, PROFILE_NUM_TOKENS_METAD
 from common.kv_shared_memory import shared_memory_from_pb, shared_memory_to_pb
 from common.lifecycle import wait_until
 from common.log import get_logger
+from common.parallel_plan import Layout
 from common.pb.tandem.internal.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from common.sampling_pb import ROLE_TO_PB
 from services.worker.batch import PlanError
@@ -105,6 +106,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             rank_kv_shared_memory=[
                 shared_memory_to_pb(m) for m in worker.rank_shared_memory if m is not None
             ],
+            rank_ucx_addresses=list(worker.rank_ucx_addresses),
             speculative=(
                 None
                 if worker.speculative is None
@@ -182,12 +184,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def SendKv(self, request, context):
         worker = await self._ready(context)
         try:
+            peer_layout = Layout(
+                max(1, request.peer_tensor_parallel_size),
+                max(1, request.peer_pipeline_parallel_size),
+            )
             result = await worker.send_kv(
                 request.transfer_tag,
                 request.peer_worker_id,
                 request.peer_ucx_address,
                 list(request.block_ids),
+                peer_layout,
+                list(request.peer_rank_ucx_addresses),
             )
+        except ValueError as exc:  # a layout this model cannot have
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"peer layout: {exc}")
         except KvTransferError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return worker_pb2.SendKvResponse(num_bytes=result.num_bytes, seconds=result.seconds)
@@ -207,9 +217,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     seconds=result.seconds,
                     source_lag_seconds=result.source_lag_seconds,
                 )
-            result = await worker.receive_kv(
-                request.transfer_tag, list(request.block_ids), request.after_step_id
+            sender_layout = Layout(
+                max(1, request.sender_tensor_parallel_size),
+                max(1, request.sender_pipeline_parallel_size),
             )
+            result = await worker.receive_kv(
+                request.transfer_tag,
+                list(request.block_ids),
+                request.after_step_id,
+                sender_layout,
+            )
+        except ValueError as exc:  # a layout this model cannot have
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sender layout: {exc}")
         except KvMapError as exc:  # this pair of workers must use UCX
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except KvTransferError as exc:

@@ -140,11 +140,6 @@ def load_worker(
         torch.set_num_threads(config.torch_threads or threads_per_rank(config.world_size))
     started = time.perf_counter()
     device = resolve_device(config.device) if ranks is None else ranks.device
-    if ranks is not None and device.type != "cpu" and config.role != "both":
-        raise ValueError(
-            "a parallel (tensor or pipeline) GPU prefill or decode worker needs per-rank KV "
-            "transfer over UCX, which is not built yet: use --role both on GPU"
-        )
     model_config = ModelConfig.from_folder(config.model)
     dtype = resolve_dtype(config.dtype, device, model_config.torch_dtype)
     free_at_start = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0

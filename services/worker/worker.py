@@ -22,6 +22,7 @@ import torch
 
 from common.kv_shared_memory import SharedMemoryInfo
 from common.log import get_logger
+from common.parallel_plan import Layout
 from common.pb.tandem.internal.v1 import worker_pb2
 from services.worker.batch import (
     BlockMoves,
@@ -33,6 +34,7 @@ from services.worker.block_moves import run_moves
 from services.worker.compute_lock import ComputeLock, make_compute_lock
 from services.worker.config import WorkerConfig
 from services.worker.kv_cache import KvCache
+from services.worker.kv_layout_transfer import LayoutTransfers
 from services.worker.kv_pull import KvPuller, KvSource, PullResult
 from services.worker.kv_shared import PeerPool
 from services.worker.kv_transfer import KvTransferError, UcxTransport
@@ -48,6 +50,7 @@ log = get_logger(__name__)
 
 KV_LAYOUT = "block,layer,kv,slot,head,dim"
 NO_MOVES = BlockMoves()
+ONE_PROCESS = Layout()
 # Cancelled transfer tags remembered (a cancel may arrive before its receive does).
 MAX_CANCELLED_TAGS = 65536
 
@@ -74,13 +77,16 @@ class Worker:
         peers: PeerRanks | None = None,
         ranks: RankContext | None = None,
         rank_shared_memory: tuple[SharedMemoryInfo | None, ...] = (),
+        rank_ucx_addresses: tuple[bytes, ...] = (),
     ) -> None:
-        """`ranks`, `rank_shared_memory`: rank 0 of a parallel worker, and where
-        its other ranks' pools are (received KV heads are copied straight into them)."""
+        """`ranks`, `rank_shared_memory`, `rank_ucx_addresses`: rank 0 of a parallel
+        worker, where its other ranks' pools are (pulled KV heads are copied straight into
+        them) and their UCX workers (which send and receive their own KV heads)."""
         self.config = config
         self.peers = peers
         self.layout = config.layout
         self.rank_shared_memory = rank_shared_memory
+        self.rank_ucx_addresses = rank_ucx_addresses
         self._rank_maps: list[PeerPool] = []
         self.worker_id = worker_id
         self.role = config.role
@@ -131,16 +137,23 @@ class Worker:
             config.kv_transfer_stream_min_copy_bytes,
             self._rank_pools(loaded) if ranks is not None else None,
         )
+        self.layout_transfers = LayoutTransfers(
+            self._geometry(), self.layout, self.kv_cache.data, self.transport, peers,
+            self._on_tensor_thread,
+        )  # fmt: skip
+
+    def _geometry(self) -> KvGeometry:
+        c = self.model_config
+        return KvGeometry(
+            c.num_attention_heads, c.num_key_value_heads, c.num_hidden_layers,
+            self.kv_cache.block_size, c.head_dim,
+        )  # fmt: skip
 
     def _rank_pools(self, loaded: LoadedWorker) -> RankPools | None:
         """Every rank's pool, the others' mapped writable (None without shared memory)."""
         if loaded.shared_pool is None or None in self.rank_shared_memory:
             return None
-        c = self.model_config
-        geometry = KvGeometry(
-            c.num_attention_heads, c.num_key_value_heads, c.num_hidden_layers,
-            self.kv_cache.block_size, c.head_dim,
-        )  # fmt: skip
+        geometry = self._geometry()
         layout = self.layout
         self._rank_maps = [
             PeerPool(info, geometry.block_shape(layout, rank), self.kv_cache.dtype, writable=True)
@@ -173,15 +186,19 @@ class Worker:
             ranks = None
         try:
             loaded = await loop.run_in_executor(executor, load_worker, config, worker_id, ranks)
-            rank_pools = ()
-            if ranks is not None:  # where the other ranks' pools are (they publish them)
+            rank_pools, rank_ucx = (), ()
+            if ranks is not None:  # where the other ranks' pools and UCX workers are
                 rank_pools = await loop.run_in_executor(executor, ranks.collect_pools)
+                rank_ucx = await loop.run_in_executor(executor, ranks.collect_ucx_addresses)
         except BaseException:
             if peers is not None:
                 peers.close()
             raise
         lock = make_compute_lock(config.cpu_compute_lock, loaded.device.type)
-        return cls(config, worker_id, loaded, executor, lock, peers, ranks, tuple(rank_pools))
+        return cls(
+            config, worker_id, loaded, executor, lock, peers, ranks, tuple(rank_pools),
+            tuple(a for a in rank_ucx if a),
+        )  # fmt: skip
 
     def _submit(self, fn, *args) -> concurrent.futures.Future:
         """Queue `fn` on the tensor thread (run holding the host's compute lock, if any)."""
@@ -293,13 +310,24 @@ class Worker:
             await self._step_done.wait_for(lambda: self.executed_step_id >= step_id)
 
     async def send_kv(
-        self, tag: int, peer_id: str, peer_address: bytes, block_ids: Sequence[int]
+        self,
+        tag: int,
+        peer_id: str,
+        peer_address: bytes,
+        block_ids: Sequence[int],
+        peer_layout: Layout = ONE_PROCESS,
+        peer_rank_addresses: Sequence[bytes] = (),
     ) -> TransferResult:
         """Gather the blocks into a staging buffer where the pool is (host or device memory)
-        and send it: UCX reads device memory itself."""
+        and send it: UCX reads device memory itself. Where either worker is parallel,
+        every rank sends its own messages (`kv_layout_transfer`)."""
         started = time.perf_counter()
-        self._check_ucx()
         self._check_blocks(block_ids)
+        if self.layout != Layout() or peer_layout != Layout():
+            nbytes = await self.layout_transfers.send(
+                tag, peer_id, peer_layout, (peer_address, *peer_rank_addresses), block_ids
+            )
+            return TransferResult(nbytes, time.perf_counter() - started)
         nbytes = len(block_ids) * self.kv_cache.block_bytes
         # A failed transfer's buffer is not reused: UCX may still hold it.
         buffer = self.staging.acquire(nbytes)
@@ -317,16 +345,30 @@ class Worker:
             torch.cuda.current_stream(staged.device).synchronize()
 
     async def receive_kv(
-        self, tag: int, block_ids: Sequence[int], after_step_id: int = 0
+        self,
+        tag: int,
+        block_ids: Sequence[int],
+        after_step_id: int = 0,
+        sender_layout: Layout = ONE_PROCESS,
     ) -> TransferResult:
         """Receive into a staging buffer where the pool is (host or device memory), then
         scatter it into the blocks. Not straight into the pool: a UCX receive cannot be
-        cancelled, and a late message must never land in blocks given to someone else."""
+        cancelled, and a late message must never land in blocks given to someone else.
+        Where either worker is parallel, every rank receives its own messages."""
         started = time.perf_counter()
-        self._check_ucx()
         self._check_blocks(block_ids)
         if tag in self._cancelled_tags:
             raise KvTransferError(f"transfer {tag:#x} was cancelled")
+        if self.layout != Layout() or sender_layout != Layout():
+            self._receives[tag] = asyncio.current_task()
+            try:
+                nbytes = await self.layout_transfers.receive(
+                    tag, sender_layout, block_ids, lambda: self.wait_for_step(after_step_id),
+                    lambda t: t in self._cancelled_tags,
+                )  # fmt: skip
+            finally:
+                self._receives.pop(tag, None)
+            return TransferResult(nbytes, time.perf_counter() - started)
         nbytes = len(block_ids) * self.kv_cache.block_bytes
         self._receives[tag] = asyncio.current_task()
         try:
@@ -368,13 +410,6 @@ class Worker:
             )
         finally:
             self._receives.pop(tag, None)
-
-    def _check_ucx(self) -> None:
-        if self.peers is not None:  # rank 0 holds only its own heads of each block
-            raise KvTransferError(
-                "KV over UCX to or from a parallel worker is not built: parallel "
-                "workers move KV through shared memory (same host, CPU)"
-            )
 
     def _check_blocks(self, block_ids: Sequence[int]) -> None:
         if not block_ids:

@@ -3,9 +3,11 @@
 started by the worker itself), and disaggregated stacks whose prefill and decode workers
 have different layouts (TP 2 -> 1, 1 -> 2, 2 -> 2, PP 2 -> 2, TP 2 -> PP 2: each decode
 rank copies exactly its KV heads of its stage's layers from the prefill ranks' shared
-pools), on GQA models with 2 and with 8 KV heads, under concurrency, chunked prefill and
-preemption by recompute and by swap; the pools end leak-free. A rank killed
-mid-stream takes its whole worker down and the requests finish exactly on the other."""
+pools; and over UCX, TP 2 -> 1, 1 -> 2, TP 2 -> PP 2: every prefill rank sends each decode
+rank the heads it holds, rank to rank), on GQA models with 2 and with 8 KV heads, under
+concurrency, chunked prefill and preemption by recompute and by swap; the pools end
+leak-free. A rank killed mid-stream takes its whole worker down and the requests finish
+exactly on the other."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import grpc
 import psutil
 import pytest
 
-from common.pb.tandem.internal.v1 import types_pb2
+from common.pb.tandem.internal.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from devtools.checkpoint_builder import build_checkpoint
 from tests.hf_reference import hf_greedy, hf_tokenizer
 from tests.service.test_e2e import run_concurrently
@@ -55,26 +57,36 @@ def layout_flags(layout: str) -> list[str]:
     return ["--tensor-parallel-size" if kind == "tp" else "--pipeline-parallel-size", str(size)]
 
 
+# Workers without shared pools move KV over UCX, every rank its own messages.
+UCX = ["--kv-transfer-shared-memory", "false"]
+
+
 @pytest.mark.parametrize(
-    ("model", "prefill", "decode", "preemption"),
+    ("model", "prefill", "decode", "preemption", "transport"),
     [
-        ("tiny_llama_dir", None, "tp2", "recompute"),
-        ("tiny_llama_dir", "tp2", "tp1", "recompute"),
-        ("eight_kv_heads_dir", "tp1", "tp2", "swap"),
-        ("eight_kv_heads_dir", "tp2", "tp2", "swap"),
-        ("tiny_llama_dir", None, "pp2", "swap"),
-        ("tiny_llama_dir", "pp2", "pp2", "recompute"),
-        ("eight_kv_heads_dir", "tp2", "pp2", "swap"),
+        ("tiny_llama_dir", None, "tp2", "recompute", None),
+        ("tiny_llama_dir", "tp2", "tp1", "recompute", "shm"),
+        ("eight_kv_heads_dir", "tp1", "tp2", "swap", "shm"),
+        ("eight_kv_heads_dir", "tp2", "tp2", "swap", "shm"),
+        ("tiny_llama_dir", None, "pp2", "swap", None),
+        ("tiny_llama_dir", "pp2", "pp2", "recompute", "shm"),
+        ("eight_kv_heads_dir", "tp2", "pp2", "swap", "shm"),
+        ("tiny_llama_dir", "tp2", "tp1", "recompute", "ucx"),
+        ("eight_kv_heads_dir", "tp1", "tp2", "swap", "ucx"),
+        ("eight_kv_heads_dir", "tp2", "pp2", "swap", "ucx"),
     ],
     ids=[
         "both-tp2-2kv", "tp2-to-tp1-2kv", "tp1-to-tp2-8kv-swap", "tp2-to-tp2-8kv-swap",
         "both-pp2-2kv-swap", "pp2-to-pp2-2kv", "tp2-to-pp2-8kv-swap",
+        "ucx-tp2-to-tp1-2kv", "ucx-tp1-to-tp2-8kv-swap", "ucx-tp2-to-pp2-8kv-swap",
     ],
 )  # fmt: skip
 def test_parallel_layouts_are_hf_exact_with_chunking_and_preemption(
-    model, prefill, decode, preemption, request, tmp_path
+    model, prefill, decode, preemption, transport, request, tmp_path
 ):
-    """prefill None: one both-role worker of the decode layout (no KV transfer)."""
+    """prefill None: one both-role worker of the decode layout (no KV transfer).
+    transport: "shm" (decode ranks copy from the prefill ranks' shared pools) or "ucx"
+    (every prefill rank sends each decode rank its KV heads over UCX)."""
     folder = request.getfixturevalue(model)
     scheduler = [*SMALL_POOLS["scheduler"], "--preemption-mode", preemption]
     if prefill is None:
@@ -82,9 +94,10 @@ def test_parallel_layouts_are_hf_exact_with_chunking_and_preemption(
         args = {"both": [*SMALL_POOLS["decode"], *layout_flags(decode)], "scheduler": scheduler}
     else:
         shape = dict(prefill=1, decode=1)
+        ucx = UCX if transport == "ucx" else []
         args = {
-            "prefill": [*SMALL_POOLS["prefill"], *layout_flags(prefill)],
-            "decode": [*SMALL_POOLS["decode"], *layout_flags(decode)],
+            "prefill": [*SMALL_POOLS["prefill"], *layout_flags(prefill), *ucx],
+            "decode": [*SMALL_POOLS["decode"], *layout_flags(decode), *ucx],
             "scheduler": scheduler,
         }
     stack = start_stack(folder, tmp_path / "run", extra_args=args, **shape)
@@ -103,8 +116,42 @@ def test_parallel_layouts_are_hf_exact_with_chunking_and_preemption(
             assert decoding.num_free_swap_blocks == decoding.num_swap_blocks
         if prefill is not None:
             assert decoding.kv_transfers > 0
+        if transport == "ucx":
+            refuse_impossible_layouts(stack, workers)
+            assert all(p.num_free_blocks == p.num_blocks for p in wait_until_idle(stack).pools)
     finally:
         stack.stop()
+
+
+def refuse_impossible_layouts(stack, workers: dict[str, str]) -> None:
+    """A peer layout this model cannot have (3 tensor ranks for 4 query heads) is refused
+    with INVALID_ARGUMENT naming it, on both sides; the workers serve on."""
+    prefill = worker_pb2_grpc.WorkerServiceStub(
+        grpc.insecure_channel(stack.process(workers["prefill"]).address)
+    )
+    decode = worker_pb2_grpc.WorkerServiceStub(
+        grpc.insecure_channel(stack.process(workers["decode"]).address)
+    )
+    calls = [
+        lambda: prefill.SendKv(
+            worker_pb2.SendKvRequest(
+                transfer_tag=1, peer_worker_id="x", peer_ucx_address=b"x", block_ids=[0],
+                peer_tensor_parallel_size=3, peer_rank_ucx_addresses=[b"y", b"z"],
+            ),
+            timeout=10,
+        ),
+        lambda: decode.ReceiveKv(
+            worker_pb2.ReceiveKvRequest(
+                transfer_tag=2, block_ids=[0], sender_tensor_parallel_size=3
+            ),
+            timeout=10,
+        ),
+    ]  # fmt: skip
+    for call, field in zip(calls, ("peer layout", "sender layout"), strict=True):
+        with pytest.raises(grpc.RpcError) as refused:
+            call()
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in refused.value.details() and "3" in refused.value.details()
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])

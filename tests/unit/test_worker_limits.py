@@ -140,6 +140,7 @@ def fake_worker(device: str) -> SimpleNamespace:
         speculative=None,
         layout=Layout(),
         rank_shared_memory=(),
+        rank_ucx_addresses=(),
         model_block_bytes=1024,
         batch=[],
         device=torch.device(device),

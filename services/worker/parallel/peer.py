@@ -2,11 +2,14 @@
 rank 0 (never by hand). It joins the group, loads its slice of the model and its slice of
 the KV pool (same block ids as rank 0), then runs every step rank 0 sends: the same batch
 bookkeeping and block moves, the forward pass with its collectives, and rank 0's sampled
-tokens in place of sampling. It has no gRPC server; it ends when rank 0's pipe closes."""
+tokens in place of sampling. Between steps it runs its part of KV transfers over UCX with
+a UCX worker of its own (`peer_kv.py`). It has no gRPC server; it ends when rank 0's pipe
+closes."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 
@@ -17,6 +20,7 @@ from common.pb.tandem.internal.v1 import worker_pb2
 from services.worker.batch import PersistentBatch, PlanError
 from services.worker.block_moves import run_moves
 from services.worker.config import WorkerConfig
+from services.worker.parallel.peer_kv import KV_KINDS, PeerKvTransfers
 from services.worker.parallel.rank_channel import RESET, STEP, read_messages
 from services.worker.parallel.rank_context import join_group, peer_store
 from services.worker.runner import ModelRunner
@@ -24,10 +28,22 @@ from services.worker.startup import load_worker
 from services.worker.step_wire import plan_from_pb
 
 
-def serve_steps(step_fd: int, runner: ModelRunner, batch: PersistentBatch, loaded, log) -> None:
+def serve_steps(
+    step_fd: int,
+    runner: ModelRunner,
+    batch: PersistentBatch,
+    loaded,
+    kv: PeerKvTransfers | None,
+    log,
+) -> None:
     for kind, payload in read_messages(step_fd):
         if kind == RESET:
             batch.clear()
+            continue
+        if kind in KV_KINDS:
+            if kv is None:
+                raise ValueError("a KV transfer command for a both-role worker's rank")
+            kv.handle(kind, json.loads(payload))
             continue
         if kind != STEP:
             raise ValueError(f"unknown message {kind!r} from rank 0")
@@ -47,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--store-port", type=int, required=True)
     parser.add_argument("--step-fd", type=int, required=True)
+    parser.add_argument("--answer-fd", type=int, required=True)
     args, rest = parser.parse_known_args(argv)
     for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 drains, then closes the pipe
         signal.signal(sig, signal.SIG_IGN)
@@ -61,9 +78,24 @@ def main(argv: list[str] | None = None) -> None:
     batch = PersistentBatch(
         loaded.kv_cache.block_size, loaded.kv_cache.num_blocks, loaded.model_config.vocab_size
     )
+    kv = None  # a both-role worker never moves KV to another worker
+    if config.role != "both":
+        kv = PeerKvTransfers(
+            args.rank,
+            loaded.kv_cache.data,
+            ranks.stage.layers.start if ranks.stage.layers is not None else 0,
+            args.answer_fd,
+            config.kv_transfer_timeout_s,
+            config.kv_transfer_error_handling,
+        )
     ranks.publish_pool(None if loaded.shared_pool is None else loaded.shared_pool.info)
+    ranks.publish_ucx_address(b"" if kv is None else kv.address)
     log.info("rank_ready", num_blocks=loaded.kv_cache.num_blocks)
-    serve_steps(args.step_fd, runner, batch, loaded, log)
+    try:
+        serve_steps(args.step_fd, runner, batch, loaded, kv, log)
+    finally:
+        if kv is not None:
+            kv.close()
     log.info("rank_stopping", reason="rank 0 closed the step pipe")
 
 

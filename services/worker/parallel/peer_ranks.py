@@ -1,10 +1,13 @@
 """Rank 0's side of a parallel worker: it starts the other ranks as processes of their own
 (`python -m services.worker.parallel.peer`, the worker's settings as flags), joins the
-process group with them, sends each of them every step and reset over a pipe, and watches
+process group with them, sends each of them every step and reset over a pipe, commands
+their parts of KV transfers over UCX and awaits their answers on a pipe back, and watches
 them: a rank that exits takes the whole worker down (its requests recompute elsewhere)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -15,7 +18,14 @@ from common.log import get_logger
 from common.model_config import ModelConfig
 from common.pb.tandem.internal.v1 import worker_pb2
 from services.worker.config import WorkerConfig
-from services.worker.parallel.rank_channel import RESET, STEP, write_message
+from services.worker.parallel.rank_channel import (
+    ANSWER,
+    RESET,
+    STEP,
+    read_messages,
+    write_json,
+    write_message,
+)
 from services.worker.parallel.rank_context import RankContext, join_group, master_store
 
 log = get_logger(__name__)
@@ -27,17 +37,25 @@ class PeerRanks:
         self._closing = False
         self._pipes: list[int] = []
         self._procs: list[subprocess.Popen] = []
+        # (transfer tag, "sent" or "received", rank) -> its future, on the event loop
+        self._expected: dict[tuple[int, str, int], asyncio.Future] = {}
         self.store = None
         for rank in range(1, self.world_size):
             read_fd, write_fd = os.pipe()
+            answer_read, answer_write = os.pipe()
             command = [
                 sys.executable, "-m", "services.worker.parallel.peer",
                 "--rank", str(rank), "--store-port", str(store_port), "--step-fd", str(read_fd),
-                *config_argv(config),
+                "--answer-fd", str(answer_write), *config_argv(config),
             ]  # fmt: skip
-            self._procs.append(subprocess.Popen(command, pass_fds=(read_fd,)))
+            self._procs.append(subprocess.Popen(command, pass_fds=(read_fd, answer_write)))
             os.close(read_fd)
+            os.close(answer_write)
             self._pipes.append(write_fd)
+            threading.Thread(
+                target=self._read_answers, args=(rank, answer_read), name=f"rank-{rank}-answers",
+                daemon=True,
+            ).start()  # fmt: skip
         for rank, proc in enumerate(self._procs, start=1):
             threading.Thread(
                 target=self._watch, args=(rank, proc), name=f"rank-{rank}-watch", daemon=True
@@ -52,6 +70,32 @@ class PeerRanks:
         if not self._closing:
             log.error("rank_exited", rank=rank, returncode=code, action="stopping the worker")
             os._exit(1)  # the group cannot go on: the scheduler fails this worker
+
+    def _read_answers(self, rank: int, fd: int) -> None:
+        for kind, payload in read_messages(fd):
+            if kind != ANSWER:
+                continue
+            body = json.loads(payload)
+            future = self._expected.pop((body["tag"], body["op"], rank), None)
+            if future is not None:
+                future.get_loop().call_soon_threadsafe(_settle, future, rank, body.get("error"))
+        os.close(fd)
+
+    def expect(self, tag: int, op: str, rank: int) -> asyncio.Future:
+        """A future for rank `rank`'s answer to its part of transfer `tag` (register it
+        before commanding the part); it raises `RankTransferError` with the rank's error."""
+        future = asyncio.get_running_loop().create_future()
+        self._expected[(tag, op, rank)] = future
+        return future
+
+    def forget(self, tag: int) -> None:
+        """Answers to transfer `tag` still to come are dropped."""
+        for key in [k for k in self._expected if k[0] == tag]:
+            self._expected.pop(key, None)
+
+    def command(self, rank: int, kind: bytes, body: dict) -> None:
+        """One KV transfer command to rank `rank` (1..), after whatever was written before."""
+        write_json(self._pipes[rank - 1], kind, body)
 
     def send_step(self, plan: worker_pb2.StepRequest) -> None:
         payload = plan.SerializeToString()
@@ -74,6 +118,19 @@ class PeerRanks:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+class RankTransferError(RuntimeError):
+    """A peer rank's part of a KV transfer failed."""
+
+
+def _settle(future: asyncio.Future, rank: int, error: str | None) -> None:
+    if future.done():
+        return
+    if error:
+        future.set_exception(RankTransferError(f"rank {rank}: {error}"))
+    else:
+        future.set_result(None)
 
 
 def start_peer_ranks(config: WorkerConfig) -> tuple[PeerRanks, RankContext]:

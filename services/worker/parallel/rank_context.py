@@ -74,6 +74,14 @@ class RankContext:
                        if data else None)  # fmt: skip
         return out
 
+    def publish_ucx_address(self, address: bytes) -> None:
+        """A peer rank tells rank 0 its UCX worker's address (KV moves rank to rank)."""
+        self.store.set(f"ucx/{self.rank}", address)
+
+    def collect_ucx_addresses(self) -> list[bytes]:
+        """Rank 0: every other rank's UCX address, in rank order (waits for them)."""
+        return [bytes(self.store.get(f"ucx/{rank}")) for rank in range(1, self.world_size)]
+
     def min_over_ranks(self, value: int) -> int:
         """The smallest `value` any rank has (every rank calls it): e.g. the pool size all
         ranks can hold, so that block ids mean the same blocks on every rank."""

@@ -12,7 +12,7 @@ class DescribeWorkerRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeWorkerResponse(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "kv_cache", "ucx_address", "num_active_requests", "device", "kv_shared_memory", "speculative", "tensor_parallel_size", "rank_kv_shared_memory", "pipeline_parallel_size")
+    __slots__ = ("worker_id", "role", "model", "kv_cache", "ucx_address", "num_active_requests", "device", "kv_shared_memory", "speculative", "tensor_parallel_size", "rank_kv_shared_memory", "pipeline_parallel_size", "rank_ucx_addresses")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class DescribeWorkerResponse(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_KV_SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_UCX_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _types_pb2.WorkerRole
     model: _types_pb2.ModelDescription
@@ -37,7 +38,8 @@ class DescribeWorkerResponse(_message.Message):
     tensor_parallel_size: int
     rank_kv_shared_memory: _containers.RepeatedCompositeFieldContainer[KvSharedMemory]
     pipeline_parallel_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.WorkerRole, str]] = ..., model: _Optional[_Union[_types_pb2.ModelDescription, _Mapping]] = ..., kv_cache: _Optional[_Union[_types_pb2.KvCacheDescription, _Mapping]] = ..., ucx_address: _Optional[bytes] = ..., num_active_requests: _Optional[int] = ..., device: _Optional[str] = ..., kv_shared_memory: _Optional[_Union[KvSharedMemory, _Mapping]] = ..., speculative: _Optional[_Union[SpeculativeDecoding, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., rank_kv_shared_memory: _Optional[_Iterable[_Union[KvSharedMemory, _Mapping]]] = ..., pipeline_parallel_size: _Optional[int] = ...) -> None: ...
+    rank_ucx_addresses: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.WorkerRole, str]] = ..., model: _Optional[_Union[_types_pb2.ModelDescription, _Mapping]] = ..., kv_cache: _Optional[_Union[_types_pb2.KvCacheDescription, _Mapping]] = ..., ucx_address: _Optional[bytes] = ..., num_active_requests: _Optional[int] = ..., device: _Optional[str] = ..., kv_shared_memory: _Optional[_Union[KvSharedMemory, _Mapping]] = ..., speculative: _Optional[_Union[SpeculativeDecoding, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., rank_kv_shared_memory: _Optional[_Iterable[_Union[KvSharedMemory, _Mapping]]] = ..., pipeline_parallel_size: _Optional[int] = ..., rank_ucx_addresses: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SpeculativeDecoding(_message.Message):
     __slots__ = ("method", "num_speculative_tokens", "disable_by_batch_size")
@@ -172,16 +174,22 @@ class SampledToken(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[_Union[_types_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class SendKvRequest(_message.Message):
-    __slots__ = ("transfer_tag", "peer_worker_id", "peer_ucx_address", "block_ids")
+    __slots__ = ("transfer_tag", "peer_worker_id", "peer_ucx_address", "block_ids", "peer_tensor_parallel_size", "peer_pipeline_parallel_size", "peer_rank_ucx_addresses")
     TRANSFER_TAG_FIELD_NUMBER: _ClassVar[int]
     PEER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_UCX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    PEER_TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PEER_PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PEER_RANK_UCX_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     transfer_tag: int
     peer_worker_id: str
     peer_ucx_address: bytes
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, transfer_tag: _Optional[int] = ..., peer_worker_id: _Optional[str] = ..., peer_ucx_address: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    peer_tensor_parallel_size: int
+    peer_pipeline_parallel_size: int
+    peer_rank_ucx_addresses: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, transfer_tag: _Optional[int] = ..., peer_worker_id: _Optional[str] = ..., peer_ucx_address: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., peer_tensor_parallel_size: _Optional[int] = ..., peer_pipeline_parallel_size: _Optional[int] = ..., peer_rank_ucx_addresses: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SendKvResponse(_message.Message):
     __slots__ = ("num_bytes", "seconds")
@@ -192,16 +200,20 @@ class SendKvResponse(_message.Message):
     def __init__(self, num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class ReceiveKvRequest(_message.Message):
-    __slots__ = ("transfer_tag", "block_ids", "after_step_id", "source")
+    __slots__ = ("transfer_tag", "block_ids", "after_step_id", "source", "sender_tensor_parallel_size", "sender_pipeline_parallel_size")
     TRANSFER_TAG_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     AFTER_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SENDER_TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SENDER_PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     transfer_tag: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     after_step_id: int
     source: KvSource
-    def __init__(self, transfer_tag: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., after_step_id: _Optional[int] = ..., source: _Optional[_Union[KvSource, _Mapping]] = ...) -> None: ...
+    sender_tensor_parallel_size: int
+    sender_pipeline_parallel_size: int
+    def __init__(self, transfer_tag: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., after_step_id: _Optional[int] = ..., source: _Optional[_Union[KvSource, _Mapping]] = ..., sender_tensor_parallel_size: _Optional[int] = ..., sender_pipeline_parallel_size: _Optional[int] = ...) -> None: ...
 
 class KvSource(_message.Message):
     __slots__ = ("worker_id", "shared_memory", "block_ids", "ready_step_id", "tensor_parallel_size", "rank_shared_memory", "pipeline_parallel_size")
