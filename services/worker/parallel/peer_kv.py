@@ -66,14 +66,16 @@ class PeerKvTransfers:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="ucx", daemon=True)
         self._thread.start()
-        self.transport = self._run(self._start(timeout_s, error_handling))
+        self.transport = self._run(self._start(timeout_s, error_handling, pool.device))
         self.address = self.transport.address
 
     def _run(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     @staticmethod
-    async def _start(timeout_s: float, error_handling: bool) -> UcxTransport:
+    async def _start(timeout_s: float, error_handling: bool, device: torch.device):
+        if device.type == "cuda":  # UCX's CUDA transports need a current context here
+            torch.cuda.set_device(device)
         transport = UcxTransport(timeout_s=timeout_s, error_handling=error_handling)
         _ = transport.address  # UCX's context starts here, on this loop
         return transport
