@@ -9,7 +9,7 @@
 // a few positions ahead are prefetched.
 //
 // Caches are the strided per-layer views [num_blocks, block_size, kv_heads, head_dim] of
-// the block-major pool (last dimension contiguous); float32 or bfloat16.
+// the block-major pool (last dimension contiguous); float32, bfloat16 or float8 (e4m3fn).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -23,6 +23,22 @@ namespace {
 
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
+
+// fp8 (e4m3fn) caches: a 256-entry table (the conversion's bit twiddling costs more than
+// the load it replaces). Scales are applied by the caller (query and output pre-scaled).
+struct Fp8Table {
+  float value[256];
+  Fp8Table() {
+    for (int i = 0; i < 256; ++i) {
+      value[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i),
+                                                       c10::Float8_e4m3fn::from_bits()));
+    }
+  }
+};
+const Fp8Table kFp8;
+
+template <>
+inline float to_float<c10::Float8_e4m3fn>(c10::Float8_e4m3fn x) { return kFp8.value[x.x]; }
 
 // A cached position's keys (or values) of one item are a short contiguous run inside a
 // 4 KiB page of a scattered block: the hardware prefetcher restarts at every block and
@@ -132,7 +148,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
 }
 
 // out: float32 [n, heads, head_dim] (written); query: float32 [n, heads, head_dim];
-// caches: [num_blocks, block_size, kv_heads, head_dim] float32 or bfloat16 (strided);
+// caches: [num_blocks, block_size, kv_heads, head_dim] float32, bfloat16 or float8_e4m3fn;
 // block_tables: int64 [n, max_blocks]; seq_lens: int64 [n] (>= 1).
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
@@ -157,8 +173,11 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
     decode_kernel<float>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
   } else if (k_cache.scalar_type() == at::kBFloat16) {
     decode_kernel<at::BFloat16>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+  } else if (k_cache.scalar_type() == at::kFloat8_e4m3fn) {
+    decode_kernel<c10::Float8_e4m3fn>(out, query, k_cache, v_cache, block_tables, seq_lens,
+                                      scale);
   } else {
-    TORCH_CHECK(false, "caches must be float32 or bfloat16");
+    TORCH_CHECK(false, "caches must be float32, bfloat16 or float8_e4m3fn");
   }
 }
 

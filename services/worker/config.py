@@ -18,6 +18,8 @@ from services.worker.models.attention_backend import BACKENDS
 
 ROLES = ("prefill", "decode", "both")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's names: auto = the model's dtype; fp8 = fp8_e4m3 (per-tensor or per-head scales).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 PACKED_WEIGHTS = ("auto", "on", "off")
 
 
@@ -42,6 +44,14 @@ class WorkerConfig(ServiceConfig):
         "weights and KV dtype (auto: float32 on CPU, the checkpoint's dtype on GPU)",
         choices=DTYPES,
         env="TANDEM_DTYPE",
+    )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "KV cache dtype: auto (the model's dtype) or fp8 / fp8_e4m3 (one byte per entry: "
+        "2x the blocks of bf16, 4x of fp32 in the same memory; scaled by the checkpoint's "
+        "k_scale/v_scale where it has them, else 1.0)",
+        choices=KV_CACHE_DTYPES,
+        env="TANDEM_KV_CACHE_DTYPE",
     )
     attention_backend: str = setting(
         "auto",
@@ -163,6 +173,7 @@ class WorkerConfig(ServiceConfig):
         for name, choices in (
             ("role", ROLES),
             ("dtype", DTYPES),
+            ("kv_cache_dtype", KV_CACHE_DTYPES),
             ("attention_backend", BACKENDS),
             ("cpu_packed_weights", PACKED_WEIGHTS),
         ):

@@ -139,8 +139,8 @@ class KvCache:
             raise ValueError(f"KV payload shape {tuple(payload.shape)} != expected {expected}")
         if len(index) == 0:
             return
-        values = payload.to(self.device).contiguous().view(self.dtype)
-        self.data.index_copy_(0, index, values.view(len(index), *self.data.shape[1:]))
+        values = payload.to(self.device).contiguous()
+        self.bytes.index_copy_(0, index, values.view(len(index), *self.bytes.shape[1:]))
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]], source: KvCache | None = None) -> None:
         """Copy whole blocks: `self[dst] = source[src]` for each (src, dst) pair.
@@ -155,7 +155,13 @@ class KvCache:
             raise ValueError("block copies need caches of the same geometry and dtype")
         src = source._index([p[0] for p in pairs], unique=False)
         dst = self._index([p[1] for p in pairs], unique=True)
-        self.data.index_copy_(0, dst, source.data.index_select(0, src).to(self.device))
+        self.bytes.index_copy_(0, dst, source.bytes.index_select(0, src).to(self.device))
+
+    @property
+    def bytes(self) -> torch.Tensor:
+        """The pool as raw bytes, `[num_blocks, ..., head_dim * element size]`: whole-block
+        copies go through it (torch has no CPU `index_copy_` for float8)."""
+        return self.data.view(torch.uint8)
 
     def _index(self, block_ids: Sequence[int], unique: bool) -> torch.Tensor:
         ids = [int(b) for b in block_ids]

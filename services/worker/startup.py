@@ -67,6 +67,11 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> tor
     return getattr(torch, name)
 
 
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's dtype (`--kv-cache-dtype`)."""
+    return model_dtype if name == "auto" else torch.float8_e4m3fn
+
+
 def _release_cuda() -> None:
     gc.collect()
     torch.cuda.synchronize()
@@ -144,6 +149,11 @@ def load_worker(
     dtype = resolve_dtype(config.dtype, device, model_config.torch_dtype)
     free_at_start = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
     backend = select_backend(config.attention_backend, device)
+    if config.kv_cache_dtype != "auto" and backend.name == "triton":
+        raise ValueError(
+            "--kv-cache-dtype fp8 runs on the cpu and torch attention backends; the Triton "
+            "kernels do not read fp8 yet (use --attention-backend torch on GPU)"
+        )
     model, model_config = load_model(
         config.model, dtype=dtype, device=device, attention=backend,
         tp=None if ranks is None else ranks.tp, stage=None if ranks is None else ranks.stage,
@@ -162,7 +172,7 @@ def load_worker(
         num_layers=len(model.stage.layer_range(model_config.num_hidden_layers)),
         num_kv_heads=len(model.shard.kv_heads),
         head_dim=model_config.head_dim,
-        dtype=dtype,
+        dtype=resolve_kv_dtype(config.kv_cache_dtype, dtype),
     )
     # Decode steps of a tensor-parallel worker run eagerly (no collectives in the graphs).
     use_graphs = (
@@ -244,6 +254,7 @@ def load_worker(
         model=model_config.name,
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
+        kv_cache_dtype=str(geometry["dtype"]).removeprefix("torch."),
         attention=backend.name,
         cuda_graphs=graphs.num_graphs if graphs else 0,
         packed_weights_mib=round(packed_bytes / 2**20, 1),

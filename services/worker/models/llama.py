@@ -93,6 +93,9 @@ class Attention(nn.Module):
             self.q_norm = None
             self.k_norm = None
         self.qkv_proj: MergedLinear | None = None
+        # fp8 KV cache scales from the checkpoint (`k_scale`, `v_scale`): per tensor or per
+        # KV head of this rank, set by the loader; None: 1.0 (see `_scaled`).
+        self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def merge_projections(self) -> None:
         self.qkv_proj = MergedLinear.merge([self.q_proj, self.k_proj, self.v_proj])
@@ -116,8 +119,22 @@ class Attention(nn.Module):
             qk = rotate(qkv[:, : heads + kv_heads], rope)
             q, k = qk[:, :heads], qk[:, heads:]
         k_cache, v_cache = cache
-        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        if self.kv_scales is not None and k_cache.element_size() == 1:
+            out = self._scaled(q, k, v, k_cache, v_cache, meta)
+        else:
+            out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, heads * self.head_dim)))
+
+    def _scaled(self, q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
+        """Attention over an fp8 cache that stores K / k_scale and V / v_scale: scores
+        q.K = (q * k_scale).(K / k_scale) and the output is v_scale times the weighted
+        sum of V / v_scale, so every backend stays scale-free (each scale is applied to
+        the query and output heads its KV head serves)."""
+        k_scale, v_scale = self.kv_scales  # [kv_heads, 1]
+        group = self.num_heads // self.num_kv_heads
+        q = q * k_scale.repeat_interleave(group, 0)
+        out = self.backend.forward(q, k / k_scale, v / v_scale, k_cache, v_cache, meta, self.scale)
+        return out * v_scale.repeat_interleave(group, 0)
 
 
 class MLP(nn.Module):

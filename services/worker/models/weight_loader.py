@@ -33,9 +33,42 @@ from services.worker.parallel.tp_group import TpGroup
 from services.worker.parallel.weight_shards import shard_weight
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# fp8 KV cache scales (compressed-tensors / vLLM naming), used with --kv-cache-dtype fp8.
+_KV_SCALES = ("self_attn.k_scale", "self_attn.v_scale")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # Held by the pipeline stages that need them only (first / last).
 _STAGE_ENDS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+
+
+def set_kv_scales(
+    model: LlamaForCausalLM, scales: dict[str, torch.Tensor], config: ModelConfig, device
+) -> None:
+    """Each layer's fp8 KV scales (a scalar, or one per KV head of the model: this rank's
+    are kept), as `[kv_heads, 1]` float32 on `Attention.kv_scales`; a layer needs both."""
+    kv_heads = model.shard.kv_heads
+    for index, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{index}.self_attn."
+        pair = [scales.pop(prefix + kind, None) for kind in ("k_scale", "v_scale")]
+        if pair == [None, None]:
+            continue
+        if None in pair:
+            raise ValueError(f"{prefix}k_scale and v_scale come together; one is missing")
+        out = []
+        for scale in pair:
+            scale = scale.float().flatten()
+            if scale.numel() == config.num_key_value_heads:
+                scale = scale[kv_heads.start : kv_heads.stop]
+            elif scale.numel() != 1:
+                raise ValueError(
+                    f"{prefix} KV scales must be one value or one per KV head "
+                    f"({config.num_key_value_heads}), got {scale.numel()}"
+                )
+            if not bool((scale > 0).all()) or not bool(torch.isfinite(scale).all()):
+                raise ValueError(f"{prefix} KV scales must be positive and finite")
+            out.append(scale.expand(len(kv_heads)).reshape(-1, 1).clone().to(device))
+        layer.self_attn.kv_scales = (out[0], out[1])
+    if scales:
+        raise ValueError(f"KV scales for layers the model does not have: {sorted(scales)[:4]}")
 
 
 def load_model(
@@ -83,8 +116,12 @@ def load_model(
             return name
         return f"model.layers.{int(layer.group(1)) - layers.start}.{name[layer.end() :]}"
 
+    kv_scales: dict[str, torch.Tensor] = {}
     for name, tensor in iter_tensors(path, keep=wanted):
         name = local_name(name)
+        if name.endswith(_KV_SCALES):
+            kv_scales[name] = tensor
+            continue
         if name not in expected:
             unexpected.append(name)
             continue
@@ -104,6 +141,7 @@ def load_model(
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     model.to(device)
+    set_kv_scales(model, kv_scales, config, device)
     model.eval()
     model.requires_grad_(False)
     model.merge_projections()

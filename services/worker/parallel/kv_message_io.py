@@ -83,7 +83,7 @@ def scatter_message(
     index = torch.tensor(block_ids, dtype=torch.long, device=pool.device)
     for piece, heads, part in _regions(pool, flat, len(block_ids), message, sending=False):
         layers = _layers(piece, first_layer)
-        if _whole(pool, layers, heads):
-            pool.index_copy_(0, index, part)
+        if _whole(pool, layers, heads):  # as bytes: no CPU index_copy_ for float8
+            pool.view(torch.uint8).index_copy_(0, index, part.view(torch.uint8))
         else:
             pool[index, layers, :, :, heads] = part
