@@ -111,15 +111,15 @@ def test_fp8_cache_agrees_with_float32_and_keeps_perplexity(trained_dir):
     prompts = [held_out[i * 8 : i * 8 + 12] for i in range(32)]
     reference, _ = greedy_batch(model, config, torch.float32, prompts, 16)
     ours, _ = greedy_batch(model, config, FP8, prompts, 16, forced=reference)
-    pairs = [(a, b) for r, o in zip(reference, ours, strict=True) for a, b in zip(r, o)]
-    agreement = sum(a == b for a, b in pairs) / len(pairs)
+    same = [a == b for r, o in zip(reference, ours, strict=True) for a, b in zip(r, o, strict=True)]
+    agreement = sum(same) / len(same)
     assert agreement >= 0.95, agreement
     text = held_out[:200]
     nll = {}
     for dtype in (torch.float32, FP8):
         rest = text[8:]
         _, logprobs = greedy_batch(model, config, dtype, [text[:8]], len(rest), forced=[rest])
-        nll[dtype] = -sum(float(lp[t]) for lp, t in zip(logprobs[0], rest)) / len(rest)
+        nll[dtype] = -sum(float(lp[t]) for lp, t in zip(logprobs[0], rest, strict=True)) / len(rest)
     ppl32, ppl8 = math.exp(nll[torch.float32]), math.exp(nll[FP8])
     assert ppl8 / ppl32 - 1 <= 0.01, (ppl32, ppl8)
     assert ppl32 < config.vocab_size / 4  # the model learned something
