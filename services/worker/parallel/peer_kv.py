@@ -38,6 +38,8 @@ from services.worker.parallel.rank_channel import (
 
 log = get_logger(__name__)
 KV_KINDS = (KV_SEND, KV_RECV, KV_SCATTER, KV_DROP)
+# A scatter comes after this rank answered `received`; its coroutine ends right after.
+SCATTER_WAIT_S = 10.0
 
 
 @dataclass
@@ -170,9 +172,14 @@ class PeerKvTransfers:
 
     def _scatter(self, tag: int) -> None:
         receive = self._receives.pop(tag, None)
-        if receive is None or not receive.done.done() or receive.done.cancelled():
-            log.error("kv_scatter_without_receive", tag=tag, rank=self.rank)
-            return
+        try:  # answered already: its coroutine is ending (it answers before it returns)
+            if receive is None:
+                raise KeyError(tag)
+            receive.done.result(timeout=SCATTER_WAIT_S)
+        except Exception as exc:
+            log.error("kv_scatter_without_receive", tag=tag, rank=self.rank, error=repr(exc))
+            raise RuntimeError(f"rank {self.rank}: scatter of transfer {tag:#x} without "
+                               "its receive") from exc  # fmt: skip
         for message, flat in receive.parts:
             scatter_message(self.pool, receive.block_ids, message, self.first_layer, flat)
         if self.pool.device.type == "cuda":
