@@ -12,7 +12,9 @@ them (rotary `inv_freq` buffers, which some checkpoints carry, are ignored).
 `i - first`) and, where the stage holds them, the embedding, final norm and LM head; the
 other layers' weights are skipped unread. `num_layers` loads only the first N decoder
 layers (then the final norm and LM head): the truncated, self-speculative draft of
-`spec_decode`; the later layers' weights are skipped unread.
+`spec_decode`; the later layers' weights are skipped unread. Quantized checkpoints
+(`quantized_weights.py`: compressed-tensors FP8, GPTQ) are dequantized module by module as
+their tensors are read.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from common.hf_checkpoint_reader import iter_tensors
 from common.model_config import ModelConfig
 from services.worker.models.attention_backend import AttentionBackend
 from services.worker.models.llama import LlamaForCausalLM
+from services.worker.models.quantized_weights import dequantized, quant_format
 from services.worker.parallel.pipeline_stage import PipelineStage
 from services.worker.parallel.tp_group import TpGroup
 from services.worker.parallel.weight_shards import shard_weight
@@ -117,7 +120,8 @@ def load_model(
         return f"model.layers.{int(layer.group(1)) - layers.start}.{name[layer.end() :]}"
 
     kv_scales: dict[str, torch.Tensor] = {}
-    for name, tensor in iter_tensors(path, keep=wanted):
+    fmt = quant_format(path)  # a format that is not supported stops here, named
+    for name, tensor in dequantized(iter_tensors(path, keep=wanted), fmt, dtype):
         name = local_name(name)
         if name.endswith(_KV_SCALES):
             kv_scales[name] = tensor
