@@ -50,6 +50,14 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def trained_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama briefly trained on the bundled corpus (accuracy checks; ~15 s, once)."""
+    from tests.trained_checkpoint import build_trained_checkpoint
+
+    return build_trained_checkpoint(tmp_path_factory.mktemp("ckpt") / "trained-llama")
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny random qwen2 checkpoint (q/k/v biases), single safetensors file."""
     return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-qwen2", "qwen2")

@@ -7,7 +7,6 @@ briefly trained tiny Llama, and end leak-free."""
 from __future__ import annotations
 
 import grpc
-import pytest
 
 from common.model_config import ModelConfig
 from common.pb.tandem.internal.v1 import types_pb2, worker_pb2, worker_pb2_grpc
@@ -15,25 +14,19 @@ from tests.hf_reference import hf_greedy, hf_tokenizer
 from tests.service.test_e2e import run_concurrently
 from tests.service.test_e2e_scheduling import SMALL_POOLS, workload
 from tests.stack_client import start_stack, wait_until_idle
-from tests.trained_checkpoint import build_trained_checkpoint
 
 FP8 = ["--kv-cache-dtype", "fp8"]
 
 
-@pytest.fixture(scope="module")
-def trained_dir(tmp_path_factory):
-    return build_trained_checkpoint(tmp_path_factory.mktemp("ckpt") / "trained-llama")
-
-
-def test_fp8_kv_serves_close_to_hf_and_leak_free(trained_dir, tmp_path):
+def test_fp8_kv_serves_close_to_hf_and_leak_free(trained_llama_dir, tmp_path):
     args = {
         "prefill": [*SMALL_POOLS["prefill"], *FP8],
         "decode": [*SMALL_POOLS["decode"], *FP8],
         "scheduler": [*SMALL_POOLS["scheduler"], "--preemption-mode", "swap"],
     }
-    stack = start_stack(trained_dir, tmp_path / "run", prefill=1, decode=1, extra_args=args)
+    stack = start_stack(trained_llama_dir, tmp_path / "run", prefill=1, decode=1, extra_args=args)
     try:
-        config = ModelConfig.from_folder(trained_dir)
+        config = ModelConfig.from_folder(trained_llama_dir)
         fp32_block = 2 * config.num_hidden_layers * 16 * config.num_key_value_heads * 4
         for process in stack.processes:
             if not process.name.startswith(("prefill-", "decode-")):
@@ -42,12 +35,12 @@ def test_fp8_kv_serves_close_to_hf_and_leak_free(trained_dir, tmp_path):
             described = stub.DescribeWorker(worker_pb2.DescribeWorkerRequest(), timeout=10)
             assert described.model.dtype == "float8_e4m3fn"
             assert described.kv_cache.block_bytes * 4 == fp32_block * config.head_dim
-        work = workload(hf_tokenizer(str(trained_dir)))
+        work = workload(hf_tokenizer(str(trained_llama_dir)))
         results = run_concurrently(stack.spec.gateway_address, work)
         pairs = []
         for (prompt, max_tokens), got in zip(work, results, strict=True):
             assert len(got.token_ids) == max_tokens
-            reference = hf_greedy(trained_dir, prompt, max_tokens)
+            reference = hf_greedy(trained_llama_dir, prompt, max_tokens)
             # Free-running: after a first difference the two continue different texts.
             same = [a == b for a, b in zip(got.token_ids, reference, strict=True)]
             first_miss = same.index(False) if False in same else max_tokens

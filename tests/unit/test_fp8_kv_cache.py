@@ -19,16 +19,11 @@ from services.worker.kv_cache import KvCache
 from services.worker.models.attention_backend import select_backend
 from services.worker.models.weight_loader import load_model
 from services.worker.startup import resolve_kv_dtype
-from tests.trained_checkpoint import build_trained_checkpoint, held_out_text
+from tests.trained_checkpoint import held_out_text
 from tests.unit.test_model_parity import PagedSession
 
 FP8 = torch.float8_e4m3fn
 GEOMETRY = dict(block_size=16, num_layers=4, num_kv_heads=2, head_dim=32)
-
-
-@pytest.fixture(scope="module")
-def trained_dir(tmp_path_factory):
-    return build_trained_checkpoint(tmp_path_factory.mktemp("ckpt") / "trained-llama")
 
 
 def test_fp8_pool_holds_four_times_the_blocks_of_float32_and_twice_bf16():
@@ -97,7 +92,7 @@ def greedy_batch(model, config, dtype, prompts, count, forced=None):
     return choices, logprobs
 
 
-def test_fp8_cache_agrees_with_float32_and_keeps_perplexity(trained_dir):
+def test_fp8_cache_agrees_with_float32_and_keeps_perplexity(trained_llama_dir):
     """Agreement: 32 held-out prompts, 16 greedy tokens each from the float32 cache; the
     fp8 cache, fed the same tokens, chooses the same at >= 95% of positions (every choice
     a decode reading its whole context from the cache). Perplexity: the held-out text,
@@ -105,8 +100,8 @@ def test_fp8_cache_agrees_with_float32_and_keeps_perplexity(trained_dir):
     from transformers import AutoTokenizer
 
     backend = select_backend("cpu", torch.device("cpu"))
-    model, config = load_model(trained_dir, torch.float32, attention=backend)
-    tokenizer = AutoTokenizer.from_pretrained(trained_dir)
+    model, config = load_model(trained_llama_dir, torch.float32, attention=backend)
+    tokenizer = AutoTokenizer.from_pretrained(trained_llama_dir)
     held_out = tokenizer(held_out_text())["input_ids"]
     prompts = [held_out[i * 8 : i * 8 + 12] for i in range(32)]
     reference, _ = greedy_batch(model, config, torch.float32, prompts, 16)
@@ -125,13 +120,13 @@ def test_fp8_cache_agrees_with_float32_and_keeps_perplexity(trained_dir):
     assert ppl32 < config.vocab_size / 4  # the model learned something
 
 
-def test_checkpoint_kv_scales_are_applied(trained_dir, tmp_path):
+def test_checkpoint_kv_scales_are_applied(trained_llama_dir, tmp_path):
     """k_scale / v_scale in the checkpoint (one per layer, or one per KV head): the fp8 pool
     holds K / k_scale, V / v_scale, and attention undoes them (logits track float32)."""
     import shutil
 
     folder = tmp_path / "scaled"
-    shutil.copytree(trained_dir, folder)
+    shutil.copytree(trained_llama_dir, folder)
     weights = load_file(folder / "model.safetensors")
     weights["model.layers.0.self_attn.k_scale"] = torch.tensor(0.25)
     weights["model.layers.0.self_attn.v_scale"] = torch.tensor(0.5)
@@ -140,7 +135,7 @@ def test_checkpoint_kv_scales_are_applied(trained_dir, tmp_path):
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     backend = select_backend("cpu", torch.device("cpu"))
     scaled, config = load_model(folder, torch.float32, attention=backend)
-    plain, _ = load_model(trained_dir, torch.float32, attention=backend)
+    plain, _ = load_model(trained_llama_dir, torch.float32, attention=backend)
     tokens = list(range(5, 45))
     sessions = {}
     for name, model, dtype in (("scaled", scaled, FP8), ("fp32", plain, torch.float32)):
