@@ -189,12 +189,15 @@ def load_config(
             f"{field.metadata.get('help', '')} [env {env_names[field.name]}; "
             f"default {field.default!r}]"
         )
+        # A bool flag alone means true (`--enable-lora`, as vLLM's); a value still works.
+        switch = {"nargs": "?", "const": "true"} if hints[field.name] is bool else {}
         parser.add_argument(
             flag_name(field.name),
             dest=field.name,
             default=None,
             help=help_text.replace("%", "%%"),  # argparse formats help with %
             choices=field.metadata.get("choices"),
+            **switch,
         )
     parsed = parser.parse_args(list(argv) if argv is not None else None)
     values: dict[str, Any] = {}

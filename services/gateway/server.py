@@ -30,6 +30,7 @@ from services.gateway.validation import (
     MAX_DETOKENIZE_IDS,
     InvalidArgumentError,
     ModelLimits,
+    NotFoundError,
     Stopping,
     check_prompt_field,
     check_token_ids,
@@ -37,6 +38,7 @@ from services.gateway.validation import (
     validate_cache_salt,
     validate_chat,
     validate_count,
+    validate_lora_name,
     validate_prompt_ids,
     validate_sampling,
     validate_stopping,
@@ -132,6 +134,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         logprobs = validate_count(request, "logprobs", 0, MAX_LOGPROBS, None)
         prompt_logprobs = validate_count(request, "prompt_logprobs", 0, MAX_LOGPROBS, None)
         cache_salt = validate_cache_salt(request.cache_salt)
+        lora_name = validate_lora_name(request.lora_name, list(self.model.lora_adapters))
         prompt_ids = await self._prompt_ids(request)
         max_tokens = resolve_max_tokens(request, len(prompt_ids), self.limits)
         stopping = validate_stopping(request.stopping, self.limits, max_tokens)
@@ -152,6 +155,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             stop_token_ids=sorted(stop_ids),
             cache_salt=cache_salt,
             n=n,
+            lora_name=lora_name,
         )
         return PreparedRequest(prompt_ids, stopping, frozenset(stop_ids), n, submit)
 
@@ -188,6 +192,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             except InvalidArgumentError as exc:
                 log.info("invalid_request", error=str(exc))
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except NotFoundError as exc:
+                log.info("unknown_lora_adapter", error=str(exc))
+                await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
             output = self._output(request_id, prepared, arrival)
             updates = await self.session.submit(prepared.submit)
             try:
@@ -252,6 +259,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             eos_token_ids=list(m.eos_token_ids),
             dtype=m.dtype,
             has_chat_template=self.prompts.has_chat_template,
+            lora_adapters=list(m.lora_adapters),
         )
 
     async def GetModelInfo(self, request, context):

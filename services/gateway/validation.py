@@ -36,6 +36,18 @@ class InvalidArgumentError(ValueError):
     """A bad field; str(error) is the message returned to the client."""
 
 
+class NotFoundError(LookupError):
+    """A named thing the server does not have (a LoRA adapter); returned as NOT_FOUND."""
+
+
+def validate_lora_name(name: str, loaded) -> str:
+    """'' (the base model) or one of the loaded adapters."""
+    if name and name not in loaded:
+        served = ", ".join(loaded) if loaded else "none (start the workers with --enable-lora)"
+        raise NotFoundError(f"lora_name {name!r} is not a loaded LoRA adapter; loaded: {served}")
+    return name
+
+
 @dataclass(frozen=True)
 class ModelLimits:
     vocab_size: int

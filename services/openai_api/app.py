@@ -142,6 +142,9 @@ def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
         parsed = parse_completion(await read_json(request, max_body_bytes))
         options = parsed.options
         model = await gateway.resolve_model(options.model, credentials(request))
+        lora = await gateway.lora_name(model, credentials(request))
+        for each in parsed.requests:
+            each.lora_name = lora
         echo_texts = await _echo_texts(gateway, parsed, credentials(request))
         streams = await open_streams(request, parsed.requests)
         meta = Meta(f"cmpl-{streams.request_ids[0]}", created, model)
@@ -160,6 +163,7 @@ def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
         parsed = parse_chat(await read_json(request, max_body_bytes))
         options = parsed.options
         model = await gateway.resolve_model(options.model, credentials(request))
+        parsed.request.lora_name = await gateway.lora_name(model, credentials(request))
         streams = await open_streams(request, [parsed.request])
         meta = Meta(f"chatcmpl-{streams.request_ids[0]}", created, model)
         if options.stream:
@@ -180,15 +184,24 @@ def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
             "max_model_len": model.max_model_len,
         }
 
+    def cards(models) -> list[dict]:
+        """Each model, then each of its LoRA adapters (parent: the model, as vLLM lists)."""
+        out = []
+        for m in models:
+            out.append(model_card(m))
+            for name in m.lora_adapters:
+                out.append(model_card(m) | {"id": name, "root": name, "parent": m.model_name})
+        return out
+
     async def list_models(request: Request) -> Response:
         models = await gateway.list_models(credentials(request))
-        return JSONResponse({"object": "list", "data": [model_card(m) for m in models]})
+        return JSONResponse({"object": "list", "data": cards(models)})
 
     async def get_model(request: Request) -> Response:
         name = request.path_params["model"]
         await gateway.resolve_model(name, credentials(request))
         models = await gateway.list_models(credentials(request))
-        return JSONResponse(next(model_card(m) for m in models if m.model_name == name))
+        return JSONResponse(next(c for c in cards(models) if c["id"] == name))
 
     async def health(request: Request) -> Response:
         if await gateway.serving():

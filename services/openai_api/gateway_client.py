@@ -128,21 +128,30 @@ class GatewayClient:
         return models
 
     async def resolve_model(self, name: str | None, metadata: Metadata = ()) -> str:
-        """The served model's id: `name` when served (404 otherwise), the first one if None."""
+        """The served model's id: `name` when served, as a model or one of its LoRA adapters
+        (404 otherwise), the first one if None."""
         models = await self.list_models(metadata)
         if not models:
             raise ApiError("the gateway serves no model yet", 503)
         if name is None:
             return models[0].model_name
-        if any(m.model_name == name for m in models):
+        if any(m.model_name == name or name in m.lora_adapters for m in models):
             return name
         raise ApiError(
             f"The model `{name}` does not exist. Served: "
-            + ", ".join(m.model_name for m in models),
+            + ", ".join(n for m in models for n in (m.model_name, *m.lora_adapters)),
             404,
             "model",
             "model_not_found",
         )
+
+    async def lora_name(self, model: str, metadata: Metadata = ()) -> str:
+        """The LoRA adapter a resolved model id stands for ("" = a base model), as vLLM
+        selects adapters by the request's `model`."""
+        models = await self.list_models(metadata)
+        if any(m.model_name == model for m in models):
+            return ""
+        return model if any(model in m.lora_adapters for m in models) else ""
 
     async def detokenize(self, token_ids: Sequence[int], metadata: Metadata = ()) -> str:
         request = generate_pb2.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=False)

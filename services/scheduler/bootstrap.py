@@ -25,7 +25,10 @@ log = get_logger(__name__)
 
 # Fields every worker must agree on: the model's shape, and the KV block geometry (a block
 # sent by a prefill worker must land byte-for-byte in a decode worker's block).
-_SAME_MODEL = ("architecture", "vocab_size", "num_layers", "num_kv_heads", "head_dim", "dtype")
+_SAME_MODEL = (
+    "architecture", "vocab_size", "num_layers", "num_kv_heads", "head_dim", "dtype",
+    "lora_adapters",
+)  # fmt: skip
 
 
 def check_compatible(infos: list[WorkerInfo]) -> None:
@@ -107,6 +110,7 @@ def pool_scheduler(config: SchedulerConfig, info: WorkerInfo) -> PoolScheduler:
         runs_decodes=info.role != "prefill",
         preemption_mode=config.preemption_mode,
         swap_blocks=swap,
+        max_loras=info.max_loras,
         lookahead=(
             None
             if info.speculative is None or info.role == "prefill"

@@ -152,7 +152,9 @@ class Engine(Recovery):
         WorkerUnavailableError."""
         for request in samples:
             self._validate(request)
-            request.hash_root = root_hash(self.deployment_salt, request.cache_salt)
+            request.hash_root = root_hash(
+                self.deployment_salt, request.cache_salt, request.lora_name
+            )
             request.update_block_hashes(self.pools[0].blocks.block_size)
         if not self.serving:
             raise WorkerUnavailableError(

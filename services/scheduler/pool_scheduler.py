@@ -48,10 +48,13 @@ class PoolScheduler(Migration):
         preemption_mode: str = "recompute",
         swap_blocks: BlockManager | None = None,
         lookahead: Lookahead | None = None,
+        max_loras: int = 0,
     ) -> None:
         """Settings come checked (SchedulerConfig; swap space by bootstrap.pool_scheduler).
-        `lookahead`: the worker verifies proposals (speculative decoding)."""
+        `lookahead`: the worker verifies proposals (speculative decoding). `max_loras`:
+        distinct LoRA adapters the running requests may use at once (0: no limit)."""
         self.lookahead = lookahead
+        self.max_loras = max_loras
         self.blocks = blocks
         self.swap_blocks = swap_blocks
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -323,6 +326,8 @@ class PoolScheduler(Migration):
             num_new = min(self.schedulable_tokens(request), budget)
             if num_new <= 0 or not self.blocks.can_allocate(request.request_id, computed + num_new):
                 break
+            if not self._lora_fits(request):
+                break
             self.swapped.popleft()
             swap_table = self.swap_blocks.table(request.request_id)
             self.blocks.allocate(request.request_id, computed)
@@ -341,6 +346,9 @@ class PoolScheduler(Migration):
             if request.num_pending_tokens or self._awaits_leader(request):
                 skipped.append(request)  # preempted while a token was on the way, or
                 continue  # a sample whose prompt blocks its leader is still computing
+            if not self._lora_fits(request):
+                skipped.append(request)  # its adapter waits for a free LoRA slot
+                continue
             hits = self._prefix_hits(request)
             start = len(hits) * self.blocks.block_size if hits else request.num_computed_tokens
             num_new = min(request.num_tokens - start, budget)
@@ -365,6 +373,13 @@ class PoolScheduler(Migration):
             budget -= num_new
             self._commit(plan, request, num_new, start, hits)
         self.waiting.extendleft(reversed(skipped))
+
+    def _lora_fits(self, request: Request) -> bool:
+        """Running it keeps the running requests within `max_loras` distinct adapters."""
+        if not self.max_loras or not request.lora_name:
+            return True
+        active = {r.lora_name for r in self.running if r.lora_name}
+        return request.lora_name in active or len(active) < self.max_loras
 
     def _awaits_leader(self, request: Request) -> bool:
         """True for sample i > 0 of n while sample 0, in this pool, has not yet planned every

@@ -3,7 +3,8 @@
 A full block's hash covers its parent's hash and its own token ids, so equal hashes mean
 equal prefixes (up to a hash collision, which the block pool rules out by comparing tokens
 on every hit). The chain starts from a root that mixes a per-deployment salt and the
-request's optional `cache_salt`, so requests with different salts never share blocks and
+request's optional `cache_salt` and its LoRA adapter, so requests with different salts or
+adapters never share blocks (an adapter changes every layer's K and V) and
 hashes cannot be predicted across deployments. SHA-256 over a fixed little-endian encoding
 (never Python's `hash()`, never pickle). Pure Python.
 """
@@ -17,12 +18,16 @@ from collections.abc import Sequence
 BlockHash = bytes  # 32-byte SHA-256 digest
 
 
-def root_hash(deployment_salt: bytes, cache_salt: str = "") -> BlockHash:
+def root_hash(deployment_salt: bytes, cache_salt: str = "", lora_name: str = "") -> BlockHash:
     """The parent of a sequence's first block."""
     digest = hashlib.sha256(b"tandem-prefix-v1\0")
     digest.update(struct.pack("<I", len(deployment_salt)))
     digest.update(deployment_salt)
-    digest.update(cache_salt.encode("utf-8"))
+    salt = cache_salt.encode("utf-8")
+    digest.update(struct.pack("<I", len(salt)))
+    digest.update(salt)
+    if lora_name:  # base-model roots stay as they were
+        digest.update(b"lora\0" + lora_name.encode("utf-8"))
     return digest.digest()
 
 

@@ -30,6 +30,7 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     max_model_len: int | None = None
     cache_salt: str = ""
+    lora_name: str = ""  # its LoRA adapter ("" = the base model)
     # Which of the client request's n samples this is; samples 1..n-1 point at sample 0,
     # whose prompt blocks they reuse through the prefix cache.
     index: int = 0

@@ -156,6 +156,7 @@ def samples_from_pb(request: scheduler_pb2.SubmitRequest, max_model_len: int) ->
             sampling=sampling_from_pb(request.sampling, i, with_prompt_logprobs=i == 0),
             stop_token_ids=frozenset(request.stop_token_ids),
             cache_salt=request.cache_salt,
+            lora_name=request.lora_name,
             max_model_len=max_model_len,
             index=i,
         )

@@ -54,6 +54,7 @@ def plan_to_pb(step_id: int, plan: PoolStepPlan) -> worker_pb2.StepRequest:
                     sampling=_worker_sampling(req),
                     num_prompt_tokens=len(req.prompt_token_ids),
                     num_lookahead_tokens=item.num_lookahead_tokens,
+                    lora_name=req.lora_name,
                 )
             )
         else:
@@ -72,7 +73,10 @@ def plan_to_pb(step_id: int, plan: PoolStepPlan) -> worker_pb2.StepRequest:
 def model_from_pb(pb: types_pb2.ModelDescription) -> ModelShape:
     """`ModelShape` mirrors `ModelDescription` field for field."""
     values = {f.name: getattr(pb, f.name) for f in fields(ModelShape)}
-    return ModelShape(**values | {"eos_token_ids": tuple(pb.eos_token_ids)})
+    return ModelShape(
+        **values
+        | {"eos_token_ids": tuple(pb.eos_token_ids), "lora_adapters": tuple(pb.lora_adapters)}
+    )
 
 
 def model_to_pb(model: ModelShape) -> types_pb2.ModelDescription:
@@ -97,6 +101,7 @@ def worker_info_from_pb(address: str, d: worker_pb2.DescribeWorkerResponse) -> W
         pipeline_parallel_size=max(1, d.pipeline_parallel_size),
         rank_shared_memory=tuple(shared_memory_from_pb(m) for m in d.rank_kv_shared_memory),
         rank_ucx_addresses=tuple(d.rank_ucx_addresses),
+        max_loras=d.max_loras,
         speculative=(
             SpeculativeInfo(
                 d.speculative.method,

@@ -34,6 +34,7 @@ class ModelShape:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    lora_adapters: tuple[str, ...] = ()  # the LoRA adapters every worker loaded
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class WorkerInfo:
     rank_shared_memory: tuple[SharedMemoryInfo, ...] = ()
     pipeline_parallel_size: int = 1
     rank_ucx_addresses: tuple[bytes, ...] = ()  # ranks 1.. (ucx_address is rank 0's)
+    max_loras: int = 0  # distinct LoRA adapters per step (0: LoRA off)
 
     def can_pull_from(self, source: WorkerInfo) -> bool:
         """This worker can copy KV straight out of `source`'s pool (same host)."""

@@ -26,6 +26,7 @@ class WorkerRequest:
     num_computed_tokens: int
     sampling: SamplingParams
     num_prompt_tokens: int = 0
+    lora_name: str = ""  # its LoRA adapter ("" = the base model)
     # Leading tokens whose KV is in the draft model's pool (speculative decoding with a
     # draft model): stale KV past them is rewritten before it is read.
     num_draft_computed_tokens: int = 0
@@ -41,6 +42,7 @@ class NewRequestData:
     sampling: SamplingParams
     num_prompt_tokens: int = 0
     num_lookahead_tokens: int = 0
+    lora_name: str = ""
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,7 @@ class PersistentBatch:
                 num_computed_tokens=data.num_computed_tokens,
                 sampling=data.sampling,
                 num_prompt_tokens=data.num_prompt_tokens or len(data.token_ids),
+                lora_name=data.lora_name,
             )
             self.requests[data.request_id] = request
             work.append(self._work(request, data.num_scheduled_tokens, data.num_lookahead_tokens))

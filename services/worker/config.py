@@ -149,6 +149,30 @@ class WorkerConfig(ServiceConfig):
         "empty = off)",
         env="TANDEM_SPECULATIVE_CONFIG",
     )
+    enable_lora: bool = setting(
+        False, "serve LoRA adapters (vLLM's --enable-lora)", env="TANDEM_ENABLE_LORA"
+    )
+    lora_modules: tuple[str, ...] = setting(
+        (),
+        "LoRA adapters to load at start, name=path of a PEFT adapter folder, comma-separated "
+        "(vLLM's --lora-modules); requests pick one by name",
+        env="TANDEM_LORA_MODULES",
+    )
+    max_loras: int = setting(
+        1,
+        "distinct LoRA adapters one step may use (vLLM's --max-loras; the scheduler batches "
+        "within it)",
+        env="TANDEM_MAX_LORAS",
+    )
+    max_lora_rank: int = setting(
+        16, "largest LoRA rank accepted (vLLM's --max-lora-rank, <= 64)", env="TANDEM_MAX_LORA_RANK"
+    )
+    max_cpu_loras: int = setting(
+        0,
+        "LoRA adapters held in memory (vLLM's --max-cpu-loras; 0 = max_loras or the number "
+        "of --lora-modules, whichever is larger)",
+        env="TANDEM_MAX_CPU_LORAS",
+    )
     tensor_parallel_size: int = setting(
         1,
         "ranks that each hold a slice of every layer (attention heads, MLP, vocabulary); the "
@@ -206,12 +230,43 @@ class WorkerConfig(ServiceConfig):
         if spec is not None and self.role == "prefill":
             raise ValueError("--speculative-config is for decode (or both) workers")
         self._at_least(1, "tensor_parallel_size", "pipeline_parallel_size")
+        self._check_lora(spec)
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) == 1:
                 continue
             self._require(
                 spec is None, name, "must be 1 with --speculative-config (not combined yet)"
             )
+
+    def _check_lora(self, spec) -> None:
+        self._at_least(1, "max_loras")
+        self._at_least(0, "max_cpu_loras")
+        self._require(1 <= self.max_lora_rank <= 64, "max_lora_rank", "must be in 1..64")
+        if not self.enable_lora:
+            self._require(not self.lora_modules, "lora_modules", "needs --enable-lora")
+            return
+        names = [m.partition("=")[0] for m in self.lora_modules]
+        for module in self.lora_modules:
+            name, sep, path = module.partition("=")
+            self._require(bool(sep and name and path), "lora_modules", "entries are name=path")
+        self._require(len(set(names)) == len(names), "lora_modules", "names must be distinct")
+        self._require(
+            len(self.lora_modules) <= self.cpu_loras,
+            "lora_modules",
+            f"holds more adapters than max_cpu_loras ({self.cpu_loras})",
+        )
+        self._require(
+            self.world_size == 1, "enable_lora", "needs one rank (no tensor/pipeline ranks yet)"
+        )
+        self._require(spec is None, "enable_lora", "cannot be combined with speculation yet")
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras or max(self.max_loras, len(self.lora_modules))
+
+    @property
+    def lora_paths(self) -> dict[str, str]:
+        return dict(m.partition("=")[::2] for m in self.lora_modules)
 
     @property
     def layout(self) -> Layout:

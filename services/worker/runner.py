@@ -25,6 +25,7 @@ from services.worker.logprobs import (
     raw_logprobs,
     to_host,
 )
+from services.worker.lora.manager import LoraManager
 from services.worker.models.attention_metadata import (
     AttentionMetadata,
     SequenceSlice,
@@ -98,22 +99,32 @@ class ModelRunner:
         graphs: DecodeGraphs | None = None,
         proposer: Proposer | None = None,
         tokens: StepShare | None = None,
+        lora: LoraManager | None = None,
     ) -> None:
         """`proposer`: proposes tokens for requests with lookahead slots (speculative
         decoding); None: lookahead slots stay unused. `tokens`: in a parallel
         worker, how the sampling rank hands its results to the other ranks (which compute
         the same logits collectively, or an earlier pipeline stage's part, but do not
-        sample)."""
+        sample). `lora`: the worker's LoRA adapters (each request's tokens go through its
+        adapter's update)."""
         self.model = model
         self.tokens = tokens
         self.proposer = proposer
         self.kv_cache = kv_cache
         self.device = device
         self.graphs = graphs
+        self.lora = lora
         stage = getattr(model, "stage", None)
         self.pipelined = stage is not None and stage.size > 1
         self.generator = torch.Generator(device=device)
         self.generator.seed()
+
+    def _forward(self, ids, positions, meta, slices):
+        if self.graphs is not None and self.graphs.supports(meta):
+            return self.graphs.run(ids, positions, meta)
+        if self.pipelined:  # stages overlap over micro-batches of the step's requests
+            return pipelined_forward(self.model, ids, positions, meta, slices, self.kv_cache)
+        return self.model(ids, positions, self.kv_cache, meta)
 
     @torch.inference_mode()
     def execute(self, work: Sequence[ScheduledWork]) -> StepOutput:
@@ -131,12 +142,14 @@ class ModelRunner:
         spec.rows(input_ids, slices)
         positions, meta = build_attention_metadata(slices, self.kv_cache.block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        if self.graphs is not None and self.graphs.supports(meta):
-            hidden = self.graphs.run(ids, positions, meta)
-        elif self.pipelined:  # stages overlap over micro-batches of the step's requests
-            hidden = pipelined_forward(self.model, ids, positions, meta, slices, self.kv_cache)
-        else:
-            hidden = self.model(ids, positions, self.kv_cache, meta)
+        if self.lora is not None:  # each token through its request's adapter
+            adapters = [i.request.lora_name for i in work for _ in range(i.num_new_tokens)]
+            self.lora.set_pass(adapters, self.device)
+        try:
+            hidden = self._forward(ids, positions, meta, slices)
+        finally:
+            if self.lora is not None:
+                self.lora.clear_pass()
         if hidden is None:  # an earlier pipeline stage: the last one samples
             return self.tokens.receive_output()
         samplers = [i for i, item in enumerate(work) if item.samples]

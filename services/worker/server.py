@@ -87,6 +87,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 num_layers=cfg.num_hidden_layers,
                 num_kv_heads=cfg.num_key_value_heads,
                 head_dim=cfg.head_dim,
+                lora_adapters=[] if worker.lora is None else worker.lora.names,
             ),
             kv_cache=types_pb2.KvCacheDescription(
                 num_blocks=worker.kv_cache.num_blocks,
@@ -107,6 +108,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 shared_memory_to_pb(m) for m in worker.rank_shared_memory if m is not None
             ],
             rank_ucx_addresses=list(worker.rank_ucx_addresses),
+            max_loras=0 if worker.lora is None else worker.lora.max_loras,
             speculative=(
                 None
                 if worker.speculative is None

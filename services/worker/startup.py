@@ -25,6 +25,8 @@ from services.worker.config import WorkerConfig
 from services.worker.cuda_graphs import DecodeGraphs, graph_buckets
 from services.worker.kv_cache import KvCache
 from services.worker.kv_shared import SharedPool
+from services.worker.lora.adapter import load_adapter
+from services.worker.lora.manager import LoraManager
 from services.worker.models.attention_backend import select_backend
 from services.worker.models.attention_metadata import SequenceSlice, build_attention_metadata
 from services.worker.models.weight_loader import load_model
@@ -50,6 +52,7 @@ class LoadedWorker:
     # speculative decoding's draft model and its pool (the target pool's blocks)
     draft: DraftModel | None = None
     draft_cache: KvCache | None = None
+    lora: LoraManager | None = None  # --enable-lora: the adapters and their slots
 
 
 def resolve_device(name: str) -> torch.device:
@@ -65,6 +68,17 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> tor
     if name == "auto":
         name = "float32" if device.type == "cpu" else checkpoint_dtype
     return getattr(torch, name)
+
+
+def load_lora(config: WorkerConfig, model, num_layers: int) -> LoraManager | None:
+    """--enable-lora: the model's projections get LoRA slots and --lora-modules are read
+    (a bad adapter folder stops the start, naming it)."""
+    if not config.enable_lora:
+        return None
+    lora = LoraManager(model, config.max_loras, config.max_lora_rank, config.cpu_loras)
+    for name, path in config.lora_paths.items():
+        lora.register(load_adapter(name, path, num_layers, config.max_lora_rank))
+    return lora
 
 
 def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -166,6 +180,7 @@ def load_worker(
     packed_bytes = 0
     if wants_packed_weights(config, model, device):
         packed_bytes = model.pack_weights() + (draft.model.pack_weights() if draft else 0)
+    lora = load_lora(config, model, model_config.num_hidden_layers)
     geometry = dict(
         block_size=config.block_size,
         # this rank's layers and heads (all of them in a one-process worker)
@@ -178,6 +193,7 @@ def load_worker(
     use_graphs = (
         device.type == "cuda"
         and not config.enforce_eager
+        and lora is None  # LoRA's per-pass segments are not captured
         and config.role != "prefill"
         and ranks is None
     )
@@ -270,5 +286,5 @@ def load_worker(
     )
     return LoadedWorker(
         model, model_config, kv_cache, max_model_len, device, swap_cache, graphs, shared_pool,
-        draft, draft_cache,
+        draft, draft_cache, lora,
     )  # fmt: skip

@@ -36,6 +36,7 @@ def plan_from_pb(plan: worker_pb2.StepRequest) -> StepPlan:
                 sampling=sampling_from_pb(r.sampling),
                 num_prompt_tokens=r.num_prompt_tokens,
                 num_lookahead_tokens=r.num_lookahead_tokens,
+                lora_name=r.lora_name,
             )
             for r in plan.new_requests
         ],

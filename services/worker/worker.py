@@ -105,7 +105,9 @@ class Worker:
                 self.speculative, loaded.draft, loaded.draft_cache, loaded.device
             ),
             tokens=None if ranks is None else ranks.tokens,
+            lora=loaded.lora,
         )
+        self.lora = loaded.lora
         self.shared_pool = loaded.shared_pool
         # Only a prefill worker's prompts are streamed while they compute: only it reports
         # progress (a peer pulling from any other worker's pool copies final blocks).

@@ -125,5 +125,5 @@ def test_kernel_rejects_bad_arguments(kernel_built):
         op(torch.empty_like(q), q, cache, cache, tables.int(), lens, 1.0)
     with pytest.raises(RuntimeError, match="multiple of kv heads"):
         op(torch.empty(2, 3, 16), torch.randn(2, 3, 16), cache, cache, tables, lens, 1.0)
-    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float8_e4m3fn"):
         op(torch.empty_like(q), q, cache.half(), cache.half(), tables, lens, 1.0)

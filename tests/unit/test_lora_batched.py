@@ -74,7 +74,7 @@ def test_three_adapters_and_the_base_in_one_batch_equal_peft(tiny_llama_dir, ada
     model, config = load_model(tiny_llama_dir, torch.float32)
     manager = LoraManager(model, max_loras=4, max_rank=16)
     for name, folder in adapters.items():
-        manager.add(load_adapter(name, folder, config.num_hidden_layers))
+        manager.register(load_adapter(name, folder, config.num_hidden_layers))
     names = [*adapters, None]  # one sequence per adapter, one on the base model
     session = PagedSession(model, config, block_size=4)
     tables = [session.allocate(len(p) + NEW_TOKENS) for p in PROMPTS]
@@ -101,7 +101,7 @@ def test_adapter_logits_match_the_merged_weights(tiny_llama_dir, adapters):
 
     model, config = load_model(tiny_llama_dir, torch.float32)
     manager = LoraManager(model, max_loras=2, max_rank=16)
-    manager.add(load_adapter("mlp16", adapters["mlp16"], config.num_hidden_layers))
+    manager.register(load_adapter("mlp16", adapters["mlp16"], config.num_hidden_layers))
     prompt = PROMPTS[2]
     session = PagedSession(model, config, block_size=4)
     manager.set_pass(["mlp16"] * len(prompt))
@@ -138,16 +138,38 @@ def test_adapters_this_server_cannot_apply_are_refused(adapters, tmp_path, chang
     assert named in str(refused.value) and "'bad'" in str(refused.value)
 
 
-def test_slots_are_bounded_and_reused(tiny_llama_dir, adapters):
+def test_slots_are_bounded_and_least_recently_used_adapters_make_room(tiny_llama_dir, adapters):
+    """Two slots, three adapters held: a pass brings its adapters in, evicting the least
+    recently used one it does not need, and still equals PEFT afterwards."""
     model, config = load_model(tiny_llama_dir, torch.float32)
-    manager = LoraManager(model, max_loras=2, max_rank=16)
-    loaded = [load_adapter(n, f, config.num_hidden_layers) for n, f in adapters.items()]
-    assert [manager.add(a) for a in loaded[:2]] == [0, 1]
-    with pytest.raises(ValueError, match="all 2 LoRA slots are taken"):
-        manager.add(loaded[2])
-    manager.remove(loaded[0].name)
-    assert manager.add(loaded[2]) == 0 and manager.names == sorted(a.name for a in loaded[1:])
+    manager = LoraManager(model, max_loras=2, max_rank=16, max_cpu_loras=3)
+    loaded = {n: load_adapter(n, f, config.num_hidden_layers) for n, f in adapters.items()}
+    for adapter in loaded.values():
+        manager.register(adapter)
+    with pytest.raises(ValueError, match="3 LoRA adapters in one step"):
+        manager.set_pass(list(loaded))
+    manager.set_pass(["qv8", "all4-rs"])
+    manager.set_pass(["qv8"])  # all4-rs is now the least recently used
+    manager.set_pass(["mlp16", "qv8"])
+    assert dict(manager._slots) == {"qv8": 0, "mlp16": 1}
+    manager.clear_pass()
+    prompt = PROMPTS[1]
+    session = PagedSession(model, config, block_size=4)
+    manager.set_pass(["mlp16"] * len(prompt))
+    (ours,) = session.step([(prompt, 0, len(prompt), session.allocate(len(prompt)))])
+    from peft import PeftModel
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    hf = PeftModel.from_pretrained(hf, adapters["mlp16"]).merge_and_unload()
+    with torch.no_grad():
+        reference = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
     with pytest.raises(KeyError, match="not loaded"):
-        manager.set_pass([loaded[0].name])
+        manager.set_pass(["nope"])
+    one = LoraManager(load_model(tiny_llama_dir, torch.float32)[0], 1, 16, max_cpu_loras=1)
+    one.register(loaded["qv8"])
+    with pytest.raises(ValueError, match="max-cpu-loras"):
+        one.register(loaded["mlp16"])
+    small = LoraManager(load_model(tiny_llama_dir, torch.float32)[0], 1, max_rank=4)
     with pytest.raises(ValueError, match="max_lora_rank"):
-        LoraManager(load_model(tiny_llama_dir, torch.float32)[0], 1, max_rank=4).add(loaded[0])
+        small.register(loaded["qv8"])

@@ -540,3 +540,21 @@ def test_prompt_tokens_computed_counts_prompts_and_recomputes_not_arrived_kv():
     step(other)
     step(other)
     assert other.num_prompt_tokens_computed == 0
+
+
+def test_running_requests_use_at_most_max_loras_adapters_and_the_rest_wait():
+    """Two LoRA slots: requests of a third adapter wait (base-model and same-adapter
+    requests join) until an adapter's last request finishes."""
+    s = sched(max_loras=2)
+    adapters = ["a", "b", "c", None, "a"]
+    for i, name in enumerate(adapters):
+        request = make_request(f"r{i}", 4, max_tokens=2, first=10 * i + 1)
+        request.lora_name = name or ""
+        s.add(request)
+    plan = step(s)
+    assert [r for r, _ in scheduled(plan)] == ["r0", "r1", "r3", "r4"]  # r2 ("c") waits
+    assert {r.lora_name for r in s.running if r.lora_name} == {"a", "b"}
+    while "r2" not in [r for r, _ in scheduled(plan)]:
+        plan = step(s)
+        assert len({r.lora_name for r in s.running if r.lora_name}) <= 2
+    assert all(r.request_id != "r1" for r in s.running)  # "b" finished first, then "c" ran

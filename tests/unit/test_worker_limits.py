@@ -141,6 +141,7 @@ def fake_worker(device: str) -> SimpleNamespace:
         layout=Layout(),
         rank_shared_memory=(),
         rank_ucx_addresses=(),
+        lora=None,
         model_block_bytes=1024,
         batch=[],
         device=torch.device(device),

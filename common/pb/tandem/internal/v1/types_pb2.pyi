@@ -85,7 +85,7 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class ModelDescription(_message.Message):
-    __slots__ = ("name", "architecture", "vocab_size", "max_model_len", "eos_token_ids", "dtype", "num_layers", "num_kv_heads", "head_dim")
+    __slots__ = ("name", "architecture", "vocab_size", "max_model_len", "eos_token_ids", "dtype", "num_layers", "num_kv_heads", "head_dim", "lora_adapters")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class ModelDescription(_message.Message):
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     vocab_size: int
@@ -104,7 +105,8 @@ class ModelDescription(_message.Message):
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KvCacheDescription(_message.Message):
     __slots__ = ("num_blocks", "block_size", "block_bytes", "layout", "num_swap_blocks")

@@ -12,7 +12,7 @@ class DescribeWorkerRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeWorkerResponse(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "kv_cache", "ucx_address", "num_active_requests", "device", "kv_shared_memory", "speculative", "tensor_parallel_size", "rank_kv_shared_memory", "pipeline_parallel_size", "rank_ucx_addresses")
+    __slots__ = ("worker_id", "role", "model", "kv_cache", "ucx_address", "num_active_requests", "device", "kv_shared_memory", "speculative", "tensor_parallel_size", "rank_kv_shared_memory", "pipeline_parallel_size", "rank_ucx_addresses", "max_loras")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class DescribeWorkerResponse(_message.Message):
     RANK_KV_SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_UCX_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _types_pb2.WorkerRole
     model: _types_pb2.ModelDescription
@@ -39,7 +40,8 @@ class DescribeWorkerResponse(_message.Message):
     rank_kv_shared_memory: _containers.RepeatedCompositeFieldContainer[KvSharedMemory]
     pipeline_parallel_size: int
     rank_ucx_addresses: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.WorkerRole, str]] = ..., model: _Optional[_Union[_types_pb2.ModelDescription, _Mapping]] = ..., kv_cache: _Optional[_Union[_types_pb2.KvCacheDescription, _Mapping]] = ..., ucx_address: _Optional[bytes] = ..., num_active_requests: _Optional[int] = ..., device: _Optional[str] = ..., kv_shared_memory: _Optional[_Union[KvSharedMemory, _Mapping]] = ..., speculative: _Optional[_Union[SpeculativeDecoding, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., rank_kv_shared_memory: _Optional[_Iterable[_Union[KvSharedMemory, _Mapping]]] = ..., pipeline_parallel_size: _Optional[int] = ..., rank_ucx_addresses: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    max_loras: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.WorkerRole, str]] = ..., model: _Optional[_Union[_types_pb2.ModelDescription, _Mapping]] = ..., kv_cache: _Optional[_Union[_types_pb2.KvCacheDescription, _Mapping]] = ..., ucx_address: _Optional[bytes] = ..., num_active_requests: _Optional[int] = ..., device: _Optional[str] = ..., kv_shared_memory: _Optional[_Union[KvSharedMemory, _Mapping]] = ..., speculative: _Optional[_Union[SpeculativeDecoding, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., rank_kv_shared_memory: _Optional[_Iterable[_Union[KvSharedMemory, _Mapping]]] = ..., pipeline_parallel_size: _Optional[int] = ..., rank_ucx_addresses: _Optional[_Iterable[bytes]] = ..., max_loras: _Optional[int] = ...) -> None: ...
 
 class SpeculativeDecoding(_message.Message):
     __slots__ = ("method", "num_speculative_tokens", "disable_by_batch_size")
@@ -96,7 +98,7 @@ class BlockCopy(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "sampling", "num_prompt_tokens", "num_lookahead_tokens")
+    __slots__ = ("request_id", "token_ids", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "sampling", "num_prompt_tokens", "num_lookahead_tokens", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +107,7 @@ class NewRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -113,7 +116,8 @@ class NewRequest(_message.Message):
     sampling: _types_pb2.SamplingParams
     num_prompt_tokens: int
     num_lookahead_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class CachedRequest(_message.Message):
     __slots__ = ("request_id", "new_block_ids", "num_scheduled_tokens", "block_table", "num_lookahead_tokens")
