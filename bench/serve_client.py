@@ -59,6 +59,8 @@ def make_request(
             message.sampling.logit_bias[token] = REPEAT_BIAS
     if cache_salt and "cache_salt" in generate_pb2.GenerateRequest.DESCRIPTOR.fields_by_name:
         message.cache_salt = cache_salt
+    if request.lora_name:
+        message.lora_name = request.lora_name
     return message
 
 

@@ -39,6 +39,7 @@ class BenchRequest:
     prompt_ids: tuple[int, ...]
     max_tokens: int
     group: int | None = None  # shared-prefix group, None for independent requests
+    lora_name: str = ""  # the LoRA adapter it names ("" = the base model)
 
 
 @dataclass(frozen=True)

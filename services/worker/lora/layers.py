@@ -1,9 +1,11 @@
 """Batched multi-LoRA in the model's linear layers (S-LoRA / Punica's idea in plain torch):
-every projection holds, for each adapter slot, its LoRA A and B stacked, and a forward pass
-adds `x @ A_s.T @ B_s.T` (scaling folded into B) to the rows of the tokens whose request
-uses slot s, one gathered segment per adapter present in the step; base-model tokens are
-untouched. A merged layer (q/k/v, gate/up) keeps one A of its parts' ranks side by side and
-a block-diagonal B, so each segment is two matrix products whatever the adapter targets.
+every projection holds, for each adapter slot, its LoRA A and B, and a forward pass adds
+`x @ A_s.T @ B_s.T` (scaling folded into B) to the rows of the tokens whose request uses
+slot s, one gathered segment per adapter present in the step; base-model tokens are
+untouched, and a projection the slot's adapter does not target costs nothing. A merged
+layer (q/k/v, gate/up) keeps one A of its targeted parts' ranks side by side and a
+block-diagonal B, so each segment is two matrix products (both stored transposed,
+`[in, r]` and `[r, out]`: MKL's fast `x @ W` layout).
 
 `LoraContext` says which slot each token of the pass uses (the runner sets it per pass);
 `install_lora` wraps a loaded one-process model's projections."""
@@ -62,43 +64,53 @@ class LoraLinear(nn.Module):
         self.sizes = base.sizes
         self.out_features = base.out_features
         self.context = context
+        self.num_slots = num_slots
         self.max_rank = max_rank
         weight = base.weight
-        in_features = weight.shape[0] if base.transposed else weight.shape[1]
-        shape_a = (num_slots, len(parts) * max_rank, in_features)
-        self.lora_a = torch.zeros(shape_a, dtype=weight.dtype, device=weight.device)
-        shape_b = (num_slots, base.out_features, len(parts) * max_rank)
-        self.lora_b = torch.zeros(shape_b, dtype=weight.dtype, device=weight.device)
+        self.in_features = weight.shape[0] if base.transposed else weight.shape[1]
+        # slot -> (A.T [in, r], scaling * B.T [r, out]) over the parts its adapter targets
+        # (r: their ranks side by side; B block-diagonal); an untargeted slot adds nothing.
+        self.slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def set_slot(self, slot: int, adapter: LoraAdapter | None, layer: int) -> None:
         """Slot `slot` holds `adapter`'s update of this projection in model layer `layer`
-        (zero where it does not target a part; None empties the slot)."""
-        self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
+        (None empties it)."""
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"LoRA slot {slot} outside 0..{self.num_slots - 1}")
+        self.slots.pop(slot, None)
         if adapter is None:
             return
-        row = 0
+        a_parts, b_parts, col, rank = [], [], 0, 0
         for i, part in enumerate(self.parts):
             pair = adapter.weights.get((layer, part))
             if pair is not None:
                 a, b = pair
-                if a.shape[1] != self.lora_a.shape[2] or b.shape[0] != self.sizes[i]:
+                if a.shape[1] != self.in_features or b.shape[0] != self.sizes[i]:
                     raise ValueError(
                         f"LoRA adapter {adapter.name!r}: layer {layer} {part} has A "
                         f"{tuple(a.shape)}, B {tuple(b.shape)}; the model's {part} is "
-                        f"{self.sizes[i]} x {self.lora_a.shape[2]}"
+                        f"{self.sizes[i]} x {self.in_features}"
                     )
-                ranks = slice(i * self.max_rank, i * self.max_rank + adapter.rank)
-                self.lora_a[slot, ranks] = a.to(self.lora_a.dtype)
-                rows = slice(row, row + self.sizes[i])
-                self.lora_b[slot, rows, ranks] = (b * adapter.scaling).to(self.lora_b.dtype)
-            row += self.sizes[i]
+                a_parts.append(a)
+                b_parts.append((col, rank, b * adapter.scaling))
+                rank += a.shape[0]
+            col += self.sizes[i]
+        if not a_parts:
+            return
+        weight = self.base.weight
+        a_t = torch.cat(a_parts).t().contiguous().to(weight.device, weight.dtype)
+        b_t = torch.zeros(rank, self.out_features, dtype=weight.dtype, device=weight.device)
+        for start, offset, b in b_parts:
+            b_t[offset : offset + b.shape[1], start : start + b.shape[0]] = b.t()
+        self.slots[slot] = (a_t, b_t)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         for slot, rows in self.context.segments:
-            xa = torch.mm(x.index_select(0, rows), self.lora_a[slot].t())
-            out.index_add_(0, rows, torch.mm(xa, self.lora_b[slot].t()))
+            weights = self.slots.get(slot)
+            if weights is not None:
+                a_t, b_t = weights
+                out.index_add_(0, rows, torch.mm(torch.mm(x.index_select(0, rows), a_t), b_t))
         return out
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
