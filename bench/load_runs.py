@@ -5,8 +5,10 @@ numbers. Shared by the benches that compare two settings of one stack shape
 
 from __future__ import annotations
 
+import tempfile
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -17,9 +19,23 @@ from bench.report import load_average
 from bench.serve_client import run_client, warm_up
 from bench.workloads import usable_token_ids
 from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.stack.launcher import Stack, StackSpec
 
 # (records, summary, pool stats before, pool stats after) -> the load's extra numbers
 RowFn = Callable[[list[RequestRecord], dict, object, object], dict]
+
+
+@contextmanager
+def bench_stack(model: Path, extra_args: dict, prefix: str, **shape) -> Iterator[Stack]:
+    """A stack on free ports (default shape: 1 prefill + 1 decode worker; `shape` as
+    `StackSpec.on_free_ports` takes it) with these flags, stopped on the way out."""
+    spec = StackSpec.on_free_ports(str(model), extra_args=extra_args, **shape)
+    run_dir = Path(tempfile.mkdtemp(prefix=prefix))
+    stack = Stack.start(spec, run_dir, ready_timeout_s=300, exit_with_parent=True)
+    try:
+        yield stack
+    finally:
+        stack.stop()
 
 
 def pool_stats(scheduler: str, role: int | None = None):

@@ -19,11 +19,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from bench.load_runs import pool_stats, run_loads
+from bench.load_runs import bench_stack, pool_stats, run_loads
 from bench.models import BENCH_MODELS, bench_model
 from bench.report import machine_info, write_report
 from bench.workloads import MixedParams, build_workload, usable_token_ids
-from services.stack.launcher import Stack, StackSpec
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NUM_ADAPTERS = 16
@@ -50,11 +49,8 @@ def no_row(records, summary, before, after) -> dict:
 
 
 def run_stack(model: Path, extra: dict, loads: dict[str, list]) -> dict:
-    spec = StackSpec.on_free_ports(str(model), extra_args=extra)
-    stack = Stack.start(spec, Path(tempfile.mkdtemp(prefix="bench-lora-")), ready_timeout_s=300,
-                        exit_with_parent=True)  # fmt: skip
-    try:
-        out = {}
+    with bench_stack(model, extra, "bench-lora-") as stack:
+        spec, out = stack.spec, {}
         for label, requests in loads.items():
             result = run_loads(
                 spec.gateway_address, model, [(CONCURRENCY, len(requests))], [requests], label,
@@ -63,8 +59,6 @@ def run_stack(model: Path, extra: dict, loads: dict[str, list]) -> dict:
             out[label] = result[f"c{CONCURRENCY}"]
             print(label, out[label]["output_tokens_per_s"], "tok/s", flush=True)
         return out
-    finally:
-        stack.stop()
 
 
 def main() -> None:

@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from bench.load_runs import pool_stats, run_loads
+from bench.load_runs import bench_stack, pool_stats, run_loads
 from bench.models import BENCH_MODELS, bench_model
 from bench.report import machine_info, write_report
 from bench.workloads import MixedParams, build_workload, usable_token_ids
-from services.stack.launcher import Stack, StackSpec
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
@@ -51,18 +49,14 @@ def spec_row(records, summary, before, after) -> dict:
 
 def run_mode(model: Path, speculative: str, requests_by_load, sampling: str) -> dict:
     extra = {"decode": ["--speculative-config", speculative]} if speculative else {}
-    spec = StackSpec.on_free_ports(str(model), extra_args=extra)
     label = "on" if speculative else "off"
-    run_dir = Path(tempfile.mkdtemp(prefix=f"bench-spec-{label}-"))
-    stack = Stack.start(spec, run_dir, ready_timeout_s=300, exit_with_parent=True)
-    try:
+    with bench_stack(model, extra, f"bench-spec-{label}-") as stack:
+        spec = stack.spec
         return run_loads(
             spec.gateway_address, model, LOADS, requests_by_load, f"spec {label}",
             lambda: pool_stats(spec.scheduler_address, role=2),  # WORKER_ROLE_DECODE
             spec_row, sampling,
         )  # fmt: skip
-    finally:
-        stack.stop()
 
 
 def main() -> None:

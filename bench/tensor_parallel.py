@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from pathlib import Path
 
 import psutil
 from transformers import AutoTokenizer
 
-from bench.load_runs import pool_stats, run_loads
+from bench.load_runs import bench_stack, pool_stats, run_loads
 from bench.models import BENCH_MODELS, bench_model
 from bench.report import machine_info, write_report
 from bench.workloads import MixedParams, build_workload, usable_token_ids
-from services.stack.launcher import Stack, StackSpec
+from services.stack.launcher import Stack
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LOADS = ((1, 4), (16, 32))  # (concurrency, requests)
@@ -49,20 +48,15 @@ def run_layout(model: Path, layout: str, requests_by_load, kv_cache_memory: str)
     """`layout`: "tp<N>" or "pp<N>"."""
     flag, size = FLAGS[layout[:2]], int(layout[2:])
     worker_args = [flag, str(size), "--kv-cache-memory", kv_cache_memory]
-    spec = StackSpec.on_free_ports(
-        str(model), prefill=0, decode=0, both=1, extra_args={"both": worker_args}
-    )
-    run_dir = Path(tempfile.mkdtemp(prefix=f"bench-{layout}-"))
-    stack = Stack.start(spec, run_dir, ready_timeout_s=300, exit_with_parent=True)
-    try:
+    shape = dict(prefill=0, decode=0, both=1)
+    with bench_stack(model, {"both": worker_args}, f"bench-{layout}-", **shape) as stack:
+        spec = stack.spec
         memory = rank_memory_mib(stack)  # once loaded, before any request
         out = run_loads(
             spec.gateway_address, model, LOADS, requests_by_load, layout,
             lambda: pool_stats(spec.scheduler_address), tp_row,
         )  # fmt: skip
         out["rank_memory_mib"] = memory
-    finally:
-        stack.stop()
     return out
 
 
