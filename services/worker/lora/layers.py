@@ -72,14 +72,12 @@ class LoraLinear(nn.Module):
         # (r: their ranks side by side; B block-diagonal); an untargeted slot adds nothing.
         self.slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def set_slot(self, slot: int, adapter: LoraAdapter | None, layer: int) -> None:
+    def set_slot(self, slot: int, adapter: LoraAdapter, layer: int) -> None:
         """Slot `slot` holds `adapter`'s update of this projection in model layer `layer`
-        (None empties it)."""
+        (replacing what it held)."""
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"LoRA slot {slot} outside 0..{self.num_slots - 1}")
         self.slots.pop(slot, None)
-        if adapter is None:
-            return
         a_parts, b_parts, col, rank = [], [], 0, 0
         for i, part in enumerate(self.parts):
             pair = adapter.weights.get((layer, part))

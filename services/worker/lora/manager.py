@@ -41,12 +41,6 @@ class LoraManager:
         if slot is not None:
             self._fill(slot, adapter)
 
-    def unregister(self, name: str) -> None:
-        del self._held[name]
-        slot = self._slots.pop(name, None)
-        if slot is not None:
-            self._fill(slot, None)
-
     def set_pass(self, token_adapters: Sequence[str | None], device="cpu") -> None:
         """The adapter of every token of the next forward pass (None or "": the base)."""
         wanted = list(dict.fromkeys(name for name in token_adapters if name))
@@ -78,6 +72,6 @@ class LoraManager:
             self._fill(slot, self._held[name])
             self._slots[name] = slot
 
-    def _fill(self, slot: int, adapter: LoraAdapter | None) -> None:
+    def _fill(self, slot: int, adapter: LoraAdapter) -> None:
         for layer, lora in self._layers:
             lora.set_slot(slot, adapter, layer)
