@@ -24,7 +24,10 @@ deterministic "model" so token streams can be checked exactly:
 
 Test controls: `kill()` / `revive()`, `set_health()`, `step_delay_s`, `hold_steps()` /
 `release_steps()`, `hang_transfers()` / `fail_transfers()` / `heal_transfers()` (all
-transfers or some tags), `after_kv_received` (a hook run when a receive has written).
+transfers or some tags), `after_kv_received` (a hook run when a receive has written),
+`refuse_lora` (add_lora refuses). LoRA adapters are held by name (`lora_adapters`, those of
+its `WorkerInfo` at start and after a revive); a plan that schedules a request on an
+adapter it does not hold is a plan error.
 What tests read: `steps`, `planned_request_ids`, `batch`, `kv`, `cancelled_tags_received`,
 `receive_tags` / `send_tags`, `receives_in_progress`, `kv_errors`, `plan_errors`, `is_idle`.
 """
@@ -43,6 +46,7 @@ from services.scheduler.worker_types import (
     KvPullRefusedError,
     KvPullSource,
     KvTransferResult,
+    LoraRefusedError,
     ModelShape,
     SpecCounts,
     SpeculativeInfo,
@@ -226,6 +230,9 @@ class FakeWorker:
         # to make something happen exactly then).
         self.after_kv_received: Callable[[int], Awaitable[None]] | None = None
         self.refuse_pulls = False  # receive_kv with a source: the pool cannot be mapped
+        self.refuse_lora: str | None = None  # add_lora refuses, saying this
+        # LoRA adapters held (name -> folder; "" for those of its start), like --lora-modules
+        self.lora_adapters: dict[str, str] = dict.fromkeys(info.model.lora_adapters, "")
         # -- worker state (lost when killed)
         self.batch: dict[str, FakeRequest] = {}
         self.kv: dict[int, list[int | None]] = {}
@@ -274,6 +281,7 @@ class FakeWorker:
         self._health = "SERVING"
         self._incarnation += 1
         self._stream = 0
+        self.lora_adapters = dict.fromkeys(self.info.model.lora_adapters, "")
         self._reset_state()
         self.kv.clear()
         self.swap_kv.clear()
@@ -367,6 +375,8 @@ class FakeWorker:
         items = []
         for s in plan.scheduled:
             r = s.request
+            if r.lora_name and r.lora_name not in self.lora_adapters:
+                self.plan_errors.append(f"{r.request_id}: LoRA {r.lora_name!r} is not held")
             items.append(
                 _Item(
                     request_id=r.request_id,
@@ -440,6 +450,16 @@ class FakeWorker:
         task = self._spawn(serve)
         self._receives[tag] = task
         return await asyncio.shield(task)
+
+    async def add_lora(self, name: str, path: str, timeout_s: float) -> None:
+        self._check_alive()
+        if self.refuse_lora is not None:
+            raise LoraRefusedError("INVALID_ARGUMENT", self.refuse_lora)
+        self.lora_adapters[name] = path
+
+    async def remove_lora(self, name: str, timeout_s: float) -> None:
+        self._check_alive()
+        self.lora_adapters.pop(name, None)
 
     async def close(self) -> None:
         self._closed = True

@@ -50,7 +50,9 @@ async def serve(config: GatewayConfig) -> None:
     )
     channel = open_channel(config.scheduler, host.tls)
     stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
-    servicer = GenerateServicer(tokenizer, stub, config.default_max_tokens)
+    servicer = GenerateServicer(
+        tokenizer, stub, config.default_max_tokens, config.allow_runtime_lora_updating
+    )
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, host.server)
     watcher = None
     try:

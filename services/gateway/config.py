@@ -82,6 +82,13 @@ class GatewayConfig(ServiceConfig):
         "seconds between checks of the scheduler's health (the gateway mirrors it)",
         env="TANDEM_SCHEDULER_HEALTH_INTERVAL_S",
     )
+    allow_runtime_lora_updating: bool = setting(
+        False,
+        "accept LoadLoraAdapter / UnloadLoraAdapter (and the HTTP front's "
+        "/v1/load_lora_adapter, /v1/unload_lora_adapter): they make the workers read any "
+        "folder the caller names (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
+        env="TANDEM_ALLOW_RUNTIME_LORA_UPDATING",
+    )
     log_level: str = log_level_setting()
 
     def __post_init__(self) -> None:

@@ -11,6 +11,7 @@ one session stream to the scheduler (`scheduler_session.py`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -23,6 +24,7 @@ from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, type
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
 from common.sampling import MAX_LOGPROBS, MAX_SAMPLES
 from common.sampling_pb import ROLE_FROM_PB, sampling_to_pb
+from services.gateway.lora_rpcs import LoraRpcs
 from services.gateway.output import RequestOutput, SampleOutput
 from services.gateway.prompts import LARGE_INPUT_CHARS, PromptTokenizer
 from services.gateway.scheduler_session import SchedulerError, SchedulerSession
@@ -57,13 +59,15 @@ class PreparedRequest:
     submit: scheduler_pb2.SubmitRequest
 
 
-class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
+class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
     def __init__(
         self,
         tokenizer,
         scheduler: scheduler_pb2_grpc.SchedulerServiceStub,
         default_max_tokens: int,
+        allow_runtime_lora_updating: bool = False,
     ) -> None:
+        self.allow_runtime_lora_updating = allow_runtime_lora_updating
         self.tokenizer = tokenizer
         self.prompts = PromptTokenizer(tokenizer)
         self.scheduler = scheduler
@@ -134,6 +138,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         logprobs = validate_count(request, "logprobs", 0, MAX_LOGPROBS, None)
         prompt_logprobs = validate_count(request, "prompt_logprobs", 0, MAX_LOGPROBS, None)
         cache_salt = validate_cache_salt(request.cache_salt)
+        if request.lora_name and request.lora_name not in self.model.lora_adapters:
+            with contextlib.suppress(grpc.aio.AioRpcError):  # the scheduler answers below
+                await self.refresh_model()  # loaded since, through another gateway?
         lora_name = validate_lora_name(request.lora_name, list(self.model.lora_adapters))
         prompt_ids = await self._prompt_ids(request)
         max_tokens = resolve_max_tokens(request, len(prompt_ids), self.limits)

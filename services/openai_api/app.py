@@ -28,6 +28,7 @@ from services.openai_api.completion_request import CompletionRequest, parse_comp
 from services.openai_api.completion_response import CompletionChunks, completion_body
 from services.openai_api.errors import ApiError
 from services.openai_api.gateway_client import GatewayClient, GenerateStreams, Metadata
+from services.openai_api.lora_routes import lora_routes
 from services.openai_api.sse import EventStreamResponse, chat_chunks, completion_chunks, events
 
 log = get_logger("services.openai_api")
@@ -216,6 +217,7 @@ def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/v1/models/{model:path}", get_model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
+            *lora_routes(gateway, read_json, credentials),
         ],
         exception_handlers={
             ApiError: on_api_error,

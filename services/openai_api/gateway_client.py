@@ -20,6 +20,7 @@ from services.openai_api.errors import ApiError, from_rpc_error
 
 UNARY_TIMEOUT_S = 10.0
 MODELS_TTL_S = 5.0
+MODELS_RECHECK_S = 0.5  # a name not served: asked again when the list is older than this
 MODELS_CACHE_ENTRIES = 64
 
 # gRPC call metadata: (key, value) pairs.
@@ -28,6 +29,10 @@ Metadata = tuple[tuple[str, str], ...]
 
 def api_error(exc: grpc.aio.AioRpcError) -> ApiError:
     return from_rpc_error(exc.code(), exc.details())
+
+
+def _serves(models, name: str) -> bool:
+    return any(m.model_name == name or name in m.lora_adapters for m in models)
 
 
 class GenerateStreams:
@@ -111,9 +116,11 @@ class GatewayClient:
         # credentials -> (fetched at, models): only answers the gateway gave them.
         self._models: dict[Metadata, tuple[float, list[generate_pb2.GetModelInfoResponse]]] = {}
 
-    async def list_models(self, metadata: Metadata = ()) -> list[generate_pb2.GetModelInfoResponse]:
+    async def list_models(
+        self, metadata: Metadata = (), max_age_s: float = MODELS_TTL_S
+    ) -> list[generate_pb2.GetModelInfoResponse]:
         fetched_at, models = self._models.get(metadata, (float("-inf"), []))
-        if time.monotonic() - fetched_at > MODELS_TTL_S:
+        if time.monotonic() - fetched_at > max_age_s:
             try:
                 reply = await self.stub.ListModels(
                     generate_pb2.ListModelsRequest(), timeout=UNARY_TIMEOUT_S, metadata=metadata
@@ -135,7 +142,9 @@ class GatewayClient:
             raise ApiError("the gateway serves no model yet", 503)
         if name is None:
             return models[0].model_name
-        if any(m.model_name == name or name in m.lora_adapters for m in models):
+        if not _serves(models, name):  # an adapter loaded since, maybe: ask again
+            models = await self.list_models(metadata, max_age_s=MODELS_RECHECK_S)
+        if _serves(models, name):
             return name
         raise ApiError(
             f"The model `{name}` does not exist. Served: "
@@ -152,6 +161,23 @@ class GatewayClient:
         if any(m.model_name == model for m in models):
             return ""
         return model if any(model in m.lora_adapters for m in models) else ""
+
+    async def load_lora_adapter(self, name: str, path: str, metadata: Metadata = ()) -> None:
+        request = generate_pb2.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
+        await self._lora_call(self.stub.LoadLoraAdapter, request, metadata)
+
+    async def unload_lora_adapter(self, name: str, metadata: Metadata = ()) -> None:
+        request = generate_pb2.UnloadLoraAdapterRequest(lora_name=name)
+        await self._lora_call(self.stub.UnloadLoraAdapter, request, metadata)
+
+    async def _lora_call(self, method, request, metadata: Metadata) -> None:
+        """No deadline: an unload waits for the adapter's running requests."""
+        try:
+            await method(request, metadata=metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise api_error(exc) from None
+        finally:
+            self._models.clear()  # the served adapters changed (or may have)
 
     async def detokenize(self, token_ids: Sequence[int], metadata: Metadata = ()) -> str:
         request = generate_pb2.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=False)

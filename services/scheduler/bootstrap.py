@@ -16,6 +16,7 @@ from services.scheduler.block_manager import BlockManager
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import Engine, Resilience
 from services.scheduler.lookahead import Lookahead
+from services.scheduler.lora_registry import LoraRegistry
 from services.scheduler.pool import Pool
 from services.scheduler.pool_scheduler import PoolScheduler
 from services.scheduler.worker_client import WorkerClient
@@ -176,5 +177,6 @@ async def connect(
         resilience=resilience(config),
         make_scheduler=functools.partial(pool_scheduler, config),
         on_serving_change=on_serving_change,
+        loras=LoraRegistry(model.lora_adapters),
     )
     return engine, model

@@ -29,6 +29,7 @@ from common.lifecycle import wait_until
 from common.log import bind_request, get_logger
 from services.scheduler.handle import Finished, RequestHandle, Stage, Tokens
 from services.scheduler.handoff import KvHandoff
+from services.scheduler.lora_registry import LoraRegistry
 from services.scheduler.placement import PrefillCandidate, choose_prefill
 from services.scheduler.pool import Pool
 from services.scheduler.pool_monitor import PoolMonitor
@@ -87,10 +88,11 @@ class Engine(Recovery):
         resilience: Resilience | None = None,
         make_scheduler: Callable[[WorkerInfo], PoolScheduler] | None = None,
         on_serving_change: Callable[[bool], None] | None = None,
+        loras: LoraRegistry | None = None,
     ) -> None:
         """`make_scheduler` builds the fresh pool of a worker that rejoins after a failure
         (None: failed workers stay out); `on_serving_change` hears when the engine can or
-        can no longer serve."""
+        can no longer serve; `loras`: the LoRA adapters requests may name."""
         roles = {p.info.role for p in pools}
         if not pools:
             raise ValueError("the scheduler needs at least one worker")
@@ -108,6 +110,7 @@ class Engine(Recovery):
         self.resilience = resilience or Resilience()
         self._make_scheduler = make_scheduler
         self._on_serving_change = on_serving_change
+        self.loras = loras or LoraRegistry()
         self.serving = True
         self._handles: dict[str, RequestHandle] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -149,11 +152,11 @@ class Engine(Recovery):
         the same prompt, queued together on one prefill pool so they share its cached
         prompt blocks); their events go to `events` (anything with `put_nowait`; default a
         new asyncio.Queue). Raises InvalidRequestError, OverloadedError (queue full) or
-        WorkerUnavailableError."""
+        WorkerUnavailableError; LoraNotFoundError for an adapter that is not served."""
         for request in samples:
             self._validate(request)
             request.hash_root = root_hash(
-                self.deployment_salt, request.cache_salt, request.lora_name
+                self.deployment_salt, request.cache_salt, self.loras.cache_key(request.lora_name)
             )
             request.update_block_hashes(self.pools[0].blocks.block_size)
         if not self.serving:
@@ -173,6 +176,10 @@ class Engine(Recovery):
             handles.append(handle)
         pool.wakeup.set()
         return handles
+
+    def requests_using(self, lora_name: str) -> int:
+        """Requests not finished (queued, running or preempted) on LoRA adapter `lora_name`."""
+        return sum(h.request.lora_name == lora_name for h in self._handles.values())
 
     def abort(self, request_id: str) -> bool:
         handle = self._handles.get(request_id)

@@ -14,6 +14,7 @@ import asyncio
 
 from common.log import bind_request, get_logger
 from services.scheduler.handle import RequestHandle, Stage
+from services.scheduler.lora_admin import sync_worker
 from services.scheduler.pool import Pool
 from services.scheduler.request import FinishReason
 
@@ -136,6 +137,7 @@ class Recovery:
         if self._make_scheduler is None:
             return
         info = await pool.client.wait_ready(timeout_s=self.resilience.health_timeout_s)
+        info = await sync_worker(pool.client, info, self.loras)  # before any step
         reference = next((p.info for p in self.pools if p is not pool), pool.info)
         if (info.model.num_layers, info.block_bytes, info.block_size) != (
             reference.model.num_layers,

@@ -4,19 +4,26 @@ gRPC status codes (or, on a session, per-request error updates)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 
 from common.log import bind_request
-from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
 from common.sampling import MAX_SAMPLES
 from common.sampling_pb import ROLE_TO_PB, sampling_from_pb
 from services.scheduler.engine import Engine, InvalidRequestError, OverloadedError
+from services.scheduler.lora_admin import LoraAdmin
+from services.scheduler.lora_registry import LoraConflictError, LoraEntry, LoraNotFoundError
 from services.scheduler.pool import Pool
 from services.scheduler.request import Request
 from services.scheduler.session import SESSION_CLOSED, SessionState, updates_from_events
 from services.scheduler.step_codec import model_to_pb
-from services.scheduler.worker_types import ModelShape, WorkerUnavailableError
+from services.scheduler.worker_types import (
+    LoraRefusedError,
+    ModelShape,
+    WorkerUnavailableError,
+)
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
@@ -25,6 +32,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.model: ModelShape | None = None
         # Set on SIGTERM: running requests finish, new ones get UNAVAILABLE.
         self.draining = False
+        self._lora_admin: LoraAdmin | None = None
 
     async def _ready(self, context) -> Engine:
         if self.engine is None:
@@ -82,6 +90,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 handles = engine.submit(samples, events=state.sink(request.request_id))
             except (InvalidRequestError, ValueError) as exc:
                 state.refuse(request.request_id, "INVALID_ARGUMENT", str(exc))
+            except LoraNotFoundError as exc:
+                state.refuse(request.request_id, "NOT_FOUND", exc.args[0])
             except OverloadedError as exc:
                 state.refuse(request.request_id, "RESOURCE_EXHAUSTED", str(exc))
             except WorkerUnavailableError as exc:
@@ -90,8 +100,47 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 state.opened(request.request_id, handles)
 
     async def GetModelInfo(self, request, context):
-        await self._ready(context)
-        return scheduler_pb2.GetModelInfoResponse(model=model_to_pb(self.model))
+        engine = await self._ready(context)
+        model = dataclasses.replace(self.model, lora_adapters=engine.loras.names)
+        return scheduler_pb2.GetModelInfoResponse(model=model_to_pb(model))
+
+    def _loras(self, engine: Engine) -> LoraAdmin:
+        if self._lora_admin is None or self._lora_admin.engine is not engine:
+            self._lora_admin = LoraAdmin(engine, engine.loras)
+        return self._lora_admin
+
+    async def LoadLoraAdapter(self, request, context):
+        engine = await self._ready(context)
+        if not request.lora_name or not request.lora_path:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "lora_name and lora_path are required"
+            )
+        # Shielded: a caller that goes away must not leave the name half loaded.
+        load = asyncio.ensure_future(self._loras(engine).load(request.lora_name, request.lora_path))
+        try:
+            entry = await asyncio.shield(load)
+        except LoraConflictError as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        except LoraRefusedError as exc:
+            await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+        except WorkerUnavailableError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return scheduler_pb2.LoadLoraAdapterResponse(adapter=lora_to_pb(entry))
+
+    async def UnloadLoraAdapter(self, request, context):
+        engine = await self._ready(context)
+        unload = asyncio.ensure_future(self._loras(engine).unload(request.lora_name))
+        try:
+            await asyncio.shield(unload)
+        except LoraNotFoundError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, exc.args[0])
+        return scheduler_pb2.UnloadLoraAdapterResponse()
+
+    async def ListLoraAdapters(self, request, context):
+        engine = await self._ready(context)
+        return scheduler_pb2.ListLoraAdaptersResponse(
+            adapters=[lora_to_pb(e) for e in engine.loras.entries]
+        )
 
     async def GetPoolStats(self, request, context):
         engine = await self._ready(context)
@@ -106,6 +155,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             worker_failures=engine.num_worker_failures,
             restarted_requests=engine.num_restarted_requests,
         )
+
+
+def lora_to_pb(entry: LoraEntry) -> types_pb2.LoraAdapter:
+    return types_pb2.LoraAdapter(name=entry.name, path=entry.path, source=entry.source)
 
 
 def pool_stats(pool: Pool) -> scheduler_pb2.PoolStats:

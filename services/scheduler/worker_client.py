@@ -22,6 +22,7 @@ from services.scheduler.worker_types import (
     KvPullRefusedError,
     KvPullSource,
     KvTransferResult,
+    LoraRefusedError,
     StepResult,
     WorkerInfo,
     WorkerLimits,
@@ -195,6 +196,28 @@ class WorkerClient:
                 f"ReceiveKv on {self.address} failed: {exc.code().name} {exc.details()}"
             ) from exc
         return KvTransferResult(response.num_bytes, response.source_lag_seconds)
+
+    async def add_lora(self, name: str, path: str, timeout_s: float) -> None:
+        await self._lora_call(
+            self._stub.AddLora, worker_pb2.AddLoraRequest(lora_name=name, lora_path=path), timeout_s
+        )
+
+    async def remove_lora(self, name: str, timeout_s: float) -> None:
+        await self._lora_call(
+            self._stub.RemoveLora, worker_pb2.RemoveLoraRequest(lora_name=name), timeout_s
+        )
+
+    async def _lora_call(self, method, request, timeout_s: float) -> None:
+        try:
+            await method(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                raise LoraRefusedError(code.name, exc.details() or "") from exc
+            raise WorkerUnavailableError(
+                f"{type(request).__name__.removesuffix('Request')} on {self.address} failed: "
+                f"{code.name} {exc.details()}"
+            ) from exc
 
     async def close(self) -> None:
         self.close_step_stream()

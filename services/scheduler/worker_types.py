@@ -16,6 +16,16 @@ class WorkerUnavailableError(RuntimeError):
     """The worker's Step stream or a KV call failed: the worker is gone or broken."""
 
 
+class LoraRefusedError(ValueError):
+    """A worker refused to load a LoRA adapter: `code` is the gRPC status name
+    (INVALID_ARGUMENT: the folder is not an adapter it can apply; FAILED_PRECONDITION: it
+    runs without --enable-lora), the message says why."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class KvPullRefusedError(WorkerUnavailableError):
     """The receiving worker cannot map the source's shared pool (e.g. another user): KV
     between these two workers has to go over UCX."""
@@ -163,5 +173,10 @@ class WorkerConnection(Protocol):
         after_step_id: int,
         source: KvPullSource | None = None,
     ) -> KvTransferResult: ...
+
+    async def add_lora(self, name: str, path: str, timeout_s: float) -> None:
+        """Hold the adapter in folder `path` as `name` (LoraRefusedError when it cannot)."""
+
+    async def remove_lora(self, name: str, timeout_s: float) -> None: ...
 
     async def close(self) -> None: ...

@@ -170,7 +170,8 @@ class WorkerConfig(ServiceConfig):
     max_cpu_loras: int = setting(
         0,
         "LoRA adapters held in memory (vLLM's --max-cpu-loras; 0 = max_loras or the number "
-        "of --lora-modules, whichever is larger)",
+        "of --lora-modules, whichever is larger); the least recently used beyond it are "
+        "read again from their folder when a step needs them",
         env="TANDEM_MAX_CPU_LORAS",
     )
     tensor_parallel_size: int = setting(
@@ -250,11 +251,6 @@ class WorkerConfig(ServiceConfig):
             name, sep, path = module.partition("=")
             self._require(bool(sep and name and path), "lora_modules", "entries are name=path")
         self._require(len(set(names)) == len(names), "lora_modules", "names must be distinct")
-        self._require(
-            len(self.lora_modules) <= self.cpu_loras,
-            "lora_modules",
-            f"holds more adapters than max_cpu_loras ({self.cpu_loras})",
-        )
         self._require(
             self.world_size == 1, "enable_lora", "needs one rank (no tensor/pipeline ranks yet)"
         )

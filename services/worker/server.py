@@ -18,7 +18,7 @@ from services.worker.kv_pull import KvMapError, KvSource
 from services.worker.kv_transfer import KvTransferError
 from services.worker.step_output_wire import step_response_pb
 from services.worker.step_wire import plan_from_pb
-from services.worker.worker import KV_LAYOUT, Worker
+from services.worker.worker import KV_LAYOUT, LoraDisabledError, Worker
 
 log = get_logger(__name__)
 SLOW_STEP_S = 2.0  # a step this slow is logged with what it ran
@@ -236,3 +236,27 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         except KvTransferError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return worker_pb2.ReceiveKvResponse(num_bytes=result.num_bytes, seconds=result.seconds)
+
+    async def AddLora(self, request, context):
+        worker = await self._ready(context)
+        if not request.lora_name or not request.lora_path:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "lora_name and lora_path are required"
+            )
+        try:
+            names = await worker.add_lora(request.lora_name, request.lora_path)
+        except LoraDisabledError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except (ValueError, OSError) as exc:  # LoraAdapterError says what is wrong
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        log.info("lora_added", lora_name=request.lora_name, lora_path=request.lora_path)
+        return worker_pb2.AddLoraResponse(lora_adapters=names)
+
+    async def RemoveLora(self, request, context):
+        worker = await self._ready(context)
+        try:
+            names = await worker.remove_lora(request.lora_name)
+        except LoraDisabledError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        log.info("lora_removed", lora_name=request.lora_name)
+        return worker_pb2.RemoveLoraResponse(lora_adapters=names)

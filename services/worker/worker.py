@@ -60,6 +60,10 @@ def tensor_executor() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensor")
 
 
+class LoraDisabledError(RuntimeError):
+    """A LoRA call reached a worker started without --enable-lora."""
+
+
 @dataclass(frozen=True)
 class TransferResult:
     num_bytes: int
@@ -215,6 +219,22 @@ class Worker:
         """Block copies streamed from a peer: on the tensor thread (ordered with the steps)
         but without the host's compute lock, which the peer holds while it computes them."""
         return await asyncio.wrap_future(self._executor.submit(fn, *args))
+
+    async def add_lora(self, name: str, path: str) -> list[str]:
+        """Serve the LoRA adapter in folder `path` as `name` (read and checked on the tensor
+        thread, between steps; raises ValueError saying why it cannot be applied). Returns
+        the adapters now served."""
+        if self.lora is None:
+            raise LoraDisabledError("this worker runs without --enable-lora")
+        await self._on_tensor_thread(self.lora.add, name, path)
+        return self.lora.names
+
+    async def remove_lora(self, name: str) -> list[str]:
+        """Stop serving `name` (no-op when not served); returns the adapters still served."""
+        if self.lora is None:
+            raise LoraDisabledError("this worker runs without --enable-lora")
+        await self._on_tensor_thread(self.lora.remove, name)
+        return self.lora.names
 
     def submit_step(
         self,

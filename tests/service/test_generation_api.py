@@ -115,6 +115,21 @@ def test_tokenize_detokenize_models_and_load(stub, tok, api_stack):
     assert all(w.num_free_blocks == w.num_blocks > 0 for w in load.workers)
 
 
+def test_lora_calls_without_runtime_updating_are_refused(stub):
+    """A stack without --enable-lora lists no adapters, and a gateway without
+    --allow-runtime-lora-updating refuses loads and unloads, naming the flag."""
+    assert not stub.ListLoraAdapters(generate_pb2.ListLoraAdaptersRequest()).adapters
+    calls = [
+        (stub.LoadLoraAdapter, generate_pb2.LoadLoraAdapterRequest(lora_name="a", lora_path="/x")),
+        (stub.UnloadLoraAdapter, generate_pb2.UnloadLoraAdapterRequest(lora_name="a")),
+    ]
+    for method, request in calls:
+        with pytest.raises(grpc.RpcError) as refused:
+            method(request)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "--allow-runtime-lora-updating" in refused.value.details()
+
+
 def test_greedy_equals_temperature_zero_and_top_k_one(stub, tok, tiny_llama_dir):
     want = hf_greedy(tiny_llama_dir, tok.encode(PROMPT), 20)
     assert run(stub, request(max_tokens=20, sampling={"temperature": 0})).ids[0] == want

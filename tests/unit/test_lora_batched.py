@@ -59,14 +59,14 @@ def adapters(tiny_llama_dir, tmp_path_factory):
     return out
 
 
-def peft_merged_greedy(base_dir, adapter_dir, prompt):
+def peft_merged_greedy(base_dir, adapter_dir, prompt, max_new_tokens: int = NEW_TOKENS):
     from peft import PeftModel
 
     hf = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     if adapter_dir is not None:
         hf = PeftModel.from_pretrained(hf, adapter_dir).merge_and_unload()
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW_TOKENS)
+        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens)
     return out[0, len(prompt) :].tolist()
 
 
@@ -173,3 +173,46 @@ def test_slots_are_bounded_and_least_recently_used_adapters_make_room(tiny_llama
     small = LoraManager(load_model(tiny_llama_dir, torch.float32)[0], 1, max_rank=4)
     with pytest.raises(ValueError, match="max_lora_rank"):
         small.register(loaded["qv8"])
+
+
+def test_run_time_adds_removes_and_rereads_evicted_adapters(tiny_llama_dir, adapters):
+    """Adapters added by folder at run time; beyond max_cpu_loras the least recently used
+    leaves memory and is read again when a pass needs it; a removed name is refused; a name
+    added from another folder serves the new adapter (its slot refilled)."""
+    from peft import PeftModel
+
+    model, config = load_model(tiny_llama_dir, torch.float32)
+    reads = []
+
+    def read(name, path):
+        reads.append(name)
+        return load_adapter(name, path, config.num_hidden_layers)
+
+    manager = LoraManager(model, max_loras=1, max_rank=16, max_cpu_loras=1, load=read)
+    assert manager.add("a", str(adapters["qv8"]))
+    assert not manager.add("a", str(adapters["qv8"]))  # already served from there
+    manager.add("b", str(adapters["mlp16"]))
+    assert manager.names == ["a", "b"] and manager.held == ["b"] and reads == ["a", "b"]
+    prompt = PROMPTS[0]
+
+    def logits(name):
+        manager.set_pass([name] * len(prompt))
+        session = PagedSession(model, config, block_size=4)
+        (rows,) = session.step([(prompt, 0, len(prompt), session.allocate(len(prompt)))])
+        manager.clear_pass()
+        return rows
+
+    def peft(folder):
+        hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+        hf = PeftModel.from_pretrained(hf, folder).merge_and_unload()
+        with torch.no_grad():
+            return hf(torch.tensor([prompt])).logits[0]
+
+    torch.testing.assert_close(logits("a"), peft(adapters["qv8"]), atol=1e-4, rtol=1e-4)
+    assert reads == ["a", "b", "a"] and manager.held == ["a"]  # read again, b evicted
+    assert manager.remove("a") and not manager.remove("a")
+    with pytest.raises(KeyError, match="not loaded"):
+        manager.set_pass(["a"])
+    torch.testing.assert_close(logits("b"), peft(adapters["mlp16"]), atol=1e-4, rtol=1e-4)
+    manager.add("b", str(adapters["all4-rs"]))  # same name, another folder: replaced
+    torch.testing.assert_close(logits("b"), peft(adapters["all4-rs"]), atol=1e-4, rtol=1e-4)

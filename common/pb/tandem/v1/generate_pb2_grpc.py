@@ -70,6 +70,21 @@ class GenerateServiceStub:
                 request_serializer=tandem_dot_v1_dot_generate__pb2.GetServerLoadRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_generate__pb2.GetServerLoadResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/tandem.v1.GenerateService/LoadLoraAdapter',
+                request_serializer=tandem_dot_v1_dot_generate__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_generate__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/tandem.v1.GenerateService/UnloadLoraAdapter',
+                request_serializer=tandem_dot_v1_dot_generate__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_generate__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/tandem.v1.GenerateService/ListLoraAdapters',
+                request_serializer=tandem_dot_v1_dot_generate__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_generate__pb2.ListLoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class GenerateServiceServicer:
@@ -126,6 +141,32 @@ class GenerateServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoadLoraAdapter loads a PEFT LoRA adapter from a folder every worker can
+        read and serves it under a name (vLLM's /v1/load_lora_adapter). Needs
+        workers started with --enable-lora and a gateway started with
+        --allow-runtime-lora-updating (FAILED_PRECONDITION otherwise).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """UnloadLoraAdapter stops serving an adapter: new requests naming it get
+        NOT_FOUND at once, requests already running on it finish on it, and the
+        workers drop it when the last one has (the call returns then).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """ListLoraAdapters lists the adapters requests may name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerateServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -158,6 +199,21 @@ def add_GenerateServiceServicer_to_server(servicer, server):
                     servicer.GetServerLoad,
                     request_deserializer=tandem_dot_v1_dot_generate__pb2.GetServerLoadRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_generate__pb2.GetServerLoadResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=tandem_dot_v1_dot_generate__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_generate__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=tandem_dot_v1_dot_generate__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_generate__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=tandem_dot_v1_dot_generate__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_generate__pb2.ListLoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -328,6 +384,87 @@ class GenerateService:
             '/tandem.v1.GenerateService/GetServerLoad',
             tandem_dot_v1_dot_generate__pb2.GetServerLoadRequest.SerializeToString,
             tandem_dot_v1_dot_generate__pb2.GetServerLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.GenerateService/LoadLoraAdapter',
+            tandem_dot_v1_dot_generate__pb2.LoadLoraAdapterRequest.SerializeToString,
+            tandem_dot_v1_dot_generate__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.GenerateService/UnloadLoraAdapter',
+            tandem_dot_v1_dot_generate__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            tandem_dot_v1_dot_generate__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.GenerateService/ListLoraAdapters',
+            tandem_dot_v1_dot_generate__pb2.ListLoraAdaptersRequest.SerializeToString,
+            tandem_dot_v1_dot_generate__pb2.ListLoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

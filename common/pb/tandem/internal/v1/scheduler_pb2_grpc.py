@@ -52,6 +52,21 @@ class SchedulerServiceStub:
                 request_serializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.GetPoolStatsRequest.SerializeToString,
                 response_deserializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.GetPoolStatsResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/tandem.internal.v1.SchedulerService/LoadLoraAdapter',
+                request_serializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/tandem.internal.v1.SchedulerService/UnloadLoraAdapter',
+                request_serializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/tandem.internal.v1.SchedulerService/ListLoraAdapters',
+                request_serializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.ListLoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServiceServicer:
@@ -89,6 +104,29 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoadLoraAdapter loads an adapter on every worker (all or none) and serves
+        it; a worker that joins later loads it before it gets a step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """UnloadLoraAdapter refuses new requests for the adapter at once, waits for
+        its running requests to finish, then unloads it from every worker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """ListLoraAdapters lists the adapters requests may name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +144,21 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.GetPoolStats,
                     request_deserializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.GetPoolStatsRequest.FromString,
                     response_serializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.GetPoolStatsResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.ListLoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -192,6 +245,87 @@ class SchedulerService:
             '/tandem.internal.v1.SchedulerService/GetPoolStats',
             tandem_dot_internal_dot_v1_dot_scheduler__pb2.GetPoolStatsRequest.SerializeToString,
             tandem_dot_internal_dot_v1_dot_scheduler__pb2.GetPoolStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.internal.v1.SchedulerService/LoadLoraAdapter',
+            tandem_dot_internal_dot_v1_dot_scheduler__pb2.LoadLoraAdapterRequest.SerializeToString,
+            tandem_dot_internal_dot_v1_dot_scheduler__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.internal.v1.SchedulerService/UnloadLoraAdapter',
+            tandem_dot_internal_dot_v1_dot_scheduler__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            tandem_dot_internal_dot_v1_dot_scheduler__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.internal.v1.SchedulerService/ListLoraAdapters',
+            tandem_dot_internal_dot_v1_dot_scheduler__pb2.ListLoraAdaptersRequest.SerializeToString,
+            tandem_dot_internal_dot_v1_dot_scheduler__pb2.ListLoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

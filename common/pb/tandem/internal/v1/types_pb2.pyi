@@ -135,3 +135,13 @@ class Usage(_message.Message):
     num_draft_tokens: int
     num_accepted_tokens: int
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ...) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("name", "path", "source")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    source: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...

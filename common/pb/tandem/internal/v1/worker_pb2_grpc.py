@@ -57,6 +57,16 @@ class WorkerServiceStub:
                 request_serializer=tandem_dot_internal_dot_v1_dot_worker__pb2.ReceiveKvRequest.SerializeToString,
                 response_deserializer=tandem_dot_internal_dot_v1_dot_worker__pb2.ReceiveKvResponse.FromString,
                 _registered_method=True)
+        self.AddLora = channel.unary_unary(
+                '/tandem.internal.v1.WorkerService/AddLora',
+                request_serializer=tandem_dot_internal_dot_v1_dot_worker__pb2.AddLoraRequest.SerializeToString,
+                response_deserializer=tandem_dot_internal_dot_v1_dot_worker__pb2.AddLoraResponse.FromString,
+                _registered_method=True)
+        self.RemoveLora = channel.unary_unary(
+                '/tandem.internal.v1.WorkerService/RemoveLora',
+                request_serializer=tandem_dot_internal_dot_v1_dot_worker__pb2.RemoveLoraRequest.SerializeToString,
+                response_deserializer=tandem_dot_internal_dot_v1_dot_worker__pb2.RemoveLoraResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -99,6 +109,24 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AddLora(self, request, context):
+        """AddLora reads and checks an adapter folder and holds it under a name
+        (INVALID_ARGUMENT with the reason when it cannot be applied;
+        FAILED_PRECONDITION when the worker runs without --enable-lora). Adding a
+        name it holds with the same path is a no-op.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveLora(self, request, context):
+        """RemoveLora forgets an adapter (no step may name it afterwards); removing
+        one it does not hold is a no-op.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +149,16 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.ReceiveKv,
                     request_deserializer=tandem_dot_internal_dot_v1_dot_worker__pb2.ReceiveKvRequest.FromString,
                     response_serializer=tandem_dot_internal_dot_v1_dot_worker__pb2.ReceiveKvResponse.SerializeToString,
+            ),
+            'AddLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddLora,
+                    request_deserializer=tandem_dot_internal_dot_v1_dot_worker__pb2.AddLoraRequest.FromString,
+                    response_serializer=tandem_dot_internal_dot_v1_dot_worker__pb2.AddLoraResponse.SerializeToString,
+            ),
+            'RemoveLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveLora,
+                    request_deserializer=tandem_dot_internal_dot_v1_dot_worker__pb2.RemoveLoraRequest.FromString,
+                    response_serializer=tandem_dot_internal_dot_v1_dot_worker__pb2.RemoveLoraResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -234,6 +272,60 @@ class WorkerService:
             '/tandem.internal.v1.WorkerService/ReceiveKv',
             tandem_dot_internal_dot_v1_dot_worker__pb2.ReceiveKvRequest.SerializeToString,
             tandem_dot_internal_dot_v1_dot_worker__pb2.ReceiveKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.internal.v1.WorkerService/AddLora',
+            tandem_dot_internal_dot_v1_dot_worker__pb2.AddLoraRequest.SerializeToString,
+            tandem_dot_internal_dot_v1_dot_worker__pb2.AddLoraResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.internal.v1.WorkerService/RemoveLora',
+            tandem_dot_internal_dot_v1_dot_worker__pb2.RemoveLoraRequest.SerializeToString,
+            tandem_dot_internal_dot_v1_dot_worker__pb2.RemoveLoraResponse.FromString,
             options,
             channel_credentials,
             insecure,
