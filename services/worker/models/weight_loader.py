@@ -14,7 +14,8 @@ other layers' weights are skipped unread. `num_layers` loads only the first N de
 layers (then the final norm and LM head): the truncated, self-speculative draft of
 `spec_decode`; the later layers' weights are skipped unread. Quantized checkpoints
 (`quantized_weights.py`: compressed-tensors FP8, GPTQ) are dequantized module by module as
-their tensors are read.
+their tensors are read or, where `packed_matmul` says so (CUDA by default), kept packed and
+merged into `quantized_linear.QuantizedLinear` layers for the Triton quantized matmul.
 """
 
 from __future__ import annotations
@@ -30,7 +31,13 @@ from common.hf_checkpoint_reader import iter_tensors
 from common.model_config import ModelConfig
 from services.worker.models.attention_backend import AttentionBackend
 from services.worker.models.llama import LlamaForCausalLM
-from services.worker.models.quantized_weights import dequantized, quant_format
+from services.worker.models.quantized_weights import (
+    QuantizedWeight,
+    dequantized,
+    packed_matmul,
+    quant_format,
+    quantized_layers,
+)
 from services.worker.parallel.pipeline_stage import PipelineStage
 from services.worker.parallel.tp_group import TpGroup
 from services.worker.parallel.weight_shards import shard_weight
@@ -82,9 +89,12 @@ def load_model(
     num_layers: int | None = None,
     tp: TpGroup | None = None,
     stage: PipelineStage | None = None,
+    dense_weights: bool = False,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model for `folder` and load its weights; returns (model in eval mode, config
-    — with `num_hidden_layers` = `num_layers` when that truncates it)."""
+    — with `num_hidden_layers` = `num_layers` when that truncates it). `dense_weights`:
+    quantized layers are dequantized even where they would stay packed (LoRA wraps dense
+    weights)."""
     path = Path(folder)
     config = ModelConfig.from_folder(path)
     if num_layers is not None:
@@ -121,7 +131,13 @@ def load_model(
 
     kv_scales: dict[str, torch.Tensor] = {}
     fmt = quant_format(path)  # a format that is not supported stops here, named
-    for name, tensor in dequantized(iter_tensors(path, keep=wanted), fmt, dtype):
+    tensors = iter_tensors(path, keep=wanted)
+    packed: dict[str, QuantizedWeight] = {}  # layers kept quantized, by their weight's name
+    if not dense_weights and packed_matmul(fmt, device, model.tp.size):
+        tensors = quantized_layers(tensors, fmt)
+    else:
+        tensors = dequantized(tensors, fmt, dtype)
+    for name, tensor in tensors:
         name = local_name(name)
         if name.endswith(_KV_SCALES):
             kv_scales[name] = tensor
@@ -134,8 +150,11 @@ def load_model(
             raise ValueError(
                 f"weight {name} has shape {tuple(tensor.shape)}, model expects {expected[name]}"
             )
+        if isinstance(tensor, QuantizedWeight):
+            packed[name] = tensor.to(device)
+            continue
         state[name] = tensor.to(device=device, dtype=dtype)
-    missing = sorted(set(expected) - set(state) - {tied_head})
+    missing = sorted(set(expected) - set(state) - set(packed) - {tied_head})
     if missing or unexpected:
         raise ValueError(
             f"checkpoint {str(path)!r} does not match the {config.architecture} model: "
@@ -144,6 +163,10 @@ def load_model(
         )
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
+    if packed:
+        from services.worker.models.quantized_linear import install_quantized  # imports Triton
+
+        install_quantized(model, packed)  # merges every projection
     model.to(device)
     set_kv_scales(model, kv_scales, config, device)
     model.eval()
