@@ -6,7 +6,9 @@ whole GQA group that shares its kv head (q heads `kv_head * group ... + group - 
 16 rows for `tl.dot`), so every K/V tile is read once per group, and walks its share of the
 context in tiles of BLOCK_N tokens, gathering each token's cache row through the block table
 (block `block_tables[s, pos // block_size]`, slot `pos % block_size`). Softmax is online, in
-fp32 (base-2 exponentials with the scale folded into log2(e)).
+fp32 (base-2 exponentials with the scale folded into log2(e)). An fp8 (float8_e4m3fn) cache
+is read as stored and each K/V tile upcast in registers to the `tl.dot` operand dtype (the
+query's 16-bit dtype, exactly, or fp32), the kernel compiling separately per cache dtype.
 
 With one split the program normalises and writes the output directly. With `num_splits > 1`
 the context of each sequence is cut into `num_splits` contiguous ranges of whole tiles
@@ -31,7 +33,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_utils import LOG2E, check_paged_args, dot_config, kv_block_slot, num_sms
+from kernels.triton_utils import (
+    FP8,
+    LOG2E,
+    check_paged_args,
+    dot_config,
+    kv_block_slot,
+    num_sms,
+)
 
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost (query load, partial write) shows
 MAX_SPLITS = 32
@@ -189,17 +198,20 @@ def choose_num_splits(
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
-def _tile_config(head_dim_pad: int, fp32: bool) -> tuple[int, int]:
-    """(BLOCK_N keys per tile, num_warps). 64 keys (a 16 KiB bf16 K tile at head_dim 128,
-    two stages in flight) for the usual head dims; fewer for tiny heads, so short contexts
-    still span several tiles, and for head_dim 256, where fp32 operands would spill."""
+def _tile_config(head_dim_pad: int, fp32: bool, fp8: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N keys per tile, num_warps, num_stages). 64 keys (a 16 KiB bf16 K tile at
+    head_dim 128, two stages in flight) for the usual head dims; fewer for tiny heads, so
+    short contexts still span several tiles, and for head_dim 256, where fp32 operands would
+    spill. fp8 cache tiles upcast to fp32 operands spill when pipelined (ptxas, sm_90), so
+    that pairing runs one stage."""
+    stages = 1 if fp8 and fp32 else 2
     if head_dim_pad <= 16:
-        return 16, 4
+        return 16, 4, stages
     if head_dim_pad <= 32:
-        return 32, 4
+        return 32, 4, stages
     if head_dim_pad <= 128:
-        return 64, 4
-    return (16, 8) if fp32 else (32, 4)
+        return 64, 4, stages
+    return (16, 8, stages) if fp32 else (32, 4, stages)
 
 
 def paged_decode_attention(
@@ -215,8 +227,9 @@ def paged_decode_attention(
     """Attention of one new query per sequence over its paged context (incl. itself).
 
     `query` `[S, q_heads, head_dim]`; caches `[num_blocks, block_size, kv_heads, head_dim]`
-    (strided views allowed, head_dim contiguous or not); `block_tables` int `[S', max_blocks]`
-    with S' >= S; `seq_lens` int `[S]`. Returns `[S, q_heads, head_dim]` in the query's dtype.
+    (strided views allowed, head_dim contiguous or not; the query's dtype or float8_e4m3fn);
+    `block_tables` int `[S', max_blocks]` with S' >= S; `seq_lens` int `[S]`. Returns
+    `[S, q_heads, head_dim]` in the query's dtype.
     `num_splits=None` picks a split count from `max_seq_len` and the batch size.
     """
     check_paged_args(query, k_cache, v_cache, block_tables, seq_lens)
@@ -239,7 +252,9 @@ def paged_decode_attention(
     group = num_q_heads // num_kv_heads
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     dot_dtype, precision = dot_config(query.dtype, k_cache.dtype, _paged_decode_kernel)
-    block_n, num_warps = _tile_config(head_dim_pad, dot_dtype == tl.float32)
+    block_n, num_warps, num_stages = _tile_config(
+        head_dim_pad, dot_dtype == tl.float32, k_cache.dtype == FP8
+    )
     split = num_splits > 1
     if split:
         part_out = torch.empty(
@@ -277,7 +292,7 @@ def paged_decode_attention(
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=precision,
         num_warps=num_warps,
-        num_stages=2,
+        num_stages=num_stages,
     )
     if split:
         _combine_splits_kernel[(num_seqs, num_q_heads)](

@@ -19,6 +19,10 @@ log2(e)). Tiles past a sequence's query count exit at once, so the grid
 no tensor value is read on the host. Values are therefore not validated (the torch reference
 does): `max_query_len` must bound every sequence's q_len, `q_len <= seq_len`, and each
 context must fit its block-table row.
+
+An fp8 (float8_e4m3fn) cache is read as stored and each K/V tile upcast in registers to the
+`tl.dot` operand dtype (the query's 16-bit dtype, exactly, or fp32); the kernel compiles
+separately per cache dtype, so other dtypes run unchanged.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_utils import LOG2E, check_paged_args, dot_config, kv_block_slot
+from kernels.triton_utils import FP8, LOG2E, check_paged_args, dot_config, kv_block_slot
 
 
 @triton.jit
@@ -165,16 +169,19 @@ def _paged_prefill_kernel(
     )
 
 
-def _tile_config(head_dim_pad: int, fp32: bool) -> tuple[int, int, int, int]:
+def _tile_config(head_dim_pad: int, fp32: bool, fp8: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for Hopper-class GPUs.
 
     16-bit operands: 128-row tiles (two warpgroups of wgmma) against 64 keys with three
     K/V stages in shared memory (~96 KiB at head_dim 128, ~180 registers per thread, no
     spills when compiled for sm_90). fp32 operands run exact ("ieee") products on the CUDA
-    cores, whose register-held operand tiles force small tiles to avoid spilling.
+    cores, whose register-held operand tiles force small tiles to avoid spilling; from an
+    fp8 cache (tiles upcast in registers) they also spill when pipelined: one stage.
+    An fp8 cache with 16-bit operands uses the 16-bit tiles.
     """
     if fp32:
-        return (32, 32, 4, 2) if head_dim_pad <= 64 else (32, 16, 8, 2)
+        stages = 1 if fp8 else 2
+        return (32, 32, 4, stages) if head_dim_pad <= 64 else (32, 16, 8, stages)
     if head_dim_pad <= 32:
         return 64, 32, 4, 3
     if head_dim_pad <= 128:
@@ -195,9 +202,10 @@ def paged_prefill_attention(
     """Causal attention of a varlen batch of new tokens over their paged context.
 
     `query` `[T, q_heads, head_dim]`; caches `[num_blocks, block_size, kv_heads, head_dim]`
-    (strided views allowed); `block_tables` int `[S', max_blocks]` with S' >= S;
-    `query_start_loc` int `[S + 1]`; `seq_lens` int `[S]`; `max_query_len` >= every
-    sequence's query count. Returns `[T, q_heads, head_dim]` in the query's dtype.
+    (strided views allowed; the query's dtype or float8_e4m3fn); `block_tables` int
+    `[S', max_blocks]` with S' >= S; `query_start_loc` int `[S + 1]`; `seq_lens` int `[S]`;
+    `max_query_len` >= every sequence's query count. Returns `[T, q_heads, head_dim]` in
+    the query's dtype.
     """
     check_paged_args(query, k_cache, v_cache, block_tables, seq_lens)
     num_seqs = seq_lens.shape[0]
@@ -223,7 +231,9 @@ def paged_prefill_attention(
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     dot_dtype, precision = dot_config(query.dtype, k_cache.dtype, _paged_prefill_kernel)
-    block_m, block_n, num_warps, num_stages = _tile_config(head_dim_pad, dot_dtype == tl.float32)
+    block_m, block_n, num_warps, num_stages = _tile_config(
+        head_dim_pad, dot_dtype == tl.float32, k_cache.dtype == FP8
+    )
     block_m = max(block_m, group_pad)  # at least one query token per tile
     grid = (triton.cdiv(max_query_len, block_m // group_pad), num_seqs, num_kv_heads)
     _paged_prefill_kernel[grid](

@@ -4,7 +4,10 @@ Same contract as `kernels.torch_paged.reshape_and_cache`: `key`/`value` are
 `[T, kv_heads, head_dim]`, the caches `[num_blocks, block_size, kv_heads, head_dim]` (usually
 strided per-layer views of one `KvCache` tensor; only head_dim need be contiguous, and the
 views are written in place), and token t goes to slot `slot_mapping[t] = block * block_size +
-offset`, cast to the cache dtype. Slot -1 (padding) skips the row.
+offset`, cast to the cache dtype. Slot -1 (padding) skips the row. An fp8 (float8_e4m3fn)
+cache gets each row rounded in registers exactly as torch's `.to(torch.float8_e4m3fn)`
+(nearest even, +-448 saturation: `triton_utils.e4m3fn_bits`); the caller has already divided
+by any k/v scale.
 
 CUDA-graph safe: the launch reads no tensor values on the host (the grid depends only on
 shapes), so slot validity is decided in the kernel. Unlike the torch reference, which raises,
@@ -17,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_utils import SUPPORTED_DTYPES
+from kernels.triton_utils import CACHE_DTYPES, SUPPORTED_DTYPES, e4m3fn_bits
 
 
 @triton.jit
@@ -48,7 +51,8 @@ def _reshape_and_cache_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """One program copies BLOCK_H heads of one token's key and value into its slot."""
+    """One program copies BLOCK_H heads of one token's key and value into its slot (an fp8
+    cache: rounded to e4m3fn on the way)."""
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
@@ -67,7 +71,7 @@ def _reshape_and_cache_kernel(
         + dims[None, :] * stride_kcd
     )
     k = tl.load(key_ptr + src, mask=mask)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + dst, _to_cache(k, k_cache_ptr.dtype.element_ty), mask=mask)
 
     src = token * stride_vt + heads[:, None] * stride_vh + dims[None, :] * stride_vd
     dst = (
@@ -77,7 +81,16 @@ def _reshape_and_cache_kernel(
         + dims[None, :] * stride_vcd
     )
     v = tl.load(value_ptr + src, mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, _to_cache(v, v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _to_cache(x, dtype: tl.constexpr):
+    """`x` as the cache's element type: fp8 through torch-exact rounding, others by a cast
+    (decided at compile time: each cache dtype gets its own kernel)."""
+    if dtype == tl.float8e4nv:
+        return e4m3fn_bits(x).to(dtype, bitcast=True)
+    return x.to(dtype)
 
 
 def reshape_and_cache(
@@ -108,9 +121,12 @@ def reshape_and_cache(
         )
     if slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
-    for name, tensor in (("key", key), ("value", value), ("cache", k_cache), ("cache", v_cache)):
+    for name, tensor in (("key", key), ("value", value)):
         if tensor.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"{name} dtype {tensor.dtype} not in {SUPPORTED_DTYPES}")
+    for tensor in (k_cache, v_cache):
+        if tensor.dtype not in CACHE_DTYPES:
+            raise ValueError(f"cache dtype {tensor.dtype} not in {CACHE_DTYPES}")
     devices = {t.device for t in (key, value, k_cache, v_cache, slot_mapping)}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")

@@ -1,6 +1,7 @@
 """Helpers shared by the Triton paged-attention kernels: argument validation for the paged
-K/V caches, the choice of `tl.dot` operand dtype and precision, and the in-kernel block-table
-lookup that turns token positions into cache addresses.
+K/V caches, the choice of `tl.dot` operand dtype and precision, the in-kernel block-table
+lookup that turns token positions into cache addresses, and the float -> fp8 (e4m3fn)
+rounding used when writing an fp8 cache.
 
 Nothing here keeps state; every function is a pure function of its arguments.
 """
@@ -15,6 +16,9 @@ from triton.runtime.interpreter import InterpretedFunction
 LOG2E = 1.4426950408889634  # kernels use exp2; softmax scales are folded by log2(e)
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# `--kv-cache-dtype fp8`: a cache dtype only (queries and new K/V rows stay 16/32-bit).
+FP8 = torch.float8_e4m3fn
+CACHE_DTYPES = (*SUPPORTED_DTYPES, FP8)
 
 
 def is_interpreted(kernel: object) -> bool:
@@ -39,11 +43,14 @@ def dot_config(
     """(operand dtype, input_precision) for the attention `tl.dot`s.
 
     On a GPU, 16-bit inputs multiply in their own dtype on the tensor cores (fp32
-    accumulation; the precision flag only matters for fp32 operands). fp32 inputs, mixed
-    input dtypes, and everything under the interpreter (whose bf16 arithmetic is wrong) use
-    fp32 operands with exact ("ieee") products, so fp32 results match the reference closely.
+    accumulation; the precision flag only matters for fp32 operands). An fp8 cache counts as
+    the query's dtype: the kernels upcast its tiles in registers, exactly (every e4m3 value
+    is a bf16 and an fp16 value). fp32 inputs, other mixed input dtypes, and everything under
+    the interpreter (whose bf16 arithmetic is wrong) use fp32 operands with exact ("ieee")
+    products, so fp32 results match the reference closely.
     """
-    if query_dtype == cache_dtype and query_dtype != torch.float32 and not is_interpreted(kernel):
+    same = cache_dtype in (query_dtype, FP8)
+    if same and query_dtype != torch.float32 and not is_interpreted(kernel):
         return tl_dtype(query_dtype), "tf32"
     return tl.float32, "ieee"
 
@@ -74,9 +81,10 @@ def check_paged_args(
         )
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k/v cache dtypes differ: {k_cache.dtype} vs {v_cache.dtype}")
-    for name, tensor in (("query", query), ("cache", k_cache)):
-        if tensor.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"{name} dtype {tensor.dtype} not in {SUPPORTED_DTYPES}")
+    if query.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"query dtype {query.dtype} not in {SUPPORTED_DTYPES}")
+    if k_cache.dtype not in CACHE_DTYPES:
+        raise ValueError(f"cache dtype {k_cache.dtype} not in {CACHE_DTYPES}")
     if k_cache.shape[3] != query.shape[2]:
         raise ValueError(f"query head_dim {query.shape[2]} != cache head_dim {k_cache.shape[3]}")
     if query.shape[2] > 256:
@@ -111,3 +119,28 @@ def kv_block_slot(block_table_row, pos, mask, BLOCK_SIZE: tl.constexpr):
     """
     block = tl.load(block_table_row + pos // BLOCK_SIZE, mask=mask, other=0).to(tl.int64)
     return block, (pos % BLOCK_SIZE).to(tl.int64)
+
+
+@triton.jit
+def e4m3fn_bits(x):
+    """The float8_e4m3fn bytes (uint8) of `x`, rounded exactly as torch's
+    `.to(torch.float8_e4m3fn)`: to nearest, ties to even; finite values beyond +-448 and
+    +-inf saturate to +-448; NaN stays NaN (0x7f with x's sign). Integer arithmetic on the
+    fp32 bits, identical on a GPU and under the interpreter (whose own float -> fp8 cast
+    rounds ties away from zero and drops mantissa carries); the cache write it serves is
+    bound by memory, not by these few integer operations.
+    """
+    bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    # Normal range (|x| >= 2^-6): rebias the exponent (127 -> 7) and round the 23-bit
+    # mantissa to 3 bits, half to even (0x7FFFF plus the kept mantissa's lowest bit).
+    normal = (mag - (120 << 23) + 0x7FFFF + ((mag >> 20) & 1)) >> 20
+    normal = tl.minimum(normal, 0x7E)  # saturate (the carry into 0x7f would be NaN)
+    # Below 2^-6: adding 2^14 leaves the multiples of 2^-9 (e4m3's subnormal step) as the
+    # fp32 mantissa's low bits, rounded to nearest even by the fp32 addition itself.
+    subnormal = (mag.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True)
+    subnormal = subnormal - (141 << 23)
+    code = tl.where(mag < (121 << 23), subnormal, normal)
+    code = tl.where(mag > 0x7F800000, 0x7F, code)  # NaN
+    return (code | sign).to(tl.uint8)

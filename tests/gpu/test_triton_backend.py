@@ -1,6 +1,7 @@
 """The model on the Triton attention backend gives the torch backend's logits: prompt
 chunks go through the prefill/extend kernel, pure-decode steps through the split-KV decode
-kernel (on CPU under the Triton interpreter; on GPU compiled)."""
+kernel (on CPU under the Triton interpreter; on GPU compiled), over a float32 or an fp8
+(e4m3fn, `--kv-cache-dtype fp8`) cache."""
 
 import pytest
 import torch
@@ -14,8 +15,9 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])
 @torch.inference_mode()
-def test_triton_backend_matches_torch_backend_through_the_model(tiny_qwen2_dir, device):
+def test_triton_backend_matches_torch_backend_through_the_model(tiny_qwen2_dir, device, kv_dtype):
     torch.manual_seed(0)
     models = {
         name: load_model(
@@ -34,7 +36,7 @@ def test_triton_backend_matches_torch_backend_through_the_model(tiny_qwen2_dir, 
             config.num_hidden_layers,
             config.num_key_value_heads,
             config.head_dim,
-            torch.float32,
+            kv_dtype,
             device,
         )
         for name in models
@@ -54,4 +56,12 @@ def test_triton_backend_matches_torch_backend_through_the_model(tiny_qwen2_dir, 
             hidden = model(ids, positions, caches[name], meta)
             logits[name] = model.compute_logits(hidden)
         torch.testing.assert_close(logits["triton"], logits["torch"], atol=2e-4, rtol=2e-4)
-    torch.testing.assert_close(caches["triton"].data, caches["torch"].data)
+    if kv_dtype == torch.float32:
+        torch.testing.assert_close(caches["triton"].data, caches["torch"].data)
+        return
+    # fp8: the same bytes, but for a rare K/V landing on the other side of a rounding edge
+    # after upstream float differences (none under the interpreter): at most one e4m3 step.
+    written, expected = caches["triton"].data, caches["torch"].data
+    flipped = (written.view(torch.uint8) != expected.view(torch.uint8)).float().mean()
+    assert flipped < 1e-3, flipped
+    torch.testing.assert_close(written.float(), expected.float(), atol=2**-9, rtol=2**-3)

@@ -71,13 +71,15 @@ def paged_context(
     dtype: torch.dtype,
     device: str,
     gen: torch.Generator,
+    cache_dtype: torch.dtype | None = None,
 ) -> tuple[KvCache, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(cache, k_cache, v_cache, block_tables): each sequence's random K/V written through a
-    shuffled block table into layer LAYER of a NaN-filled cache; tables padded with block 0
-    (never allocated, NaN) plus one extra column."""
+    """(cache, k_cache, v_cache, block_tables): each sequence's random K/V (in `dtype`, cast
+    to `cache_dtype` when given) written through a shuffled block table into layer LAYER of a
+    NaN-filled cache; tables padded with block 0 (never allocated, NaN) plus one extra
+    column."""
     needed = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(needed) + 3
-    cache = KvCache(num_blocks, block_size, 2, kv_heads, head_dim, dtype, device)
+    cache = KvCache(num_blocks, block_size, 2, kv_heads, head_dim, cache_dtype or dtype, device)
     cache.data.fill_(float("nan"))
     k_cache, v_cache = cache.layer(LAYER)
     order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
@@ -167,14 +169,14 @@ def test_reshape_and_cache_all_skipped_and_empty(device):
 MIXED_BATCH = [(40, 20), (0, 9), (30, 1), (0, 1), (5, 3)]
 
 
-def run_prefill(batch, q_heads, kv_heads, head_dim, block_size, dtype, device, seed=0):
-    gen = torch.Generator().manual_seed(seed)
+def run_prefill(batch, q_heads, kv_heads, head_dim, block_size, dtype, device, cache_dtype=None):
+    gen = torch.Generator().manual_seed(0)
     seq_lens = [prefix + new for prefix, new in batch]
     starts = [0]
     for _, new in batch:
         starts.append(starts[-1] + new)
     _, k_cache, v_cache, tables = paged_context(
-        seq_lens, block_size, kv_heads, head_dim, dtype, device, gen
+        seq_lens, block_size, kv_heads, head_dim, dtype, device, gen, cache_dtype
     )
     query = strided((starts[-1], q_heads, head_dim), dtype, device, gen)
     scale = head_dim**-0.5
@@ -238,8 +240,9 @@ DECODE_LENS = [1, 5, 33, 64, 17]  # 1..4 key tiles of 16 at head_dim 16
 
 def run_decode(seq_lens, q_heads, kv_heads, head_dim, block_size, dtype, device, **kwargs):
     gen = torch.Generator().manual_seed(2)
+    cache_dtype = kwargs.pop("cache_dtype", None)
     _, k_cache, v_cache, tables = paged_context(
-        seq_lens, block_size, kv_heads, head_dim, dtype, device, gen
+        seq_lens, block_size, kv_heads, head_dim, dtype, device, gen, cache_dtype
     )
     query = strided((len(seq_lens), q_heads, head_dim), dtype, device, gen)
     scale = head_dim**-0.5
@@ -284,6 +287,65 @@ def test_decode_defaults_need_no_bounds(device):
     """Neither num_splits nor max_seq_len: the bound comes from the block table's width."""
     out, expected = run_decode(DECODE_LENS, 4, 2, 16, 8, torch.float32, device)
     assert_matches(out, expected, torch.float32)
+
+
+# -- fp8 (e4m3fn) cache -----------------------------------------------------------------------
+FP8 = torch.float8_e4m3fn
+
+
+def e4m3_edge_values() -> torch.Tensor:
+    """fp32 values at every rounding decision of float8_e4m3fn, both signs: each finite e4m3
+    value, each midpoint between neighbours (ties: to even) and one fp32 ulp either side of
+    it, subnormals, past +-448 (saturates), +-inf and NaN."""
+    finite = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    finite = finite[finite.isfinite() & (finite >= 0)].unique()  # 0 .. 448
+    mid = (finite[1:] + finite[:-1]) / 2
+    up, down = torch.full_like(mid, float("inf")), torch.zeros_like(mid)
+    extra = [464.0, 470.0, 479.0, 480.0, 1e4, float("inf"), float("nan"), 2.0**-10, 1e-30]
+    values = torch.cat([finite, mid, mid.nextafter(up), mid.nextafter(down), torch.tensor(extra)])
+    return torch.cat([values, -values])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+def test_reshape_and_cache_fp8_rounds_like_torch(device, src_dtype):
+    """Written bytes equal the reference's (torch's `.to(float8_e4m3fn)`), bit for bit, at
+    every rounding edge; other slots and layers keep their bytes."""
+    gen = torch.Generator().manual_seed(5)
+    block_size, kv_heads, head_dim, tokens = 4, 4, 64, 9
+    edges = e4m3_edge_values().to(src_dtype)
+    need = tokens * kv_heads * head_dim
+    assert edges.numel() <= 2 * need
+    rows = torch.cat([edges, torch.randn(2 * need - edges.numel(), generator=gen).to(src_dtype)])
+    key = rows[:need].view(tokens, kv_heads, head_dim).to(device)
+    value = rows[need:].view(tokens, kv_heads, head_dim).to(device)
+    caches = [KvCache(4, block_size, 2, kv_heads, head_dim, FP8, device) for _ in range(2)]
+    noise = torch.randint(0, 256, caches[0].bytes.shape, generator=gen, dtype=torch.uint8)
+    for cache in caches:
+        cache.bytes.copy_(noise)
+    slots = torch.tensor([5, -1, 15, 0, 11, 2, 9, 12, 7], dtype=torch.int64, device=device)
+    reshape_and_cache(key, value, *caches[0].layer(LAYER), slots)
+    torch_paged.reshape_and_cache(key, value, *caches[1].layer(LAYER), slots)
+    assert torch.equal(caches[0].bytes, caches[1].bytes)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "dtype,num_splits", [(torch.float32, 1), (torch.float32, 3), (torch.bfloat16, 3)]
+)
+def test_decode_fp8_cache_matches_reference(device, dtype, num_splits):
+    """Keys and values read from an fp8 cache, against the reference's own upcast of the
+    same cache (bf16 queries: on a GPU the tensor-core path, fp8 tiles upcast to bf16)."""
+    kwargs = dict(cache_dtype=FP8, num_splits=num_splits, max_seq_len=64)
+    out, expected = run_decode(DECODE_LENS, 8, 2, 16, 4, dtype, device, **kwargs)
+    assert_matches(out, expected, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_fp8_cache_matches_reference(device, dtype):
+    out, expected = run_prefill(MIXED_BATCH, 8, 2, 16, 4, dtype, device, cache_dtype=FP8)
+    assert_matches(out, expected, dtype)
 
 
 @contextlib.contextmanager
@@ -420,23 +482,24 @@ def compile_sm90(fn, pointers, constexprs, num_warps, num_stages):
     regs, stack = map(int, re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
     return dict(name=fn.__name__, shared=kernel.metadata.shared, regs=regs, stack=stack)
 
-def decode(dtype, head_dim, group, split):
+def decode(dtype, head_dim, group, split, cache=None):
     dot = {"bf16": tl.bfloat16, "fp32": tl.float32}[dtype]
-    block_n, warps = dec._tile_config(head_dim, dot == tl.float32)
-    ptr = "*" + dtype
-    pointers = dict(q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, block_tables_ptr="*i32",
+    block_n, warps, stages = dec._tile_config(head_dim, dot == tl.float32, cache == "fp8e4nv")
+    ptr, kv = "*" + dtype, "*" + (cache or dtype)
+    pointers = dict(q_ptr=ptr, k_cache_ptr=kv, v_cache_ptr=kv, block_tables_ptr="*i32",
                     seq_lens_ptr="*i32", out_ptr=ptr, part_out_ptr="*fp32", part_lse_ptr="*fp32")
     constexprs = dict(stride_qd=1, stride_kd=1, stride_vd=1, GROUP=group,
                       GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
                       HEAD_DIM_PAD=head_dim, BLOCK_SIZE=16, BLOCK_N=block_n, SPLIT=split,
                       DOT_DTYPE=dot, DOT_PRECISION="ieee" if dot == tl.float32 else "tf32")
-    return compile_sm90(dec._paged_decode_kernel, pointers, constexprs, warps, 2)
+    return compile_sm90(dec._paged_decode_kernel, pointers, constexprs, warps, stages)
 
-def prefill(dtype, head_dim, group):
+def prefill(dtype, head_dim, group, cache=None):
     dot = {"bf16": tl.bfloat16, "fp32": tl.float32}[dtype]
-    block_m, block_n, warps, stages = pre._tile_config(head_dim, dot == tl.float32)
-    ptr = "*" + dtype
-    pointers = dict(q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, block_tables_ptr="*i32",
+    block_m, block_n, warps, stages = pre._tile_config(
+        head_dim, dot == tl.float32, cache == "fp8e4nv")
+    ptr, kv = "*" + dtype, "*" + (cache or dtype)
+    pointers = dict(q_ptr=ptr, k_cache_ptr=kv, v_cache_ptr=kv, block_tables_ptr="*i32",
                     query_start_loc_ptr="*i32", seq_lens_ptr="*i32", out_ptr=ptr)
     constexprs = dict(stride_qd=1, stride_kd=1, stride_vd=1, GROUP=group, GROUP_PAD=group,
                       HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, BLOCK_SIZE=16,
@@ -453,10 +516,16 @@ results = [
     prefill("bf16", 128, 4),
     prefill("bf16", 64, 8),
     prefill("fp32", 128, 4),
-    compile_sm90(_reshape_and_cache_kernel, dict(key_ptr="*bf16", value_ptr="*bf16",
-                 k_cache_ptr="*bf16", v_cache_ptr="*bf16", slot_mapping_ptr="*i64"),
-                 dict(stride_kd=1, stride_vd=1, stride_kcd=1, stride_vcd=1, NUM_HEADS=8,
-                      HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128), 4, 1),
+    *[compile_sm90(_reshape_and_cache_kernel, dict(key_ptr="*bf16", value_ptr="*bf16",
+                   k_cache_ptr=cache, v_cache_ptr=cache, slot_mapping_ptr="*i64"),
+                   dict(stride_kd=1, stride_vd=1, stride_kcd=1, stride_vcd=1, NUM_HEADS=8,
+                        HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128), 4, 1)
+      for cache in ("*bf16", "*fp8e4nv")],
+    # fp8 (e4m3fn) caches: bf16 queries (tensor cores) and fp32 queries (one stage)
+    decode("bf16", 128, 4, True, "fp8e4nv"),
+    decode("fp32", 128, 4, True, "fp8e4nv"),
+    prefill("bf16", 128, 4, "fp8e4nv"),
+    prefill("fp32", 128, 4, "fp8e4nv"),
 ]
 print(json.dumps(results))
 '''
@@ -467,9 +536,9 @@ print(json.dumps(results))
     reason="this Triton wheel bundles no ptxas",
 )
 def test_kernels_compile_for_hopper_without_spills():
-    """The production configurations (bf16/fp32, head_dim 128, GQA) lower through Triton's
-    sm_90 pipeline and ptxas (both bundled with the wheel, no GPU needed), fit Hopper's
-    shared memory and keep everything in registers."""
+    """The production configurations (bf16/fp32, head_dim 128, GQA; also over an fp8 cache)
+    lower through Triton's sm_90 pipeline and ptxas (both bundled with the wheel, no GPU
+    needed), fit Hopper's shared memory and keep everything in registers."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
         [sys.executable, "-c", HOPPER_COMPILE],

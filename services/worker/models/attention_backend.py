@@ -94,6 +94,12 @@ class TorchAttention:
 
 
 class TritonAttention:
+    """`kernels/reshape_and_cache.py`, then `paged_decode_attention.py` (pure-decode steps)
+    or `paged_prefill_attention.py`. The caches go to the kernels as they are, an fp8
+    (float8_e4m3fn) pool included: the write rounds to e4m3 like torch's cast and the
+    attention kernels upcast its tiles in registers (any k/v scales are applied outside, by
+    `Attention._scaled`)."""
+
     name = "triton"
 
     def __init__(self) -> None:
