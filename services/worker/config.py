@@ -15,6 +15,7 @@ from common.config import (
 from common.parallel_plan import Layout
 from common.speculative_config import SpeculativeConfig, parse_speculative_config
 from services.worker.models.attention_backend import BACKENDS
+from services.worker.models.quantized_weights import MATMUL_CHOICES
 
 ROLES = ("prefill", "decode", "both")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -52,6 +53,14 @@ class WorkerConfig(ServiceConfig):
         "k_scale/v_scale where it has them, else 1.0)",
         choices=KV_CACHE_DTYPES,
         env="TANDEM_KV_CACHE_DTYPE",
+    )
+    quantized_matmul: str = setting(
+        "auto",
+        "how a quantized checkpoint's layers run: triton (kept packed, Triton weight-only "
+        "matmuls; one process, CUDA), dense (dequantized at load) or auto (triton on CUDA "
+        "without tensor parallelism or LoRA, else dense)",
+        choices=MATMUL_CHOICES,
+        env="TANDEM_QUANTIZED_MATMUL",
     )
     attention_backend: str = setting(
         "auto",
@@ -199,6 +208,7 @@ class WorkerConfig(ServiceConfig):
             ("role", ROLES),
             ("dtype", DTYPES),
             ("kv_cache_dtype", KV_CACHE_DTYPES),
+            ("quantized_matmul", MATMUL_CHOICES),
             ("attention_backend", BACKENDS),
             ("cpu_packed_weights", PACKED_WEIGHTS),
         ):

@@ -72,12 +72,16 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str) -> tor
 
 def load_lora(config: WorkerConfig, model, num_layers: int) -> LoraManager | None:
     """--enable-lora: the model's projections get LoRA slots and --lora-modules are read
-    (a bad adapter folder stops the start, naming it)."""
+    (a bad adapter folder stops the start, naming it); more can be added at run time."""
     if not config.enable_lora:
         return None
-    lora = LoraManager(model, config.max_loras, config.max_lora_rank, config.cpu_loras)
+
+    def read(name: str, path: str):
+        return load_adapter(name, path, num_layers, config.max_lora_rank)
+
+    lora = LoraManager(model, config.max_loras, config.max_lora_rank, config.cpu_loras, load=read)
     for name, path in config.lora_paths.items():
-        lora.register(load_adapter(name, path, num_layers, config.max_lora_rank))
+        lora.add(name, path)
     return lora
 
 
@@ -163,14 +167,22 @@ def load_worker(
     dtype = resolve_dtype(config.dtype, device, model_config.torch_dtype)
     free_at_start = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
     backend = select_backend(config.attention_backend, device)
-    if config.kv_cache_dtype != "auto" and backend.name == "triton":
+    if (
+        config.kv_cache_dtype != "auto"
+        and backend.name == "triton"
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device) < (8, 9)
+    ):
         raise ValueError(
-            "--kv-cache-dtype fp8 runs on the cpu and torch attention backends; the Triton "
-            "kernels do not read fp8 yet (use --attention-backend torch on GPU)"
+            "--kv-cache-dtype fp8 with the triton attention backend needs a GPU of compute "
+            "capability 8.9 or newer (Triton has no float8_e4m3fn before Ada/Hopper); use "
+            "--attention-backend torch on this GPU"
         )
     model, model_config = load_model(
         config.model, dtype=dtype, device=device, attention=backend,
         tp=None if ranks is None else ranks.tp, stage=None if ranks is None else ranks.stage,
+        # LoRA wraps dense weights: quantized layers are dequantized for it.
+        quantized_matmul="dense" if config.enable_lora else config.quantized_matmul,
     )  # fmt: skip
     max_model_len = min(
         config.max_model_len or model_config.max_position_embeddings,

@@ -4,7 +4,7 @@ loaded dequantized.
 
 Without CUDA the kernels run under the Triton CPU interpreter (selected below, before the
 kernel modules are imported) on tiny shapes, and the packed path is forced on CPU with
-`TANDEM_QUANTIZED_MATMUL=triton`; with CUDA the kernel cases run compiled on the GPU.
+`quantized_matmul="triton"`; with CUDA the kernel cases run compiled on the GPU.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from kernels.quant_matmul import (  # noqa: E402
     gptq_matmul,
     gptq_reference,
 )
+from services.worker.config import WorkerConfig  # noqa: E402
 from services.worker.kv_cache import KvCache  # noqa: E402
 from services.worker.lora.layers import LoraContext, install_lora  # noqa: E402
 from services.worker.models.attention_backend import TorchAttention  # noqa: E402
@@ -33,7 +34,7 @@ from services.worker.models.attention_metadata import (  # noqa: E402
 )
 from services.worker.models.quantized_linear import QuantizedLinear  # noqa: E402
 from services.worker.models.quantized_weights import (  # noqa: E402
-    MATMUL_ENV,
+    MATMUL_SETTING,
     QuantFormat,
     QuantizedWeight,
     fp8_weight,
@@ -156,24 +157,22 @@ def test_merged_gptq_parts_join_when_their_groups_agree(shared_g_idx):
     dense = torch.cat([w.dense(torch.float32) for w in weights])
     torch.testing.assert_close(merged(x), x @ dense.t() + bias, **TOLERANCE)
     assert [t.shape[-1] for t in merged.split(x)] == [32, 16, 16]
-    with pytest.raises(ValueError, match=MATMUL_ENV):
+    with pytest.raises(ValueError, match=MATMUL_SETTING):
         merged.weight  # noqa: B018  (LoRA and other dense-weight readers are refused)
 
 
-def test_matmul_switch_and_its_limits(monkeypatch):
+def test_matmul_switch_and_its_limits():
     fmt, cuda, cpu = QuantFormat("fp8"), torch.device("cuda"), torch.device("cpu")
-    monkeypatch.delenv(MATMUL_ENV, raising=False)
     assert packed_matmul(fmt, cuda) and not packed_matmul(fmt, cpu)
     assert not packed_matmul(fmt, cuda, tp_size=2)  # auto: dequantized for TP
     assert not packed_matmul(None, cuda)
-    monkeypatch.setenv(MATMUL_ENV, "dense")
-    assert not packed_matmul(fmt, cuda)
-    monkeypatch.setenv(MATMUL_ENV, "triton")
+    assert not packed_matmul(fmt, cuda, choice="dense")
     with pytest.raises(ValueError, match="tensor-parallel-size"):
-        packed_matmul(fmt, cuda, tp_size=2)
-    monkeypatch.setenv(MATMUL_ENV, "marlin")
+        packed_matmul(fmt, cuda, tp_size=2, choice="triton")
     with pytest.raises(ValueError, match="'marlin'"):
-        packed_matmul(fmt, cuda)
+        packed_matmul(fmt, cuda, choice="marlin")
+    with pytest.raises(ValueError, match="quantized_matmul"):
+        WorkerConfig(model="/m", quantized_matmul="marlin")
 
 
 def gptq_checkpoint(source, target, bits: int, fmt: str, act_order: bool):
@@ -227,7 +226,7 @@ def fp8_checkpoint(source, target, strategy: str, ignore: tuple[str, ...]):
 @pytest.mark.parametrize(
     "kind", ["gptq-4bit-act-order", "gptq_v2-8bit", "fp8-channel", "fp8-tensor-v-dense"]
 )
-def test_packed_model_matches_the_dequantized_model(tiny_llama_dir, tmp_path, monkeypatch, kind):
+def test_packed_model_matches_the_dequantized_model(tiny_llama_dir, tmp_path, kind):
     if kind == "fp8-channel":
         folder = fp8_checkpoint(tiny_llama_dir, tmp_path / kind, "channel", ())
     elif kind == "fp8-tensor-v-dense":
@@ -236,16 +235,16 @@ def test_packed_model_matches_the_dequantized_model(tiny_llama_dir, tmp_path, mo
         folder = gptq_checkpoint(tiny_llama_dir, tmp_path / kind, 4, "gptq", act_order=True)
     else:
         folder = gptq_checkpoint(tiny_llama_dir, tmp_path / kind, 8, "gptq_v2", act_order=False)
-    monkeypatch.setenv(MATMUL_ENV, "dense")
-    dense = prompt_logits(folder)
-    monkeypatch.setenv(MATMUL_ENV, "triton")
-    packed = prompt_logits(folder)
+    dense = prompt_logits(folder, "dense")
+    packed = prompt_logits(folder, "triton")
     torch.testing.assert_close(packed, dense, **TOLERANCE)
 
 
-def prompt_logits(folder) -> torch.Tensor:
+def prompt_logits(folder, quantized_matmul: str) -> torch.Tensor:
     """The model's float32 logits over `TOKENS` as one prompt, on `DEVICE`."""
-    model, config = load_model(folder, torch.float32, DEVICE, attention=TorchAttention())
+    model, config = load_model(
+        folder, torch.float32, DEVICE, attention=TorchAttention(), quantized_matmul=quantized_matmul
+    )
     cache = KvCache(8, 4, config.num_hidden_layers, config.num_key_value_heads,
                     config.head_dim, torch.float32, DEVICE)  # fmt: skip
     table = [5, 2, 7]  # 3 blocks of 4 for the 12 tokens, out of order
@@ -255,13 +254,12 @@ def prompt_logits(folder) -> torch.Tensor:
         return model.compute_logits(hidden).cpu()
 
 
-def test_packed_model_merges_projections_and_refuses_lora(tiny_llama_dir, tmp_path, monkeypatch):
+def test_packed_model_merges_projections_and_refuses_lora(tiny_llama_dir, tmp_path):
     folder = gptq_checkpoint(tiny_llama_dir, tmp_path / "gptq", 4, "gptq", act_order=True)
-    monkeypatch.setenv(MATMUL_ENV, "triton")
-    model, _ = load_model(folder, torch.float32, DEVICE)
+    model, _ = load_model(folder, torch.float32, DEVICE, quantized_matmul="triton")
     layer = model.model.layers[0]
     projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj)
     assert all(isinstance(p, QuantizedLinear) and len(p.packs) == 1 for p in projections)
     assert layer.self_attn.qkv_proj.sizes == (64, 32, 32)
-    with pytest.raises(ValueError, match=MATMUL_ENV):
+    with pytest.raises(ValueError, match=MATMUL_SETTING):
         install_lora(model, LoraContext(), num_slots=1, max_rank=8)

@@ -1,5 +1,5 @@
 """`QuantizedLinear`: `MergedLinear`'s twin (`linear.py`) for quantized layers kept packed on
-the device (`quantized_weights.py`, `TANDEM_QUANTIZED_MATMUL`), multiplied by the Triton
+the device (`quantized_weights.py`, the worker's `--quantized-matmul`), multiplied by the Triton
 kernels of `kernels/quant_matmul.py`; and `install_quantized`, which merges a loaded
 model's projections (q/k/v, gate/up, and each single one) with it, as
 `LlamaForCausalLM.merge_projections` does with `MergedLinear`.
@@ -137,7 +137,7 @@ class QuantizedLinear(nn.Module):
         raise ValueError(
             "this layer's weights are quantized and packed for the Triton matmul: features "
             "that need a dense weight (LoRA adapters) are not supported with them; set "
-            "TANDEM_QUANTIZED_MATMUL=dense to load the model dequantized"
+            "quantized_matmul=dense (--quantized-matmul dense) to load the model dequantized"
         )
 
     @classmethod

@@ -15,7 +15,8 @@ as they are read (never the whole model at once), and how they run.
 Anything else in `quantization_config` (AWQ, bitsandbytes, other compressed-tensors
 formats, other bit widths) is refused at start, naming it.
 
-How the layers run is `TANDEM_QUANTIZED_MATMUL` (`packed_matmul`):
+How the layers run is the worker's `--quantized-matmul` (`TANDEM_QUANTIZED_MATMUL`,
+`packed_matmul`):
 - `dense`: each layer is dequantized to a dense weight in the model's dtype as it is read,
   then goes through the usual path (tensor-parallel slicing, merged projections, MKL's
   packed matmuls on CPU);
@@ -98,29 +99,32 @@ def _compressed_tensors(quant: dict) -> QuantFormat:
     return QuantFormat("fp8", ignore=tuple(quant.get("ignore") or ()))
 
 
-MATMUL_ENV = "TANDEM_QUANTIZED_MATMUL"
+MATMUL_SETTING = "quantized_matmul"
 MATMUL_CHOICES = ("auto", "triton", "dense")
 
 
-def packed_matmul(fmt: QuantFormat | None, device: torch.device, tp_size: int = 1) -> bool:
-    """Whether quantized layers stay packed for the Triton matmul (`MATMUL_ENV`, module
-    docstring); ValueError for a choice that cannot run here, naming the limit."""
-    choice = os.environ.get(MATMUL_ENV, "auto").strip().lower() or "auto"
+def packed_matmul(
+    fmt: QuantFormat | None, device: torch.device, tp_size: int = 1, choice: str = "auto"
+) -> bool:
+    """Whether quantized layers stay packed for the Triton matmul (`choice`: the worker's
+    --quantized-matmul, module docstring); ValueError for a choice that cannot run here,
+    naming the limit."""
     if choice not in MATMUL_CHOICES:
-        raise ValueError(f"{MATMUL_ENV}={choice!r}: expected one of {', '.join(MATMUL_CHOICES)}")
+        choices = ", ".join(MATMUL_CHOICES)
+        raise ValueError(f"{MATMUL_SETTING}={choice!r}: expected one of {choices}")
     if fmt is None or choice == "dense":
         return False
     if choice == "auto":
         return device.type == "cuda" and tp_size == 1
     if tp_size > 1:
         raise ValueError(
-            f"{MATMUL_ENV}=triton does not slice packed weights for --tensor-parallel-size "
-            f"> 1 (got {tp_size}); use {MATMUL_ENV}=dense (or auto) to load them dequantized"
+            f"{MATMUL_SETTING}=triton does not slice packed weights for --tensor-parallel-size "
+            f"> 1 (got {tp_size}); use {MATMUL_SETTING}=dense (or auto) to load them dequantized"
         )
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
-            f"{MATMUL_ENV}=triton on {device.type} runs only under the Triton interpreter "
-            f"(TRITON_INTERPRET=1, for tests); use {MATMUL_ENV}=dense"
+            f"{MATMUL_SETTING}=triton on {device.type} runs only under the Triton interpreter "
+            f"(TRITON_INTERPRET=1, for tests); use {MATMUL_SETTING}=dense"
         )
     return True
 

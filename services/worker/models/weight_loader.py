@@ -89,12 +89,11 @@ def load_model(
     num_layers: int | None = None,
     tp: TpGroup | None = None,
     stage: PipelineStage | None = None,
-    dense_weights: bool = False,
+    quantized_matmul: str = "auto",
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model for `folder` and load its weights; returns (model in eval mode, config
-    — with `num_hidden_layers` = `num_layers` when that truncates it). `dense_weights`:
-    quantized layers are dequantized even where they would stay packed (LoRA wraps dense
-    weights)."""
+    — with `num_hidden_layers` = `num_layers` when that truncates it). `quantized_matmul`:
+    auto / triton / dense, how quantized layers run (`quantized_weights.packed_matmul`)."""
     path = Path(folder)
     config = ModelConfig.from_folder(path)
     if num_layers is not None:
@@ -133,7 +132,7 @@ def load_model(
     fmt = quant_format(path)  # a format that is not supported stops here, named
     tensors = iter_tensors(path, keep=wanted)
     packed: dict[str, QuantizedWeight] = {}  # layers kept quantized, by their weight's name
-    if not dense_weights and packed_matmul(fmt, device, model.tp.size):
+    if packed_matmul(fmt, device, model.tp.size, quantized_matmul):
         tensors = quantized_layers(tensors, fmt)
     else:
         tensors = dequantized(tensors, fmt, dtype)
