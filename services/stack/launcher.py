@@ -42,7 +42,8 @@ class StackSpec:
     prefill_ports: tuple[int, ...] = (50061,)
     decode_ports: tuple[int, ...] = (50071,)
     both_ports: tuple[int, ...] = ()
-    # Extra CLI flags per role ("prefill", "decode", "both", "scheduler", "gateway", "http").
+    # Extra CLI flags per role ("prefill", "decode", "both", "scheduler", "gateway", "http"),
+    # and per worker ("decode.1": the second decode worker's, after its role's).
     extra_args: Mapping[str, Sequence[str]] = field(default_factory=dict)
     log_level: str = "info"
     # The OpenAI-compatible HTTP front's port (python -m services.openai_api); None = none.
@@ -135,7 +136,10 @@ def _commands(spec: StackSpec) -> list[tuple[str, str, list[str]]]:
         + [("decode", p) for p in spec.decode_ports]
         + [("both", p) for p in spec.both_ports]
     )
+    index = {"prefill": 0, "decode": 0, "both": 0}
     for role, port in roles:
+        own = spec.extra_args.get(f"{role}.{index[role]}", ())
+        index[role] += 1
         argv = [
             *py,
             "services.worker",
@@ -149,6 +153,7 @@ def _commands(spec: StackSpec) -> list[tuple[str, str, list[str]]]:
             "--worker-id",
             f"{role}-{port}",
             *spec.extra_args.get(role, ()),
+            *own,
         ]
         out.append((f"{role}-{port}", f"{spec.host}:{port}", argv))
     workers = ",".join(f"{spec.host}:{p}" for p in spec.worker_ports)
