@@ -71,37 +71,37 @@ def test_two_prefill_two_decode_with_prefix_hits_chunking_and_preemption(tiny_ll
 
 
 def test_repeated_prompt_reports_cached_tokens_and_sends_only_missing_blocks(
-    tiny_llama_dir, tmp_path
+    tiny_llama_dir, api_stack
 ):
-    stack = start_stack(tiny_llama_dir, tmp_path / "run")
-    try:
-        prompt = list(range(5, 45))  # 40 tokens: 2 full 16-token blocks + 8
-        got = generate(stack.spec.gateway_address, greedy_request(prompt, 6))
-        assert got.usage.cached_tokens == 0
-        before = {p.role: p for p in wait_until_idle(stack).pools}
-        again = generate(stack.spec.gateway_address, greedy_request(prompt, 6))
-        assert again.token_ids == got.token_ids == hf_greedy(tiny_llama_dir, prompt, 6)
-        assert again.usage.cached_tokens == 32  # the last token's block is recomputed
-        after = {p.role: p for p in wait_until_idle(stack).pools}
-        decode_before, decode_after = before[2], after[2]
-        # The decode pool already held both full blocks: only the partial one crossed UCX.
-        assert decode_after.kv_blocks_reused - decode_before.kv_blocks_reused == 2
-        assert decode_after.kv_blocks_received - decode_before.kv_blocks_received == 1
-        # A different cache_salt shares nothing.
-        salted = greedy_request(prompt, 6)
-        salted.cache_salt = "tenant-b"
-        assert generate(stack.spec.gateway_address, salted).usage.cached_tokens == 0
-        with grpc.insecure_channel(stack.spec.gateway_address) as channel:
-            stub = generate_pb2_grpc.GenerateServiceStub(channel)
-            bad = greedy_request(prompt, 6)
-            bad.cache_salt = "x" * 257
-            with pytest.raises(grpc.RpcError) as caught:
-                list(stub.Generate(bad, timeout=30))
-        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "cache_salt must be at most 256 bytes" in caught.value.details()
-        wait_until_idle(stack)
-    finally:
-        stack.stop()
+    """On the shared default stack; its own cache_salt keeps other tests' blocks apart."""
+    stack = api_stack
+    prompt = list(range(5, 45))  # 40 tokens: 2 full 16-token blocks + 8
+
+    def salted(salt: str):
+        request = greedy_request(prompt, 6)
+        request.cache_salt = salt
+        return request
+
+    got = generate(stack.spec.gateway_address, salted("repeated-prompt"))
+    assert got.usage.cached_tokens == 0
+    before = {p.role: p for p in wait_until_idle(stack).pools}
+    again = generate(stack.spec.gateway_address, salted("repeated-prompt"))
+    assert again.token_ids == got.token_ids == hf_greedy(tiny_llama_dir, prompt, 6)
+    assert again.usage.cached_tokens == 32  # the last token's block is recomputed
+    after = {p.role: p for p in wait_until_idle(stack).pools}
+    decode_before, decode_after = before[2], after[2]
+    # The decode pool already held both full blocks: only the partial one crossed UCX.
+    assert decode_after.kv_blocks_reused - decode_before.kv_blocks_reused == 2
+    assert decode_after.kv_blocks_received - decode_before.kv_blocks_received == 1
+    # A different cache_salt shares nothing.
+    assert generate(stack.spec.gateway_address, salted("tenant-b")).usage.cached_tokens == 0
+    with grpc.insecure_channel(stack.spec.gateway_address) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.Generate(salted("x" * 257), timeout=30))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "cache_salt must be at most 256 bytes" in caught.value.details()
+    wait_until_idle(stack)
 
 
 def test_swap_preemption_keeps_outputs_exact(tiny_llama_dir, tmp_path):
@@ -156,23 +156,20 @@ def test_prefix_caching_can_be_switched_off(tiny_llama_dir, tmp_path):
         stack.stop()
 
 
-def test_generate_usage_fields_are_consistent(tiny_llama_dir, tmp_path):
+def test_generate_usage_fields_are_consistent(api_stack):
     # Guard: GenerateResponse.usage on the last message only, cached <= prompt tokens.
-    stack = start_stack(tiny_llama_dir, tmp_path / "run", prefill=0, decode=0, both=1)
-    try:
-        prompt = list(range(7, 60))
-        for _ in range(2):
-            with grpc.insecure_channel(stack.spec.gateway_address) as channel:
-                stub = generate_pb2_grpc.GenerateServiceStub(channel)
-                messages = list(stub.Generate(greedy_request(prompt, 5), timeout=60))
-            assert all(not m.HasField("usage") for m in messages[:-1])
-            usage = messages[-1].usage
-            assert usage.cached_tokens <= usage.prompt_tokens == len(prompt)
-            assert messages[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
-        assert usage.cached_tokens == 48  # second pass: 3 of the 53 tokens' blocks cached
-        wait_until_idle(stack)
-    finally:
-        stack.stop()
+    request = greedy_request(list(range(7, 60)), 5)
+    request.cache_salt = "usage-fields"  # apart from the other tests on the shared stack
+    for _ in range(2):
+        with grpc.insecure_channel(api_stack.spec.gateway_address) as channel:
+            stub = generate_pb2_grpc.GenerateServiceStub(channel)
+            messages = list(stub.Generate(request, timeout=60))
+        assert all(not m.HasField("usage") for m in messages[:-1])
+        usage = messages[-1].usage
+        assert usage.cached_tokens <= usage.prompt_tokens == 53
+        assert messages[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
+    assert usage.cached_tokens == 48  # second pass: 3 of the 53 tokens' blocks cached
+    wait_until_idle(api_stack)
 
 
 def test_streamed_layer_by_layer_pull_with_chunked_prompts_equals_hf(tiny_llama_dir, tmp_path):
