@@ -57,8 +57,17 @@ def iter_tensors(
                     yield name, handle.get_tensor(name)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(folder: str | os.PathLike):
     """The checkpoint's tokenizer (`tokenizer.json` / `tokenizer_config.json`), offline."""
+    path = Path(folder)
+    if not any((path / name).is_file() for name in ("config.json", *TOKENIZER_FILES)):
+        raise ValueError(
+            f"{folder} is not a model folder: no config.json and no tokenizer "
+            f"({', '.join(TOKENIZER_FILES)})"
+        )
     from transformers import AutoTokenizer
 
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 
@@ -103,6 +104,7 @@ def keep_torch_out() -> None:
     absent, torch stays unloaded and transformers takes its torch-free path; the tokenizer
     is the same (the API tests compare it with one loaded beside torch)."""
     sys.modules.setdefault("torch", None)  # a process that has torch already keeps it
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # "PyTorch was not found"
 
 
 def main() -> None:
