@@ -18,11 +18,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernel definitions
 
-import contextlib  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -36,6 +34,7 @@ from kernels.paged_decode_attention import (  # noqa: E402
 from kernels.paged_prefill_attention import paged_prefill_attention  # noqa: E402
 from kernels.reshape_and_cache import reshape_and_cache  # noqa: E402
 from services.worker.kv_cache import KvCache  # noqa: E402
+from tests.gpu.graph_safety import no_host_reads  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICES = [
@@ -346,28 +345,6 @@ def test_decode_fp8_cache_matches_reference(device, dtype, num_splits):
 def test_prefill_fp8_cache_matches_reference(device, dtype):
     out, expected = run_prefill(MIXED_BATCH, 8, 2, 16, 4, dtype, device, cache_dtype=FP8)
     assert_matches(out, expected, dtype)
-
-
-@contextlib.contextmanager
-def no_host_reads() -> Iterator[None]:
-    """Make every way of reading a tensor's value into Python raise."""
-    names = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
-    saved = {name: getattr(torch.Tensor, name) for name in names}
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("host read of a tensor value during a graph-safe launch")
-
-    try:
-        for name in names:
-            setattr(torch.Tensor, name, forbidden)
-        if HAS_CUDA:
-            torch.cuda.set_sync_debug_mode("error")
-        yield
-    finally:
-        for name, method in saved.items():
-            setattr(torch.Tensor, name, method)
-        if HAS_CUDA:
-            torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -17,11 +17,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernel definitions
 
-import contextlib  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -33,6 +31,7 @@ from kernels.lora_triton import add_lora, choose_split_k  # noqa: E402
 from services.worker.lora.adapter import LoraAdapter  # noqa: E402
 from services.worker.lora.layers import LoraContext, LoraLinear  # noqa: E402
 from services.worker.models.linear import MergedLinear  # noqa: E402
+from tests.gpu.graph_safety import no_host_reads  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -133,28 +132,6 @@ def test_nothing_to_add():
     assert torch.equal(out, before)
     empty = torch.zeros(0, OUT, device=DEVICE)
     add_lora(x[:0], empty, torch.zeros(0, dtype=torch.long, device=DEVICE), lora_a, lora_b)
-
-
-@contextlib.contextmanager
-def no_host_reads() -> Iterator[None]:
-    """Make every way of reading a tensor's value into Python raise."""
-    names = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
-    saved = {name: getattr(torch.Tensor, name) for name in names}
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("host read of a tensor value during a graph-safe launch")
-
-    try:
-        for name in names:
-            setattr(torch.Tensor, name, forbidden)
-        if HAS_CUDA:
-            torch.cuda.set_sync_debug_mode("error")
-        yield
-    finally:
-        for name, method in saved.items():
-            setattr(torch.Tensor, name, method)
-        if HAS_CUDA:
-            torch.cuda.set_sync_debug_mode("default")
 
 
 def test_launch_reads_no_tensor_values():
