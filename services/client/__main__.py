@@ -46,6 +46,8 @@ def build_request(args: argparse.Namespace) -> generate_pb2.GenerateRequest:
         request.n = args.n
     if args.logprobs is not None:
         request.logprobs = args.logprobs
+    if args.lora_name:
+        request.lora_name = args.lora_name
     return request
 
 
@@ -69,6 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--token-ids", action="store_true", help="prompt is token ids")
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user message")
     parser.add_argument("--system", help="system message (with --chat)")
+    parser.add_argument("--lora-name", help="a LoRA adapter the server loaded (default: the base)")
     parser.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
     parser.add_argument(
         "--api-key",

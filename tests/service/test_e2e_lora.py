@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -123,6 +126,13 @@ def test_adapters_and_base_in_one_stack_equal_peft(tiny_llama_dir, adapters, sta
         for name, got in zip(names, results, strict=True):
             assert got.token_ids == expected[name], name
         wait_until_idle(stack)
+    cli = subprocess.run(  # the CLI client names an adapter too
+        [sys.executable, "-m", "services.client", ",".join(map(str, PROMPT)), "--token-ids",
+         "--max-tokens", str(NEW_TOKENS), "--lora-name", "mlp16", "--address", address],
+        capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    assert cli.returncode == 0, cli.stderr
+    assert cli.stdout == generate(address, lora_request("mlp16")).text + "\n"
     with pytest.raises(grpc.RpcError) as unknown:
         generate(address, lora_request("nope"))
     assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
