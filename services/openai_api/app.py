@@ -1,4 +1,4 @@
-"""The Starlette application: thin route handlers that read the JSON body (size-limited),
+"""The Starlette application: thin route handlers that read the JSON body (`request_body.py`),
 translate it (`*_request.py`), call the gateway (`gateway_client.py`) and translate the
 answer back (`*_response.py`, `sse.py`). Every error leaves as OpenAI-shaped JSON.
 
@@ -8,10 +8,9 @@ it (UNAUTHENTICATED becomes a 401). `/health` needs none."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import structlog
 from starlette.applications import Starlette
@@ -29,53 +28,16 @@ from services.openai_api.completion_response import CompletionChunks, completion
 from services.openai_api.errors import ApiError
 from services.openai_api.gateway_client import GatewayClient, GenerateStreams, Metadata
 from services.openai_api.lora_routes import lora_routes
+from services.openai_api.request_body import credentials, read_json
 from services.openai_api.sse import EventStreamResponse, chat_chunks, completion_chunks, events
 
 log = get_logger("services.openai_api")
 T = TypeVar("T")
 CLIENT_CLOSED = 499  # nginx's code for "the client went away"; nobody receives it
-DRAIN_FACTOR = 4
 
 
 class ClientDisconnected(Exception):
     pass
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def credentials(request: Request) -> Metadata:
-    """The client's `Authorization` header as gRPC metadata. A value gRPC cannot carry
-    (not printable ASCII) is dropped: the gateway then sees no credentials."""
-    value = request.headers.get("authorization", "").strip()
-    if not value or not value.isascii() or not value.isprintable():
-        return ()
-    return (("authorization", value),)
-
-
-async def read_json(request: Request, limit: int) -> Any:
-    """The request body as JSON: 413 above `limit` bytes, 400 when it does not parse.
-
-    A body over the limit is still read (and dropped), up to DRAIN_FACTOR times the limit,
-    so that a client which sends it all before reading gets the 413 instead of a reset."""
-    length = request.headers.get("content-length", "")
-    too_large = length.isdigit() and int(length) > limit
-    body = bytearray()
-    received = 0
-    async for piece in request.stream():
-        received += len(piece)
-        too_large = too_large or received > limit
-        if too_large and received > DRAIN_FACTOR * limit:
-            break
-        if not too_large:
-            body += piece
-    if too_large:
-        raise ApiError(f"request body is larger than {limit} bytes", 413)
-    try:
-        return json.loads(body, parse_constant=_reject_constant)
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ApiError(f"request body is not valid JSON: {exc}", 400) from None
 
 
 async def _disconnected(request: Request) -> None:
@@ -217,7 +179,7 @@ def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/v1/models/{model:path}", get_model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
-            *lora_routes(gateway, read_json, credentials),
+            *lora_routes(gateway),
         ],
         exception_handlers={
             ApiError: on_api_error,

@@ -12,7 +12,8 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from services.openai_api.errors import invalid
-from services.openai_api.gateway_client import GatewayClient, Metadata
+from services.openai_api.gateway_client import GatewayClient
+from services.openai_api.request_body import credentials, read_json
 
 MAX_BODY_BYTES = 64 * 1024
 
@@ -24,14 +25,12 @@ def _field(body, name: str) -> str:
     return value
 
 
-def lora_routes(gateway: GatewayClient, read_json, credentials) -> list[Route]:
-    """`read_json(request, limit)` and `credentials(request) -> Metadata` are the app's."""
+def lora_routes(gateway: GatewayClient) -> list[Route]:
 
     async def load(request: Request) -> Response:
         body = await read_json(request, MAX_BODY_BYTES)
         name, path = _field(body, "lora_name"), _field(body, "lora_path")
-        metadata: Metadata = credentials(request)
-        await gateway.load_lora_adapter(name, path, metadata)
+        await gateway.load_lora_adapter(name, path, credentials(request))
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload(request: Request) -> Response:

@@ -29,10 +29,10 @@ DRAIN_POLL_S = 0.02
 
 
 class LoraAdmin:
-    def __init__(self, engine, registry: LoraRegistry) -> None:
-        """`engine`: its pools and `requests_using(name)`."""
+    def __init__(self, engine) -> None:
+        """`engine`: its pools, its adapters (`loras`) and `requests_using(name)`."""
         self.engine = engine
-        self.registry = registry
+        self.registry: LoraRegistry = engine.loras
 
     async def load(self, name: str, path: str) -> LoraEntry:
         """Serve `path` as `name` on every worker. Raises LoraConflictError (name taken),

@@ -32,7 +32,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.model: ModelShape | None = None
         # Set on SIGTERM: running requests finish, new ones get UNAVAILABLE.
         self.draining = False
-        self._lora_admin: LoraAdmin | None = None
 
     async def _ready(self, context) -> Engine:
         if self.engine is None:
@@ -104,11 +103,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         model = dataclasses.replace(self.model, lora_adapters=engine.loras.names)
         return scheduler_pb2.GetModelInfoResponse(model=model_to_pb(model))
 
-    def _loras(self, engine: Engine) -> LoraAdmin:
-        if self._lora_admin is None or self._lora_admin.engine is not engine:
-            self._lora_admin = LoraAdmin(engine, engine.loras)
-        return self._lora_admin
-
     async def LoadLoraAdapter(self, request, context):
         engine = await self._ready(context)
         if not request.lora_name or not request.lora_path:
@@ -116,7 +110,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, "lora_name and lora_path are required"
             )
         # Shielded: a caller that goes away must not leave the name half loaded.
-        load = asyncio.ensure_future(self._loras(engine).load(request.lora_name, request.lora_path))
+        load = asyncio.ensure_future(LoraAdmin(engine).load(request.lora_name, request.lora_path))
         try:
             entry = await asyncio.shield(load)
         except LoraConflictError as exc:
@@ -129,7 +123,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     async def UnloadLoraAdapter(self, request, context):
         engine = await self._ready(context)
-        unload = asyncio.ensure_future(self._loras(engine).unload(request.lora_name))
+        unload = asyncio.ensure_future(LoraAdmin(engine).unload(request.lora_name))
         try:
             await asyncio.shield(unload)
         except LoraNotFoundError as exc:

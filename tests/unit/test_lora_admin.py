@@ -83,7 +83,7 @@ def test_a_load_is_all_or_none_and_a_rejoining_worker_gets_it():
     async def scenario():
         async with cluster(lora_info("p", "prefill"), lora_info("d", "decode")) as c:
             c.engine.loras = LoraRegistry(["s"])
-            admin = LoraAdmin(c.engine, c.engine.loras)
+            admin = LoraAdmin(c.engine)
             c.worker("d").refuse_lora = "rank 99 > max_lora_rank 16"
             with pytest.raises(LoraRefusedError, match="rank 99"):
                 await admin.load("x", "/adapters/x")
@@ -109,7 +109,7 @@ def test_an_unload_refuses_new_requests_and_waits_for_the_running_ones():
     async def scenario():
         async with cluster(lora_info("w", "both")) as c:
             c.engine.loras = LoraRegistry(["s"])
-            admin = LoraAdmin(c.engine, c.engine.loras)
+            admin = LoraAdmin(c.engine)
             await admin.load("x", "/adapters/x")
             p = prompt(2, 10)
             first = await collect(submit(c, "warm", p, 3, "x").events)
