@@ -36,6 +36,7 @@ SCHEMA = {
 }
 REGEX = r"[0-9]{3}-[a-z]{2,4}"
 CHOICES = ["yes", "no", "maybe not"]
+SHORT_REGEX = r"[0-9]{2}-[a-z]{1,2}"
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +153,44 @@ def test_bad_constraints_are_refused_with_the_reason(cache):
         Constraint.choice([])
     with pytest.raises(ConstraintError, match="kind"):
         Constraint("xml", "<a/>")
+
+
+def test_the_runner_masks_constrained_requests_in_a_mixed_batch(tiny_llama_dir):
+    """Through the real model and ModelRunner: a regex-constrained request and a free one
+    decode in the same steps; the constrained output full-matches and ends with a stop
+    token, the free one equals its unconstrained greedy run."""
+    from common.sampling import SamplingParams
+    from services.worker.batch import CachedRequestData
+    from services.worker.models.weight_loader import load_model
+    from services.worker.structured.state import StructuredOutputs
+    from tests.unit.test_runner_logprobs import Driver
+
+    model, config = load_model(tiny_llama_dir, dtype=torch.float32)
+    tokenizer = hf_tokenizer(str(tiny_llama_dir))
+    greedy = SamplingParams(temperature=0.0)
+    prompt = tokenizer.encode("Once upon a time")
+    stops = {tokenizer.eos_token_id}
+
+    def run(constrained: bool) -> dict[str, list[int]]:
+        driver = Driver(model, config)
+        driver.runner.structured = StructuredOutputs(str(tiny_llama_dir), config.vocab_size)
+        new = [driver.new("free", prompt, len(prompt), greedy)]
+        if constrained:
+            data = driver.new("re", prompt, len(prompt), greedy)
+            short = Constraint("regex", SHORT_REGEX)  # short: the driver's pool is small
+            new.append(type(data)(**{**data.__dict__, "structured": short}))
+        out = {d.request_id: [] for d in new}
+        output = driver.step(new=new)
+        for _ in range(8):
+            for rid, token in output.sampled.items():
+                out[rid].append(token)
+            running = [rid for rid in out if not (rid == "re" and out[rid][-1] in stops)]
+            output = driver.step(cached=[CachedRequestData(rid, [], 1) for rid in running])
+        return out
+
+    plain, mixed = run(False), run(True)
+    assert mixed["free"] == plain["free"]
+    constrained = mixed["re"]
+    assert constrained[-1] in stops, tokenizer.decode(constrained)
+    text = tokenizer.decode(constrained[:-1])
+    assert re.fullmatch(SHORT_REGEX, text), tokenizer.decode(constrained)
