@@ -260,6 +260,8 @@ class Worker:
         if self.peers is not None:  # the other ranks run the same plan on their slices
             self.peers.send_step(wire)
         work = self.batch.apply(finished_ids, new, cached)
+        if self.runner.structured is not None:  # a request that comes back starts afresh
+            self.runner.structured.forget(finished_ids)
         run_moves(moves, self.kv_cache, self.swap_cache)
         if self._progress is not None:  # peers stream this step's KV layer by layer
             self._running_step_id = step_id
@@ -309,6 +311,8 @@ class Worker:
 
     def _clear(self) -> None:
         self.batch.clear()
+        if self.runner.structured is not None:
+            self.runner.structured.reset()
         if self.peers is not None:
             self.peers.reset()
         if self._progress is not None:

@@ -194,3 +194,39 @@ def test_the_runner_masks_constrained_requests_in_a_mixed_batch(tiny_llama_dir):
     assert constrained[-1] in stops, tokenizer.decode(constrained)
     text = tokenizer.decode(constrained[:-1])
     assert re.fullmatch(SHORT_REGEX, text), tokenizer.decode(constrained)
+
+
+def test_a_forgotten_request_restarts_from_its_tokens(tiny_llama_dir):
+    """A request dropped from a worker's batch (finished, preempted) and sent again (a
+    recompute) gets a new matcher that replays the tokens it has generated."""
+    from dataclasses import dataclass, field
+
+    from services.worker.structured.state import StructuredOutputs
+
+    @dataclass
+    class Request:
+        request_id: str
+        token_ids: list[int]
+        num_prompt_tokens: int
+        structured: Constraint | None = field(default_factory=lambda: Constraint("regex", REGEX))
+
+    tokenizer = hf_tokenizer(str(tiny_llama_dir))
+    vocab = len(tokenizer)
+    state = StructuredOutputs(str(tiny_llama_dir), vocab)
+    prompt = tokenizer.encode("Hi")
+    request = Request("r", list(prompt), len(prompt))
+    digits = tokenizer.encode("12", add_special_tokens=False)
+    for token in digits:  # the request generates "12"
+        state.mask(torch.zeros(1, vocab), [request])
+        state.accept([request], [token])
+        request.token_ids.append(token)
+    continued = torch.zeros(1, vocab)
+    state.mask(continued, [request])
+    state.forget(["r"])
+    restarted = torch.zeros(1, vocab)
+    state.mask(restarted, [request])  # replays "12"
+    assert torch.equal(continued, restarted)
+    fresh = torch.zeros(1, vocab)
+    state.reset()
+    state.mask(fresh, [Request("r", list(prompt), len(prompt))])  # nothing generated yet
+    assert not torch.equal(fresh, restarted)

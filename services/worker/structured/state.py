@@ -49,3 +49,7 @@ class StructuredOutputs:
     def forget(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
             self.matchers.drop(request_id)
+
+    def reset(self) -> None:
+        """A new step stream: every request is gone."""
+        self.matchers = RequestMatchers(self._vocab_size)
