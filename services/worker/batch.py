@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from common.sampling import SamplingParams
-from services.worker.structured.grammar import Constraint
+from common.structured_output import Constraint
 
 
 class PlanError(ValueError):

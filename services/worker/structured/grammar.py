@@ -1,38 +1,20 @@
-"""Structured-output constraints and their compilation with `xgrammar` (issue 17, work in
-progress: not reachable from the API yet).
+"""Structured-output constraints compiled with `xgrammar` (issue 17, work in progress:
+not reachable from the API yet).
 
-A `Constraint` is what a request asks for: a JSON schema, any JSON object, a regex, an
-EBNF grammar, or a choice among strings. `GrammarCache` compiles each distinct constraint
-once for the model's tokenizer (xgrammar's compiler, whose own cache keeps the compiled
-automata) and raises `ConstraintError` naming the problem for one it cannot compile.
-A choice becomes an EBNF alternation of JSON-escaped string literals."""
+A `Constraint` (`common/structured_output.py`) is what a request asks for: a JSON schema,
+any JSON object, a regex, an EBNF grammar, or a choice among strings. `GrammarCache`
+compiles each distinct constraint once for the model's tokenizer (xgrammar's compiler,
+whose own cache keeps the compiled automata) and raises `ConstraintError` naming the
+problem for one it cannot compile. A choice becomes an EBNF alternation of JSON-escaped
+string literals."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
-KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+from common.structured_output import Constraint, ConstraintError
 
-
-class ConstraintError(ValueError):
-    """The constraint cannot be compiled (the message says why)."""
-
-
-@dataclass(frozen=True)
-class Constraint:
-    kind: str
-    value: str = ""  # the schema / regex / grammar text; choices: a JSON list of strings
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ConstraintError(f"constraint kind must be one of {', '.join(KINDS)}")
-
-    @classmethod
-    def choice(cls, options: list[str]) -> Constraint:
-        if not options or not all(isinstance(o, str) and o for o in options):
-            raise ConstraintError("choice needs at least one non-empty string")
-        return cls("choice", json.dumps(options))
+__all__ = ["Constraint", "ConstraintError", "GrammarCache", "choice_grammar"]
 
 
 def choice_grammar(options: list[str]) -> str:
