@@ -164,6 +164,8 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
             n=n,
             lora_name=lora_name,
         )
+        if request.HasField("structured_output"):  # same message shape as the internal one
+            submit.structured_output.ParseFromString(request.structured_output.SerializeToString())
         return PreparedRequest(prompt_ids, stopping, frozenset(stop_ids), n, submit)
 
     def _output(self, request_id: str, prepared: PreparedRequest, arrival: float):

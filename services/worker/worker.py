@@ -45,6 +45,7 @@ from services.worker.runner import ModelRunner, StepOutput
 from services.worker.spec_decode.proposers import make_proposer
 from services.worker.staging import StagingBuffers
 from services.worker.startup import LoadedWorker, load_worker
+from services.worker.structured.state import StructuredOutputs
 
 log = get_logger(__name__)
 
@@ -110,6 +111,8 @@ class Worker:
             ),
             tokens=None if ranks is None else ranks.tokens,
             lora=loaded.lora,
+            # Grammar masks (issue 17, WIP); xgrammar and the tokenizer load on first use.
+            structured=StructuredOutputs(config.model, loaded.model_config.vocab_size),
         )
         self.lora = loaded.lora
         self.shared_pool = loaded.shared_pool

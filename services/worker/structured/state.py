@@ -38,13 +38,20 @@ class StructuredOutputs:
                 compiled = self._grammars().compile(request.structured)
                 generated = request.token_ids[request.num_prompt_tokens :]
                 self.matchers.start(request.request_id, compiled, generated)
+            if self.matchers.terminated(request.request_id):
+                # It sampled its stop token last step; with async scheduling one more step
+                # was planned before the scheduler saw it, and that token is dropped there.
+                continue
             rows.append((k, request.request_id))
         self.matchers.mask(logits, rows)
 
     def accept(self, requests: Sequence, tokens: Sequence[int]) -> None:
         for request, token in zip(requests, tokens, strict=False):
-            if request.structured is not None and request.request_id in self.matchers:
-                self.matchers.accept(request.request_id, token)
+            rid = request.request_id
+            if request.structured is None or rid not in self.matchers:
+                continue
+            if not self.matchers.terminated(rid):
+                self.matchers.accept(rid, token)
 
     def forget(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
