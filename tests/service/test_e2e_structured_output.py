@@ -51,8 +51,12 @@ def valid(kind: str, text: str) -> bool:
     return text in CHOICES
 
 
-def test_constrained_outputs_are_complete_and_valid_beside_free_ones(module_stacks, tiny_llama_dir):
-    stack = module_stacks(name="structured")
+@pytest.fixture(scope="module")
+def stack(module_stacks):
+    return module_stacks(name="structured")
+
+
+def test_constrained_outputs_are_complete_and_valid_beside_free_ones(stack, tiny_llama_dir):
     address = stack.spec.gateway_address
     cases = [(k, t, s) for k in ("regex", "schema", "choice") for t in (0.0, 1.0) for s in (1, 2)]
     prompt = "In the beginning"
@@ -69,3 +73,32 @@ def test_constrained_outputs_are_complete_and_valid_beside_free_ones(module_stac
     assert all(r.token_ids == expected for r in free_results)
     stats = wait_until_idle(stack)
     assert all(p.num_free_blocks == p.num_blocks for p in stats.pools)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("json_schema", "{not json", "structured_output.json_schema"),
+        ("json_schema", json.dumps({"type": "object", "properties": 5}), "json_schema"),
+        ("regex", "[unclosed", "structured_output.regex"),
+        ("grammar", "root ::= missing", "structured_output.grammar"),
+        ("regex", "a" * 5000, "must be 1..4096 bytes"),
+        ("choice", [], "must hold 1..256 strings"),
+    ],
+)
+def test_bad_constraints_are_invalid_argument_and_the_server_serves_on(
+    stack, field, value, message
+):
+    import grpc
+
+    request = greedy_request("Hello", 8)
+    if field == "choice":
+        request.structured_output.choice.SetInParent()
+    else:
+        setattr(request.structured_output, field, value)
+    with pytest.raises(grpc.RpcError) as refused:
+        generate(stack.spec.gateway_address, request)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in refused.value.details(), refused.value.details()
+    ok = constrained("regex", 0.0, 1)
+    assert valid("regex", generate(stack.spec.gateway_address, ok).text)
