@@ -1,6 +1,7 @@
 """A structured-output constraint as every service sees it (issue 17, work in progress):
 its kind and text, and its protobuf form (`tandem.internal.v1.StructuredOutput`). Pure:
-compiling it is the workers' business (`services/worker/structured/grammar.py`)."""
+compiling it with xgrammar is `common/grammar_cache.py`'s (the gateway's check, the
+workers' masks)."""
 
 from __future__ import annotations
 

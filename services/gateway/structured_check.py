@@ -56,7 +56,7 @@ class ConstraintChecker:
         if self._grammars is None:
             if sys.modules.get("torch", False) is None:
                 del sys.modules["torch"]  # xgrammar needs it: load it now, once
-            from services.worker.structured.grammar import GrammarCache
+            from common.grammar_cache import GrammarCache
 
             self._grammars = GrammarCache(self._tokenizer, self._vocab_size)
         try:

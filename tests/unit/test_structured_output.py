@@ -16,7 +16,7 @@ import torch
 xgr = pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
-from services.worker.structured.grammar import (  # noqa: E402
+from common.grammar_cache import (  # noqa: E402
     Constraint,
     ConstraintError,
     GrammarCache,

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from services.worker.structured.grammar import GrammarCache
+from common.grammar_cache import GrammarCache
 from services.worker.structured.matchers import RequestMatchers
 
 
