@@ -28,6 +28,7 @@ from services.gateway.lora_rpcs import LoraRpcs
 from services.gateway.output import RequestOutput, SampleOutput
 from services.gateway.prompts import LARGE_INPUT_CHARS, PromptTokenizer
 from services.gateway.scheduler_session import SchedulerError, SchedulerSession
+from services.gateway.structured_check import ConstraintChecker
 from services.gateway.validation import (
     MAX_DETOKENIZE_IDS,
     InvalidArgumentError,
@@ -90,6 +91,7 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
                 f"tokenizer has {len(self.tokenizer)} tokens but the model's vocabulary is "
                 f"{model.vocab_size}: wrong tokenizer for this model?"
             )
+        self.structured = ConstraintChecker(self.tokenizer, model.vocab_size)
         self.limits = ModelLimits(
             vocab_size=model.vocab_size,
             max_model_len=model.max_model_len,
@@ -138,6 +140,8 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
         logprobs = validate_count(request, "logprobs", 0, MAX_LOGPROBS, None)
         prompt_logprobs = validate_count(request, "prompt_logprobs", 0, MAX_LOGPROBS, None)
         cache_salt = validate_cache_salt(request.cache_salt)
+        if request.HasField("structured_output"):
+            await self.structured.check(request.structured_output)
         if request.lora_name and request.lora_name not in self.model.lora_adapters:
             with contextlib.suppress(grpc.aio.AioRpcError):  # the scheduler answers below
                 await self.refresh_model()  # loaded since, through another gateway?
@@ -164,6 +168,8 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
             n=n,
             lora_name=lora_name,
         )
+        if request.HasField("structured_output"):  # same message shape as the internal one
+            submit.structured_output.ParseFromString(request.structured_output.SerializeToString())
         return PreparedRequest(prompt_ids, stopping, frozenset(stop_ids), n, submit)
 
     def _output(self, request_id: str, prepared: PreparedRequest, arrival: float):

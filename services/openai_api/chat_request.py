@@ -77,16 +77,6 @@ def refuse_tools(fields: Fields) -> None:
         )
     unsupported(fields, "functions", "no function calling")
     unsupported(fields, "function_call", "no function calling")
-    response_format = fields.get("response_format")
-    if response_format is not None:
-        kind = Fields(response_format, "response_format").get("type")
-        if kind != "text":
-            raise ApiError(
-                f'response_format.type {kind!r} is not supported (only "text")',
-                400,
-                "response_format.type",
-                "unsupported_parameter",
-            )
 
 
 def parse_chat(body) -> ChatRequest:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from common.pb.tandem.v1 import generate_pb2
 from services.openai_api.errors import ApiError, invalid
 from services.openai_api.fields import INT64, UINT64, Fields, check_int, check_number, check_str
+from services.openai_api.structured_request import read_structured
 
 SAMPLING_NUMBERS = (
     "temperature",
@@ -82,6 +83,7 @@ def read_common(fields: Fields, request: generate_pb2.GenerateRequest) -> Option
         )
     unsupported(fields, "use_beam_search", "beam search is not implemented")
     request.cache_salt = fields.str("cache_salt") or ""
+    read_structured(fields, request)
     fields.str("user")  # accepted and ignored, as by OpenAI for anything but abuse reports
 
     prompt_logprobs = fields.int("prompt_logprobs")

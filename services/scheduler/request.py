@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from common.sampling import Logprob, SamplingParams
+from common.structured_output import Constraint
 from services.scheduler.prefix_hash import BlockHash, extend_block_hashes
 
 
@@ -31,6 +32,7 @@ class Request:
     max_model_len: int | None = None
     cache_salt: str = ""
     lora_name: str = ""  # its LoRA adapter ("" = the base model)
+    structured: Constraint | None = None  # the grammar its output must follow
     # Which of the client request's n samples this is; samples 1..n-1 point at sample 0,
     # whose prompt blocks they reuse through the prefix cache.
     index: int = 0

@@ -12,6 +12,7 @@ from common.log import bind_request
 from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
 from common.sampling import MAX_SAMPLES
 from common.sampling_pb import ROLE_TO_PB, sampling_from_pb
+from common.structured_output import constraint_from_pb
 from services.scheduler.engine import Engine, InvalidRequestError, OverloadedError
 from services.scheduler.lora_admin import LoraAdmin
 from services.scheduler.lora_registry import LoraConflictError, LoraEntry, LoraNotFoundError
@@ -195,6 +196,7 @@ def samples_from_pb(request: scheduler_pb2.SubmitRequest, max_model_len: int) ->
     n = request.n or 1
     if not 1 <= n <= MAX_SAMPLES:
         raise InvalidRequestError(f"n must be in 1..{MAX_SAMPLES}, got {n}")
+    structured = constraint_from_pb(request.structured_output)  # each sample its matcher
     samples = [
         Request(
             request_id=request.request_id if n == 1 else f"{request.request_id}/{i}",
@@ -204,6 +206,7 @@ def samples_from_pb(request: scheduler_pb2.SubmitRequest, max_model_len: int) ->
             stop_token_ids=frozenset(request.stop_token_ids),
             cache_salt=request.cache_salt,
             lora_name=request.lora_name,
+            structured=structured,
             max_model_len=max_model_len,
             index=i,
         )

@@ -9,6 +9,7 @@ from dataclasses import asdict, fields
 from common.kv_shared_memory import shared_memory_from_pb
 from common.pb.tandem.internal.v1 import types_pb2, worker_pb2
 from common.sampling_pb import ROLE_FROM_PB, logprob_from_pb, sampling_to_pb
+from common.structured_output import constraint_to_pb
 from services.scheduler.pool_scheduler import PoolStepPlan
 from services.scheduler.request import Logprob, Request
 from services.scheduler.worker_types import (
@@ -57,6 +58,7 @@ def plan_to_pb(step_id: int, plan: PoolStepPlan) -> worker_pb2.StepRequest:
                     lora_name=req.lora_name,
                 )
             )
+            constraint_to_pb(req.structured, message.new_requests[-1].structured_output)
         else:
             message.cached_requests.append(
                 worker_pb2.CachedRequest(

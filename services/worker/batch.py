@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from common.sampling import SamplingParams
+from common.structured_output import Constraint
 
 
 class PlanError(ValueError):
@@ -27,6 +28,7 @@ class WorkerRequest:
     sampling: SamplingParams
     num_prompt_tokens: int = 0
     lora_name: str = ""  # its LoRA adapter ("" = the base model)
+    structured: Constraint | None = None  # the grammar its output must follow
     # Leading tokens whose KV is in the draft model's pool (speculative decoding with a
     # draft model): stale KV past them is rewritten before it is read.
     num_draft_computed_tokens: int = 0
@@ -43,6 +45,7 @@ class NewRequestData:
     num_prompt_tokens: int = 0
     num_lookahead_tokens: int = 0
     lora_name: str = ""
+    structured: Constraint | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,7 @@ class PersistentBatch:
                 sampling=data.sampling,
                 num_prompt_tokens=data.num_prompt_tokens or len(data.token_ids),
                 lora_name=data.lora_name,
+                structured=data.structured,
             )
             self.requests[data.request_id] = request
             work.append(self._work(request, data.num_scheduled_tokens, data.num_lookahead_tokens))

@@ -35,6 +35,7 @@ from services.worker.parallel.micro_batches import pipelined_forward
 from services.worker.sampler import DeviceSample, SamplingRow, sample_on_device, to_device
 from services.worker.spec_decode.spec_step import SpecOutcome, SpecStep
 from services.worker.spec_decode.verify import Proposer
+from services.worker.structured.state import StructuredOutputs
 
 # Prompt logprobs compute logits for at most this many elements (rows x vocab) at a time.
 PROMPT_LOGITS_CHUNK = 1 << 24
@@ -100,6 +101,7 @@ class ModelRunner:
         proposer: Proposer | None = None,
         tokens: StepShare | None = None,
         lora: LoraManager | None = None,
+        structured: StructuredOutputs | None = None,
     ) -> None:
         """`proposer`: proposes tokens for requests with lookahead slots (speculative
         decoding); None: lookahead slots stay unused. `tokens`: in a parallel
@@ -114,6 +116,7 @@ class ModelRunner:
         self.device = device
         self.graphs = graphs
         self.lora = lora
+        self.structured = structured  # grammar masks for constrained requests (issue 17, WIP)
         stage = getattr(model, "stage", None)
         self.pipelined = stage is not None and stage.size > 1
         self.generator = torch.Generator(device=device)
@@ -164,6 +167,8 @@ class ModelRunner:
             flat.extend(extra_flat)
             rows.extend(extra_rows)
             logits = self.model.compute_logits(hidden[to_device(flat, torch.int64, self.device)])
+            if self.structured is not None:
+                self.structured.mask(logits, [work[i].request for i in samplers])
             if self.tokens is None or self.tokens.samples:
                 sample = sample_on_device(logits, rows, self.generator)
         prompt = self._score_prompts(work, meta, hidden)
@@ -184,6 +189,8 @@ class ModelRunner:
             tokens, entries = result.token_ids, result.logprobs
             if self.tokens is not None and not self.tokens.pipeline:
                 self.tokens.send(tokens[: len(samplers)])
+            if self.structured is not None:
+                self.structured.accept([work[i].request for i in samplers], tokens)
             for k, i in enumerate(samplers):
                 sampled[work[i].request.request_id] = tokens[k]
                 if entries[k] is not None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from common.pb.tandem.internal.v1 import worker_pb2
 from common.sampling_pb import sampling_from_pb
+from common.structured_output import constraint_from_pb
 from services.worker.batch import BlockMoves, CachedRequestData, NewRequestData
 
 
@@ -37,6 +38,7 @@ def plan_from_pb(plan: worker_pb2.StepRequest) -> StepPlan:
                 num_prompt_tokens=r.num_prompt_tokens,
                 num_lookahead_tokens=r.num_lookahead_tokens,
                 lora_name=r.lora_name,
+                structured=constraint_from_pb(r.structured_output),
             )
             for r in plan.new_requests
         ],

@@ -45,6 +45,7 @@ from services.worker.runner import ModelRunner, StepOutput
 from services.worker.spec_decode.proposers import make_proposer
 from services.worker.staging import StagingBuffers
 from services.worker.startup import LoadedWorker, load_worker
+from services.worker.structured.state import StructuredOutputs
 
 log = get_logger(__name__)
 
@@ -110,6 +111,8 @@ class Worker:
             ),
             tokens=None if ranks is None else ranks.tokens,
             lora=loaded.lora,
+            # Grammar masks (issue 17, WIP); xgrammar and the tokenizer load on first use.
+            structured=StructuredOutputs(config.model, loaded.model_config.vocab_size),
         )
         self.lora = loaded.lora
         self.shared_pool = loaded.shared_pool
@@ -260,6 +263,8 @@ class Worker:
         if self.peers is not None:  # the other ranks run the same plan on their slices
             self.peers.send_step(wire)
         work = self.batch.apply(finished_ids, new, cached)
+        if self.runner.structured is not None:  # a request that comes back starts afresh
+            self.runner.structured.forget(finished_ids)
         run_moves(moves, self.kv_cache, self.swap_cache)
         if self._progress is not None:  # peers stream this step's KV layer by layer
             self._running_step_id = step_id
@@ -309,6 +314,8 @@ class Worker:
 
     def _clear(self) -> None:
         self.batch.clear()
+        if self.runner.structured is not None:
+            self.runner.structured.reset()
         if self.peers is not None:
             self.peers.reset()
         if self._progress is not None:

@@ -231,7 +231,7 @@ def test_chat_max_completion_tokens_wins_and_logprobs_map():
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
         ({"tool_choice": "auto"}, "tool_choice", "not supported"),
         ({"functions": [{}]}, "functions", "not supported"),
-        ({"response_format": {"type": "json_object"}}, "response_format.type", "not supported"),
+        ({"response_format": {"type": "xml"}}, "response_format.type", "not supported"),
         ({"top_logprobs": 2}, "top_logprobs", "requires logprobs=true"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "must be in [0, 20]"),
         ({"logprobs": 2}, "logprobs", "must be a boolean"),
@@ -437,3 +437,41 @@ def test_config_defaults_env_and_errors():
         OpenAIApiConfig(max_body_size="big")
     with pytest.raises(ValueError, match="max_body_size"):
         OpenAIApiConfig(max_body_size="0")
+
+
+def test_structured_output_from_response_format_and_vllms_extra():
+    """(issue 17, work in progress) OpenAI's response_format and vLLM's structured_outputs
+    become GenerateRequest.structured_output; conflicting or ambiguous ones are 400s."""
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    cases = [
+        ({"response_format": {"type": "json_object"}}, "json_object", True),
+        (
+            {"response_format": {"type": "json_schema",
+                                 "json_schema": {"name": "x", "schema": schema, "strict": True}}},
+            "json_schema", json.dumps(schema),
+        ),
+        ({"structured_outputs": {"regex": "[a-z]+"}}, "regex", "[a-z]+"),
+        ({"structured_outputs": {"json": schema}}, "json_schema", json.dumps(schema)),
+        ({"structured_outputs": {"grammar": 'root ::= "a"'}}, "grammar", 'root ::= "a"'),
+    ]  # fmt: skip
+    for extra, field, value in cases:
+        out = parse_chat(base | extra).request.structured_output
+        assert out.WhichOneof("constraint") == field and getattr(out, field) == value, extra
+    choice = parse_chat(base | {"structured_outputs": {"choice": ["a", "b"]}})
+    assert list(choice.request.structured_output.choice.choices) == ["a", "b"]
+    text = parse_chat(base | {"response_format": {"type": "text"}})
+    assert not text.request.HasField("structured_output")
+    for extra, message in [
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one"),
+        ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+         "not both"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema"),
+        ({"structured_outputs": {"choice": [1]}}, "array of strings"),
+    ]:  # fmt: skip
+        with pytest.raises(ApiError, match=message):
+            parse_chat(base | extra)
+    completion = parse_completion(
+        {"model": "m", "prompt": "x", "structured_outputs": {"regex": "b"}}
+    )
+    assert completion.requests[0].structured_output.regex == "b"

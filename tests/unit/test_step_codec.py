@@ -29,3 +29,23 @@ def test_the_worker_gets_the_requests_stop_tokens_inside_its_sampling():
     message = _worker_sampling(request)
     assert list(message.stop_token_ids) == [3, 9]
     assert (message.min_tokens, message.seed) == (2, 5) and not message.HasField("logprobs")
+
+
+def test_a_requests_constraint_reaches_the_worker_as_it_was_given():
+    """(issue 17, work in progress) scheduler Request -> NewRequest -> the worker's
+    NewRequestData, for every kind of constraint."""
+    from common.pb.tandem.internal.v1 import types_pb2
+    from common.structured_output import Constraint, constraint_from_pb, constraint_to_pb
+
+    for constraint in [
+        Constraint("json_schema", '{"type": "object"}'),
+        Constraint("json_object"),
+        Constraint("regex", "[a-z]+"),
+        Constraint("grammar", 'root ::= "a"'),
+        Constraint.choice(["yes", "no"]),
+        None,
+    ]:
+        message = types_pb2.StructuredOutput()
+        constraint_to_pb(constraint, message)
+        wire = types_pb2.StructuredOutput.FromString(message.SerializeToString())
+        assert constraint_from_pb(wire) == constraint
