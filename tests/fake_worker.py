@@ -43,6 +43,7 @@ from typing import Any
 
 from common.kv_shared_memory import SharedMemoryInfo
 from services.scheduler.worker_types import (
+    ConstraintRefusedError,
     KvPullRefusedError,
     KvPullSource,
     KvTransferResult,
@@ -233,6 +234,9 @@ class FakeWorker:
         self.refuse_lora: str | None = None  # add_lora refuses, saying this
         # LoRA adapters held (name -> folder; "" for those of its start), like --lora-modules
         self.lora_adapters: dict[str, str] = dict.fromkeys(info.model.lora_adapters, "")
+        self.prepared: list = []  # constraints compiled with prepare_structured
+        self.prepare_gate: asyncio.Event | None = None  # prepare_structured waits for it
+        self.refuse_constraint: str | None = None  # prepare_structured refuses, saying this
         # -- worker state (lost when killed)
         self.batch: dict[str, FakeRequest] = {}
         self.kv: dict[int, list[int | None]] = {}
@@ -282,6 +286,7 @@ class FakeWorker:
         self._incarnation += 1
         self._stream = 0
         self.lora_adapters = dict.fromkeys(self.info.model.lora_adapters, "")
+        self.prepared = []
         self._reset_state()
         self.kv.clear()
         self.swap_kv.clear()
@@ -460,6 +465,14 @@ class FakeWorker:
     async def remove_lora(self, name: str, timeout_s: float) -> None:
         self._check_alive()
         self.lora_adapters.pop(name, None)
+
+    async def prepare_structured(self, constraint, timeout_s: float) -> None:
+        self._check_alive()
+        if self.prepare_gate is not None:
+            await self.prepare_gate.wait()
+        if self.refuse_constraint is not None:
+            raise ConstraintRefusedError(self.refuse_constraint)
+        self.prepared.append(constraint)
 
     async def close(self) -> None:
         self._closed = True

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from common.lifecycle import wait_until
 from common.log import bind_request, get_logger
+from services.scheduler.grammar_gate import GrammarGate
 from services.scheduler.handle import Finished, RequestHandle, Stage, Tokens
 from services.scheduler.handoff import KvHandoff
 from services.scheduler.lora_registry import LoraRegistry
@@ -125,6 +126,7 @@ class Engine(Recovery):
             transfer_failed=self._transfer_failed,
             streaming=kv_transfer_streaming,
         )
+        self.grammars = GrammarGate(lambda: self.pools, self._spawn, self._grammar_ready)
         r = self.resilience
         self.monitor = PoolMonitor(
             r.health_interval_s,
@@ -168,6 +170,7 @@ class Engine(Recovery):
         if pool is None:
             raise WorkerUnavailableError("no healthy worker can run prompts")
         events = asyncio.Queue() if events is None else events
+        self.grammars.hold(samples)  # a new constraint compiles on the workers first
         handles = []
         for request in samples:
             handle = RequestHandle(request=request, pool=pool, events=events)
@@ -176,6 +179,15 @@ class Engine(Recovery):
             handles.append(handle)
         pool.wakeup.set()
         return handles
+
+    def _grammar_ready(self, request: Request, refusal: str | None) -> None:
+        handle = self._handles.get(request.request_id)
+        if handle is None:
+            return  # aborted while its grammar compiled
+        if refusal is not None:
+            self._finish(handle, FinishReason.ABORT, ("INVALID_ARGUMENT", refusal))
+        else:
+            handle.pool.wakeup.set()
 
     def requests_using(self, lora_name: str) -> int:
         """Requests not finished (queued, running or preempted) on LoRA adapter `lora_name`."""

@@ -349,6 +349,9 @@ class PoolScheduler(Migration):
             if not self._lora_fits(request):
                 skipped.append(request)  # its adapter waits for a free LoRA slot
                 continue
+            if request.grammar_pending:
+                skipped.append(request)  # its grammar is compiling (grammar_gate)
+                continue
             hits = self._prefix_hits(request)
             start = len(hits) * self.blocks.block_size if hits else request.num_computed_tokens
             num_new = min(request.num_tokens - start, budget)

@@ -138,6 +138,7 @@ class Recovery:
             return
         info = await pool.client.wait_ready(timeout_s=self.resilience.health_timeout_s)
         info = await sync_worker(pool.client, info, self.loras)  # before any step
+        self.grammars.forget_prepared()  # it compiled nothing yet
         reference = next((p.info for p in self.pools if p is not pool), pool.info)
         if (info.model.num_layers, info.block_bytes, info.block_size) != (
             reference.model.num_layers,

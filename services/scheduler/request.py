@@ -33,6 +33,7 @@ class Request:
     cache_salt: str = ""
     lora_name: str = ""  # its LoRA adapter ("" = the base model)
     structured: Constraint | None = None  # the grammar its output must follow
+    grammar_pending: bool = False  # its grammar is still compiling on the workers
     # Which of the client request's n samples this is; samples 1..n-1 point at sample 0,
     # whose prompt blocks they reuse through the prefix cache.
     index: int = 0

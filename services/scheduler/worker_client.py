@@ -16,9 +16,11 @@ from common.grpc_server import open_channel
 from common.healthcheck import channel_health_status
 from common.kv_shared_memory import shared_memory_to_pb
 from common.pb.tandem.internal.v1 import worker_pb2, worker_pb2_grpc
+from common.structured_output import Constraint, constraint_to_pb
 from services.scheduler.pool_scheduler import PoolStepPlan
 from services.scheduler.step_codec import plan_to_pb, step_result_from_pb, worker_info_from_pb
 from services.scheduler.worker_types import (
+    ConstraintRefusedError,
     KvPullRefusedError,
     KvPullSource,
     KvTransferResult,
@@ -206,6 +208,19 @@ class WorkerClient:
         await self._lora_call(
             self._stub.RemoveLora, worker_pb2.RemoveLoraRequest(lora_name=name), timeout_s
         )
+
+    async def prepare_structured(self, constraint: Constraint, timeout_s: float) -> None:
+        request = worker_pb2.PrepareStructuredOutputRequest()
+        constraint_to_pb(constraint, request.structured_output)
+        try:
+            await self._stub.PrepareStructuredOutput(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ConstraintRefusedError(exc.details() or "") from exc
+            raise WorkerUnavailableError(
+                f"PrepareStructuredOutput on {self.address} failed: "
+                f"{exc.code().name} {exc.details()}"
+            ) from exc
 
     async def _lora_call(self, method, request, timeout_s: float) -> None:
         try:

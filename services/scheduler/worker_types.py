@@ -8,12 +8,17 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from common.kv_shared_memory import SharedMemoryInfo
+from common.structured_output import Constraint
 from services.scheduler.request import Logprob
 from services.scheduler.step_plan import PoolStepPlan
 
 
 class WorkerUnavailableError(RuntimeError):
     """The worker's Step stream or a KV call failed: the worker is gone or broken."""
+
+
+class ConstraintRefusedError(ValueError):
+    """A worker could not compile a structured-output constraint (the message says why)."""
 
 
 class LoraRefusedError(ValueError):
@@ -178,5 +183,9 @@ class WorkerConnection(Protocol):
         """Hold the adapter in folder `path` as `name` (LoraRefusedError when it cannot)."""
 
     async def remove_lora(self, name: str, timeout_s: float) -> None: ...
+
+    async def prepare_structured(self, constraint: Constraint, timeout_s: float) -> None:
+        """Compile `constraint` off the worker's step thread (ConstraintRefusedError when it
+        does not compile, WorkerUnavailableError when the worker does not answer)."""
 
     async def close(self) -> None: ...

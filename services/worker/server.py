@@ -13,6 +13,7 @@ from common.log import get_logger
 from common.parallel_plan import Layout
 from common.pb.tandem.internal.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from common.sampling_pb import ROLE_TO_PB
+from common.structured_output import ConstraintError, constraint_from_pb
 from services.worker.batch import PlanError
 from services.worker.kv_pull import KvMapError, KvSource
 from services.worker.kv_transfer import KvTransferError
@@ -260,3 +261,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         log.info("lora_removed", lora_name=request.lora_name)
         return worker_pb2.RemoveLoraResponse(lora_adapters=names)
+
+    async def PrepareStructuredOutput(self, request, context):
+        worker = await self._ready(context)
+        try:
+            constraint = constraint_from_pb(request.structured_output)
+            if constraint is None:
+                raise ConstraintError("structured_output must set one constraint")
+            seconds = await worker.prepare_structured(constraint)
+        except ConstraintError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"structured_output: {exc}")
+        return worker_pb2.PrepareStructuredOutputResponse(seconds=seconds)

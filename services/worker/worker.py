@@ -24,6 +24,7 @@ from common.kv_shared_memory import SharedMemoryInfo
 from common.log import get_logger
 from common.parallel_plan import Layout
 from common.pb.tandem.internal.v1 import worker_pb2
+from common.structured_output import Constraint
 from services.worker.batch import (
     BlockMoves,
     CachedRequestData,
@@ -111,7 +112,7 @@ class Worker:
             ),
             tokens=None if ranks is None else ranks.tokens,
             lora=loaded.lora,
-            # Grammar masks (issue 17, WIP); xgrammar and the tokenizer load on first use.
+            # Grammar masks; xgrammar and the tokenizer load on first use (grammar thread).
             structured=StructuredOutputs(config.model, loaded.model_config.vocab_size),
         )
         self.lora = loaded.lora
@@ -238,6 +239,11 @@ class Worker:
             raise LoraDisabledError("this worker runs without --enable-lora")
         await self._on_tensor_thread(self.lora.remove, name)
         return self.lora.names
+
+    async def prepare_structured(self, constraint: Constraint) -> float:
+        """Compile `constraint` off the tensor thread (ConstraintError when it cannot be);
+        returns the seconds the compile took."""
+        return await asyncio.wrap_future(self.runner.structured.prepare(constraint))
 
     def submit_step(
         self,
@@ -457,5 +463,6 @@ class Worker:
             mapped.close()
         await self.transport.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self.runner.structured.close()
         if self.compute_lock is not None:
             self.compute_lock.close()

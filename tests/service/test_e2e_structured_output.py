@@ -6,6 +6,7 @@ validates or is one of the choices; the free requests are unaffected."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +15,7 @@ import pytest
 
 from common.pb.tandem.v1 import generate_pb2
 from tests.hf_reference import hf_greedy, hf_tokenizer
-from tests.stack_client import generate, greedy_request, wait_until_idle
+from tests.stack_client import generate, greedy_request, start_stack, wait_until_idle
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -26,6 +27,21 @@ SCHEMA = {
     "additionalProperties": False,
 }
 CHOICES = ["red", "green", "blue sky"]
+SMALL_POOLS = {
+    "prefill": ["--max-model-len", "96", "--num-blocks", "12"],
+    "decode": ["--max-model-len", "96", "--num-blocks", "10"],
+    "scheduler": ["--max-num-batched-tokens", "24"],
+}
+
+
+@contextlib.contextmanager
+def grpc_channel(address: str):
+    import grpc
+
+    from common.pb.tandem.v1 import generate_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        yield generate_pb2_grpc.GenerateServiceStub(channel)
 
 
 def constrained(kind: str, temperature: float, seed: int) -> generate_pb2.GenerateRequest:
@@ -132,3 +148,69 @@ def test_openai_response_format_and_vllm_structured_outputs_over_http(stack):
     else:
         assert cut_or_done["finish_reason"] == "length"
         assert cut_or_done["message"]["content"].startswith("{")
+
+
+def test_n_samples_stop_strings_and_length_cuts(stack):
+    address = stack.spec.gateway_address
+    # n > 1: one matcher per sample, each sample valid on its own.
+    request = constrained("schema", 1.0, 7)
+    request.n = 4
+    with grpc_channel(address) as stub:
+        finals = {}
+        texts: dict[int, str] = {}
+        for response in stub.Generate(request, timeout=120):
+            texts[response.index] = texts.get(response.index, "") + response.text
+            if response.finish_reason:
+                finals[response.index] = response.finish_reason
+    assert sorted(finals) == [0, 1, 2, 3]
+    for index, text in texts.items():
+        assert finals[index] == generate_pb2.FINISH_REASON_STOP, text
+        assert valid("schema", text), text
+    # A stop string the grammar forces: the text ends before it, finish reason stop.
+    request = greedy_request("Once upon a time", 32)
+    request.structured_output.regex = "[a-z]{3}x[a-z]{3}"
+    request.stopping.stop.append("x")
+    out = generate(address, request)
+    assert out.finish_reason == generate_pb2.FINISH_REASON_STOP
+    assert re.fullmatch("[a-z]{3}", out.text), out.text
+    # Cut by max_tokens before the grammar is complete: reported as length.
+    request = greedy_request("Once upon a time", 2)
+    request.structured_output.regex = "[0-9]{40}"
+    out = generate(address, request)
+    assert out.finish_reason == generate_pb2.FINISH_REASON_LENGTH
+    assert len(out.token_ids) == 2 and re.fullmatch("[0-9]+", out.text), out.text
+    # min_tokens past the grammar's end: the output is complete, then only EOS is allowed
+    # and min_tokens forbids it. The sample must not crash the worker.
+    request = greedy_request("Once upon a time", 8)
+    request.structured_output.choice.choices.extend(CHOICES)
+    request.stopping.min_tokens = 6
+    out = generate(address, request)
+    assert out.finish_reason in (generate_pb2.FINISH_REASON_STOP, generate_pb2.FINISH_REASON_LENGTH)
+    assert any(out.text.startswith(c) for c in CHOICES), out.text
+    wait_until_idle(stack)
+
+
+def test_preempted_and_recomputed_requests_stay_valid(tiny_llama_dir, tmp_path):
+    """Small pools: the constrained requests are preempted (recompute) and their matchers
+    rebuilt by replaying their tokens; every output still full-matches."""
+    stack = start_stack(tiny_llama_dir, tmp_path / "run", extra_args=SMALL_POOLS)
+    try:
+        address = stack.spec.gateway_address
+        regex = "[a-z ]{60}[.]"
+        requests = []
+        for i in range(6):
+            request = greedy_request(f"Story {i}: once upon a time", 80)
+            request.sampling.temperature = 1.0
+            request.sampling.seed = 11 + i
+            request.structured_output.regex = regex
+            requests.append(request)
+        with ThreadPoolExecutor(len(requests)) as pool:
+            results = list(pool.map(lambda r: generate(address, r), requests))
+        for out in results:
+            assert out.finish_reason == generate_pb2.FINISH_REASON_STOP, out.text
+            assert re.fullmatch(regex, out.text), out.text
+        stats = wait_until_idle(stack)
+        assert sum(p.preemptions for p in stats.pools) > 0, "small pools must preempt"
+        assert all(p.num_free_blocks == p.num_blocks for p in stats.pools)
+    finally:
+        stack.stop()

@@ -19,6 +19,7 @@ import pytest
 
 from common.healthcheck import health_status
 from common.pb.tandem.internal.v1 import types_pb2
+from common.pb.tandem.v1 import generate_pb2
 from services.stack.launcher import Stack
 from tests.hf_reference import hf_greedy, hf_tokenizer
 from tests.stack_client import (
@@ -435,5 +436,39 @@ def test_decode_worker_drains_on_sigterm_without_losing_a_request(stack, referen
     assert after.restarted_requests == before.restarted_requests  # nothing recomputed
     wait_until_idle(stack, skip=(draining,))
     stack.restart(draining)
+    wait_healthy_pools(stack)
+    assert_all_alive(stack)
+
+
+def test_constrained_requests_survive_a_killed_decode_worker(stack, tiny_llama_dir):
+    """Requests under a grammar lose their decode worker mid-generation: they are recomputed
+    on the other one, whose matchers replay the tokens already sent, and every output still
+    full-matches (no token lost or repeated)."""
+    import re
+
+    wait_healthy_pools(stack)
+    before = pool_stats(stack)
+    regex = "[a-z ]{90}[.]"
+    requests = []
+    for i, prompt in enumerate(PROMPTS[:4]):
+        request = greedy_request(prompt, 120)
+        request.sampling.temperature = 1.0
+        request.sampling.seed = 5 + i
+        request.structured_output.regex = regex
+        requests.append(request)
+    streams = [BackgroundStream(stack.spec.gateway_address, r, 120.0) for r in requests]
+    for stream in streams:
+        stream.wait_tokens(3)
+    victim = kill_busiest(stack, "decode")
+    tokenizer = hf_tokenizer(str(tiny_llama_dir))
+    for stream in streams:
+        stream.result()
+        assert stream.code == grpc.StatusCode.OK, (stream.code, stream.details)
+        assert stream.finish_reason == generate_pb2.FINISH_REASON_STOP, stream.finish_reason
+        text = tokenizer.decode(stream.token_ids, skip_special_tokens=True)
+        assert re.fullmatch(regex, text), text
+    assert pool_stats(stack).restarted_requests > before.restarted_requests
+    wait_until_idle(stack, skip=(victim,))
+    stack.restart(victim)
     wait_healthy_pools(stack)
     assert_all_alive(stack)

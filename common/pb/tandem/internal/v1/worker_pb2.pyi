@@ -274,3 +274,15 @@ class RemoveLoraResponse(_message.Message):
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PrepareStructuredOutputRequest(_message.Message):
+    __slots__ = ("structured_output",)
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    structured_output: _types_pb2.StructuredOutput
+    def __init__(self, structured_output: _Optional[_Union[_types_pb2.StructuredOutput, _Mapping]] = ...) -> None: ...
+
+class PrepareStructuredOutputResponse(_message.Message):
+    __slots__ = ("seconds",)
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    seconds: float
+    def __init__(self, seconds: _Optional[float] = ...) -> None: ...

@@ -67,6 +67,11 @@ class WorkerServiceStub:
                 request_serializer=tandem_dot_internal_dot_v1_dot_worker__pb2.RemoveLoraRequest.SerializeToString,
                 response_deserializer=tandem_dot_internal_dot_v1_dot_worker__pb2.RemoveLoraResponse.FromString,
                 _registered_method=True)
+        self.PrepareStructuredOutput = channel.unary_unary(
+                '/tandem.internal.v1.WorkerService/PrepareStructuredOutput',
+                request_serializer=tandem_dot_internal_dot_v1_dot_worker__pb2.PrepareStructuredOutputRequest.SerializeToString,
+                response_deserializer=tandem_dot_internal_dot_v1_dot_worker__pb2.PrepareStructuredOutputResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -127,6 +132,17 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareStructuredOutput(self, request, context):
+        """PrepareStructuredOutput compiles a constraint for this worker's tokenizer
+        off the step thread, so that the first step sampling under it does not
+        stall the batch (INVALID_ARGUMENT naming the problem when it does not
+        compile). Steps never depend on it: an unprepared constraint is compiled
+        when a step first needs it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -159,6 +175,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.RemoveLora,
                     request_deserializer=tandem_dot_internal_dot_v1_dot_worker__pb2.RemoveLoraRequest.FromString,
                     response_serializer=tandem_dot_internal_dot_v1_dot_worker__pb2.RemoveLoraResponse.SerializeToString,
+            ),
+            'PrepareStructuredOutput': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareStructuredOutput,
+                    request_deserializer=tandem_dot_internal_dot_v1_dot_worker__pb2.PrepareStructuredOutputRequest.FromString,
+                    response_serializer=tandem_dot_internal_dot_v1_dot_worker__pb2.PrepareStructuredOutputResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -326,6 +347,33 @@ class WorkerService:
             '/tandem.internal.v1.WorkerService/RemoveLora',
             tandem_dot_internal_dot_v1_dot_worker__pb2.RemoveLoraRequest.SerializeToString,
             tandem_dot_internal_dot_v1_dot_worker__pb2.RemoveLoraResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareStructuredOutput(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.internal.v1.WorkerService/PrepareStructuredOutput',
+            tandem_dot_internal_dot_v1_dot_worker__pb2.PrepareStructuredOutputRequest.SerializeToString,
+            tandem_dot_internal_dot_v1_dot_worker__pb2.PrepareStructuredOutputResponse.FromString,
             options,
             channel_credentials,
             insecure,
