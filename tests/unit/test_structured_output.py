@@ -230,3 +230,44 @@ def test_a_forgotten_request_restarts_from_its_tokens(tiny_llama_dir):
     state.reset()
     state.mask(fresh, [Request("r", list(prompt), len(prompt))])  # nothing generated yet
     assert not torch.equal(fresh, restarted)
+
+
+def test_constrained_requests_get_no_speculative_drafts(tiny_llama_dir):
+    """With speculative decoding on, a proposer that proposes the request's own constrained
+    continuation (every draft would be accepted) is not asked for a constrained request,
+    whose output equals its plain constrained run; drafts are verified without the mask."""
+    from common.sampling import SamplingParams
+    from services.worker.batch import CachedRequestData, NewRequestData
+    from services.worker.models.weight_loader import load_model
+    from services.worker.structured.state import StructuredOutputs
+    from tests.unit.test_spec_decode_runner import Driver, Oracle
+
+    model = load_model(tiny_llama_dir, dtype=torch.float32)
+    tokenizer = hf_tokenizer(str(tiny_llama_dir))
+    prompt = tokenizer.encode("Once upon a time")
+    greedy = SamplingParams(temperature=0.0)
+    stops = {tokenizer.eos_token_id}
+
+    def constrained_run(proposer, lookahead: int) -> list[int]:
+        driver = Driver(model, proposer=proposer)
+        driver.runner.structured = StructuredOutputs(str(tiny_llama_dir), model[1].vocab_size)
+        blocks = driver.blocks(len(prompt) + 40)
+        short = Constraint("regex", SHORT_REGEX)
+        data = NewRequestData("re", prompt, blocks, 0, len(prompt), greedy, structured=short)
+        out = [driver.step(new=[data]).sampled["re"]]
+        while out[-1] not in stops and len(out) < 24:
+            output = driver.step(cached=[CachedRequestData("re", [], 1, (), lookahead)])
+            assert output.accepted == {}, "a constrained request was given drafts"
+            out.append(output.sampled["re"])
+        return out
+
+    plain = constrained_run(None, 0)
+    assert plain[-1] in stops
+    assert re.fullmatch(SHORT_REGEX, tokenizer.decode(plain[:-1])), tokenizer.decode(plain)
+    assert constrained_run(Oracle([prompt + plain]), 3) == plain
+    # The same kind of proposer does speculate for a free request.
+    (free,), _ = Driver(model).generate([prompt], 12, greedy)
+    _, accepted = Driver(model, proposer=Oracle([prompt + free])).generate(
+        [prompt], 12, greedy, k=3
+    )
+    assert accepted > 0

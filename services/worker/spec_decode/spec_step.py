@@ -36,7 +36,12 @@ class SpecStep:
         self._first_slice: dict[int, int] = {}
         if proposer is None:
             return
-        wanted = [i for i, item in enumerate(work) if item.num_lookahead_tokens and item.samples]
+        # A grammar-constrained request gets none: its drafts would be verified unmasked.
+        wanted = [
+            i
+            for i, item in enumerate(work)
+            if item.num_lookahead_tokens and item.samples and item.request.structured is None
+        ]
         if not wanted:
             return
         if hasattr(proposer, "propose_batch"):
