@@ -1,5 +1,4 @@
-"""Structured-output constraints compiled with `xgrammar` (issue 17, work in progress:
-not reachable from the API yet).
+"""Structured-output constraints compiled with `xgrammar`.
 
 A `Constraint` (`common/structured_output.py`) is what a request asks for: a JSON schema,
 any JSON object, a regex, an EBNF grammar, or a choice among strings. `GrammarCache`
@@ -15,6 +14,7 @@ import json
 from common.structured_output import Constraint, ConstraintError
 
 __all__ = ["Constraint", "ConstraintError", "GrammarCache", "choice_grammar"]
+CACHE_LIMIT_BYTES = 256 << 20  # xgrammar's compiled-grammar cache (least recently used out)
 
 
 def choice_grammar(options: list[str]) -> str:
@@ -31,7 +31,9 @@ class GrammarCache:
 
         self._xgr = xgr
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads)
+        self._compiler = xgr.GrammarCompiler(
+            self.tokenizer_info, max_threads=max_threads, cache_limit_bytes=CACHE_LIMIT_BYTES
+        )
 
     @property
     def vocab_size(self) -> int:

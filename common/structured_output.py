@@ -1,5 +1,5 @@
-"""A structured-output constraint as every service sees it (issue 17, work in progress):
-its kind and text, and its protobuf form (`tandem.internal.v1.StructuredOutput`). Pure:
+"""A structured-output constraint as every service sees it: its kind and text, and its
+protobuf form (`tandem.internal.v1.StructuredOutput`). Pure:
 compiling it with xgrammar is `common/grammar_cache.py`'s (the gateway's check, the
 workers' masks)."""
 

@@ -1,6 +1,6 @@
-"""Checks a request's structured-output constraint before any work starts (issue 17, work
-in progress): sizes against limits, then a compile with xgrammar for the model's tokenizer
-off the event loop and within a time limit, each distinct constraint once (the verdict is
+"""Checks a request's structured-output constraint before any work starts: sizes against
+limits, then a compile with xgrammar for the model's tokenizer off the event loop and
+within a time limit, each distinct constraint once (the verdict is
 cached). A constraint that fails is INVALID_ARGUMENT naming the field and the reason.
 
 xgrammar imports torch, which the gateway otherwise keeps out (`__main__.keep_torch_out`):
@@ -9,6 +9,7 @@ it is loaded here, on a thread, the first time a constrained request arrives."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import sys
 from collections import OrderedDict
 
@@ -50,6 +51,8 @@ class ConstraintChecker:
         self._vocab_size = vocab_size
         self._timeout_s = timeout_s
         self._grammars = None
+        # One compile at a time: many slow schemas cannot take every core of the gateway.
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._verdicts: OrderedDict[Constraint, str] = OrderedDict()  # "" = compiles
 
     def _compile(self, constraint: Constraint) -> str:
@@ -71,9 +74,10 @@ class ConstraintChecker:
         verdict = self._verdicts.get(constraint)
         if verdict is None:
             try:
-                verdict = await asyncio.wait_for(
-                    asyncio.to_thread(self._compile, constraint), self._timeout_s
+                compiling = asyncio.get_running_loop().run_in_executor(
+                    self._thread, self._compile, constraint
                 )
+                verdict = await asyncio.wait_for(compiling, self._timeout_s)
             except TimeoutError:
                 raise InvalidArgumentError(
                     f"structured_output.{constraint.kind} did not compile within "

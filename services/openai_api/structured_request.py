@@ -1,4 +1,4 @@
-"""Structured output on the HTTP front (issue 17, work in progress): OpenAI's
+"""Structured output on the HTTP front: OpenAI's
 `response_format` (`text`, `json_object`, `json_schema` with `schema` and `strict`) and
 vLLM's `structured_outputs` extra (exactly one of `json`, `regex`, `choice`, `grammar`,
 `json_object`), read into `GenerateRequest.structured_output`. The gateway checks and

@@ -116,7 +116,7 @@ class ModelRunner:
         self.device = device
         self.graphs = graphs
         self.lora = lora
-        self.structured = structured  # grammar masks for constrained requests (issue 17, WIP)
+        self.structured = structured  # grammar masks for constrained requests
         stage = getattr(model, "stage", None)
         self.pipelined = stage is not None and stage.size > 1
         self.generator = torch.Generator(device=device)

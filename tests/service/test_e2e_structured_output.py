@@ -1,4 +1,4 @@
-"""Structured output through the real services (issue 17, work in progress): on the
+"""Structured output through the real services: on the
 random-weight tiny Llama, which alone writes garbage, requests constrained by a regex, a
 JSON schema and a choice, greedy and sampled, all at once with free requests, through
 the prefill -> decode split: every output is complete (finish reason stop) and matches,

@@ -440,7 +440,7 @@ def test_config_defaults_env_and_errors():
 
 
 def test_structured_output_from_response_format_and_vllms_extra():
-    """(issue 17, work in progress) OpenAI's response_format and vLLM's structured_outputs
+    """OpenAI's response_format and vLLM's structured_outputs
     become GenerateRequest.structured_output; conflicting or ambiguous ones are 400s."""
     base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}

@@ -32,7 +32,7 @@ def test_the_worker_gets_the_requests_stop_tokens_inside_its_sampling():
 
 
 def test_a_requests_constraint_reaches_the_worker_as_it_was_given():
-    """(issue 17, work in progress) scheduler Request -> NewRequest -> the worker's
+    """Structured output: scheduler Request -> NewRequest -> the worker's
     NewRequestData, for every kind of constraint."""
     from common.pb.tandem.internal.v1 import types_pb2
     from common.structured_output import Constraint, constraint_from_pb, constraint_to_pb

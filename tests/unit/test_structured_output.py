@@ -1,4 +1,4 @@
-"""Structured output's worker side (issue 17, work in progress): constraints compiled by
+"""Structured output's worker side: constraints compiled by
 xgrammar for the real (tiny BPE) tokenizer; random logits, which alone would give
 garbage, masked row by row in a batch mixing constrained and free requests; every output
 that the grammar says is complete parses and validates (JSON schema), full-matches

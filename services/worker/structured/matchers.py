@@ -1,4 +1,4 @@
-"""Per-request grammar matchers and the batched token mask (issue 17, work in progress).
+"""Per-request grammar matchers and the batched token mask.
 
 Each constrained request has one `xgrammar.GrammarMatcher`; a request that arrives with
 tokens already generated (a decode worker taking it over, a recompute after preemption or
