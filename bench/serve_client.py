@@ -5,6 +5,7 @@ brought and when (`RequestRecord`)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import sys
 import time
@@ -15,10 +16,12 @@ import grpc
 from tqdm import tqdm
 
 from bench.metrics import RequestRecord
+from bench.structured_schemas import LOAD_SCHEMA
 from bench.workloads import BenchRequest
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
 
-SAMPLING_MODES = ("greedy", "full", "repeat")
+SAMPLING_MODES = ("greedy", "full", "repeat", "json")
+# "json": greedy under bench/structured_schemas.LOAD_SCHEMA (structured output).
 # "repeat" (or "repeat:N"): greedy with the request's first N (default 2) prompt tokens
 # pushed up by logit_bias, so its output repeats itself (random-weight models never do on
 # their own): a workload where n-gram speculation has something to find (with N = 1 every
@@ -57,6 +60,8 @@ def make_request(
         count = int(sampling.partition(":")[2] or REPEAT_TOKENS)
         for token in dict.fromkeys(request.prompt_ids[:count]):
             message.sampling.logit_bias[token] = REPEAT_BIAS
+    if sampling == "json":
+        message.structured_output.json_schema = json.dumps(LOAD_SCHEMA)
     if cache_salt and "cache_salt" in generate_pb2.GenerateRequest.DESCRIPTOR.fields_by_name:
         message.cache_salt = cache_salt
     if request.lora_name:
