@@ -100,6 +100,11 @@ def test_constrained_outputs_are_complete_and_valid_beside_free_ones(stack, tiny
         ("grammar", "root ::= missing", "structured_output.grammar"),
         ("regex", "a" * 5000, "must be 1..4096 bytes"),
         ("choice", [], "must hold 1..256 strings"),
+        (
+            "json_schema",
+            '{"type":"array","items":' * 70 + '{"type":"string"}' + "}" * 70,
+            "must nest at most 64 levels, got 71",
+        ),
     ],
 )
 def test_bad_constraints_are_invalid_argument_and_the_server_serves_on(
