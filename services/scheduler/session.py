@@ -63,7 +63,10 @@ class SessionState:
 
     def opened(self, request_id: str, handles: list[RequestHandle]) -> None:
         self.handles[request_id] = handles
-        self.unfinished[request_id] = len(handles)
+        # One Finished per sample; a beam search sends one per hypothesis returned.
+        self.unfinished[request_id] = sum(
+            h.request.beam.params.num_return_sequences if h.request.beam else 1 for h in handles
+        )
 
     def refuse(self, request_id: str, code: str, message: str) -> None:
         self.queue.put_nowait((request_id, Refused(code, message)))
@@ -131,5 +134,7 @@ def updates_from_events(events: list) -> list[scheduler_pb2.SubmitResponse]:
         )
         if event.error is not None:
             update.error_code, update.error_message = event.error
+        if event.beam_score is not None:
+            update.beam_score = event.beam_score
         del open_updates[key]
     return out
