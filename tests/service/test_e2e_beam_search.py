@@ -261,11 +261,13 @@ SMALL_POOLS = {
 }
 
 
-def test_preempted_beams_restart_the_search_and_stay_exact(tiny_llama_dir, tmp_path):
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_beams_restart_the_search_and_stay_exact(tiny_llama_dir, tmp_path, mode):
     """A decode pool of 10 blocks, long greedy requests beside two beam searches: beams
-    (the newest requests) are preempted, their searches start over from the prompt, and
-    every output is still HF's; every block comes back."""
-    stack = start_stack(tiny_llama_dir, tmp_path / "run", extra_args=SMALL_POOLS)
+    (the newest requests) are preempted (recomputed or swapped out), their searches start
+    over from the prompt, and every output is still HF's; every block comes back."""
+    args = {**SMALL_POOLS, "scheduler": [*SMALL_POOLS["scheduler"], "--preemption-mode", mode]}
+    stack = start_stack(tiny_llama_dir, tmp_path / "run", extra_args=args)
     try:
         address = stack.spec.gateway_address
         long_prompts = [[(7 * i + j) % 1000 + 3 for j in range(40)] for i in range(3)]
