@@ -99,7 +99,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             except WorkerUnavailableError as exc:
                 state.refuse(request.request_id, "UNAVAILABLE", str(exc))
             else:
-                state.opened(request.request_id, handles)
+                state.opened(request.request_id, handles, max(len(handles), request.n))
 
     async def GetModelInfo(self, request, context):
         engine = await self._ready(context)

@@ -61,12 +61,13 @@ class SessionState:
     def sink(self, request_id: str) -> TaggedSink:
         return TaggedSink(self.queue, request_id)
 
-    def opened(self, request_id: str, handles: list[RequestHandle]) -> None:
+    def opened(
+        self, request_id: str, handles: list[RequestHandle], outputs: int | None = None
+    ) -> None:
+        """`outputs`: the Finished events that end the request (default one per handle; a
+        beam search has one handle and sends one per hypothesis returned)."""
         self.handles[request_id] = handles
-        # One Finished per sample; a beam search sends one per hypothesis returned.
-        self.unfinished[request_id] = sum(
-            h.request.beam.params.num_return_sequences if h.request.beam else 1 for h in handles
-        )
+        self.unfinished[request_id] = len(handles) if outputs is None else outputs
 
     def refuse(self, request_id: str, code: str, message: str) -> None:
         self.queue.put_nowait((request_id, Refused(code, message)))
