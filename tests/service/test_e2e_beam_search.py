@@ -9,8 +9,10 @@ Plus the refusals: INVALID_ARGUMENT naming the field for what beam search does n
 from __future__ import annotations
 
 import json
+import re
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -187,21 +189,43 @@ def refused(**changes):
 BAD = [
     ({"beam_search__beam_width": 9}, "beam_search.beam_width must be in [1, 8]"),
     ({"beam_search__beam_width": 0}, "beam_search.beam_width must be in [1, 8]"),
-    ({"beam_search__length_penalty": float("nan")}, "beam_search.length_penalty"),
+    ({"beam_search__length_penalty": float("nan")}, "beam_search.length_penalty must be a"),
+    ({"beam_search__early_stopping": 7}, "beam_search.early_stopping must be a BeamEarly"),
     ({"n": 5}, "n must be in [1, beam_search.beam_width=4]"),
-    ({"sampling__temperature": 0.7}, "sampling.temperature is not supported with beam_search"),
-    ({"sampling__top_p": 0.9}, "sampling.top_p is not supported with beam_search"),
-    ({"sampling__top_k": 5}, "sampling.top_k is not supported with beam_search"),
-    ({"sampling__min_p": 0.1}, "sampling.min_p is not supported with beam_search"),
-    ({"sampling__repetition_penalty": 1.2}, "sampling.repetition_penalty is not supported"),
-    ({"sampling__presence_penalty": 0.5}, "sampling.presence_penalty is not supported"),
-    ({"sampling__frequency_penalty": 0.5}, "sampling.frequency_penalty is not supported"),
-    ({"sampling__logit_bias": {5: 1.0}}, "sampling.logit_bias is not supported"),
+    (
+        {"sampling__temperature": 0.7},
+        "sampling.temperature is not supported with beam_search (it ranks raw logprobs",
+    ),
+    (
+        {"sampling__top_p": 0.9},
+        "sampling.top_p is not supported with beam_search (it ranks raw logprobs",
+    ),
+    (
+        {"sampling__top_k": 5},
+        "sampling.top_k is not supported with beam_search (it ranks raw logprobs",
+    ),
+    (
+        {"sampling__min_p": 0.1},
+        "sampling.min_p is not supported with beam_search (it ranks raw logprobs",
+    ),
+    (
+        {"sampling__repetition_penalty": 1.2},
+        "sampling.repetition_penalty is not supported with beam_search (it ranks raw logprobs",
+    ),
+    (
+        {"sampling__presence_penalty": 0.5},
+        "sampling.presence_penalty is not supported with beam_search (it ranks raw logprobs",
+    ),
+    (
+        {"sampling__frequency_penalty": 0.5},
+        "sampling.frequency_penalty is not supported with beam_search (it ranks raw logprobs",
+    ),
+    ({"sampling__logit_bias": {5: 1.0}}, "sampling.logit_bias is not supported with beam_search"),
     ({"logprobs": 2}, "logprobs is not supported with beam_search"),
     ({"prompt_logprobs": 1}, "prompt_logprobs is not supported with beam_search"),
     ({"stopping__stop": ["abc"]}, "stopping.stop is not supported with beam_search"),
     ({"stopping__min_tokens": 2}, "stopping.min_tokens is not supported with beam_search"),
-    ({"structured_output__regex": "[a-z]+"}, "structured_output is not supported"),
+    ({"structured_output__regex": "[a-z]+"}, "structured_output is not supported with beam_search"),
 ]
 
 
@@ -214,13 +238,40 @@ def test_unsupported_combinations_are_invalid_argument(arch, changes, message):
     assert message in error.value.details(), error.value.details()
 
 
+TOO_MANY_STOP_IDS = "stopping.stop_token_ids: with beam_search"
+
+
+def beam_documented_messages() -> list[str]:
+    """The error texts of docs/api.md's beam search table (the fuzz oracle reads them too)."""
+    text = (Path(__file__).resolve().parents[2] / "docs/api.md").read_text()
+    table = text.split("<!-- beam-validation-table -->")[1]
+    table = table.split("<!-- /beam-validation-table -->")[0]
+    rows = [line for line in table.splitlines() if line.startswith("|")][2:]
+    messages = []
+    for row in rows:
+        quoted = re.findall(r"`([^`]+)`", row.rsplit("|", 2)[1])
+        assert len(quoted) == 1, row
+        messages.append(quoted[0])
+    return messages
+
+
+def test_docs_beam_table_and_tested_refusals_agree():
+    tested = [m for _, m in BAD] + [TOO_MANY_STOP_IDS]
+    documented = beam_documented_messages()
+    assert len(documented) == 12
+    for row in documented:
+        assert any(row in m or m in row for m in tested), f"docs row not tested: {row!r}"
+    for message in tested:
+        assert any(row in message or message in row for row in documented), message
+
+
 def test_too_many_stop_tokens_for_the_width_is_invalid_argument(arch):
     stack = stack_for(arch, "split")
     request = beam_request(PROMPTS[0], 8, 1.0, False, 1, stop_ids=list(range(1, 9)))
     with pytest.raises(grpc.RpcError) as error:
         run_beam(stack.spec.gateway_address, request)
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "stopping.stop_token_ids" in error.value.details()
+    assert TOO_MANY_STOP_IDS in error.value.details()
 
 
 def test_http_use_beam_search_gives_the_same_hypotheses(arch):
