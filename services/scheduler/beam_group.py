@@ -16,8 +16,8 @@ finished and pruned ones included; the new ones join the pool's queue at its fro
 in the same batches as any request. The worker sees each new beam as a new request with
 its full token ids and block table, so its persistent batch needs nothing new. When the
 search is done the best `n` hypotheses go out whole (index 0 the best), then the request
-ends. A beam search that loses a beam (preempted, swapped out, its worker failed) starts
-over from its prompt: the search is deterministic and nothing was sent yet.
+ends. A beam search that loses a beam (preempted, swapped out, its worker failed or
+draining) starts over from its prompt: the search is deterministic and nothing was sent yet.
 
 `BeamGroup` is the bookkeeping (pure); `BeamSteps` is the engine's part (a mixin of
 `Engine`, like `Recovery`).
@@ -209,6 +209,14 @@ class BeamSteps:
         for group in groups:
             self._beam_restart(group, "a beam was preempted")
         return others
+
+    def _beam_leave(self, pool) -> None:
+        """A migrating (draining) pool plans nothing for its requests: its beam searches
+        start over from their prompts, to be handed to a decode pool that accepts."""
+        for handle in list(self._handles.values()):
+            group = handle.request.beam
+            if group is not None and group.beams and handle.pool is pool:
+                self._beam_restart(group, "its decode worker drains")
 
     def _beam_restart(self, group: BeamGroup, why: str) -> None:
         handle = self._handles.get(group.leader.request_id)
