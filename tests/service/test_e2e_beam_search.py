@@ -343,3 +343,58 @@ def test_preempted_beams_restart_the_search_and_stay_exact(tiny_llama_dir, tmp_p
         assert "beam_search_restarted" in log
     finally:
         stack.stop()
+
+
+def test_width_one_is_a_one_beam_search(arch):
+    """beam_width 1 is the policy's one-beam search (HF runs greedy search for num_beams=1,
+    so the reference is the policy driven by HF's model, as in its unit tests)."""
+    from services.scheduler.beam_search import BeamParams
+    from tests.unit.test_beam_search_policy import drive
+
+    folder = arch[0]
+    stack = stack_for(arch, "split")
+    model = hf_model(str(folder))
+    for prompt in PROMPTS:
+        eos = [model.generation_config.eos_token_id, liked_token(folder, prompt)]
+        eos = sorted(set(eos))
+        got = run_beam(stack.spec.gateway_address, beam_request(prompt, 1, 2.0, False, 1, eos))
+        params = BeamParams(
+            beam_width=1,
+            length_penalty=2.0,
+            eos_token_ids=tuple(eos),
+            max_new_tokens=MAX_NEW,
+            prompt_len=len(prompt),
+        )
+        ours, _ = drive(model, prompt, params)
+        assert got[0]["tokens"] == list(ours[0].tokens)
+        assert got[0]["score"] == pytest.approx(ours[0].score, abs=1e-4)
+
+
+def test_beam_search_beside_speculative_decoding(tiny_llama_dir, tmp_path):
+    """A decode worker started with n-gram speculation (beams are planned without proposal
+    slots): the searches stay HF's and a greedy neighbour stays HF's greedy."""
+    ngram = json.dumps(
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
+    )  # fmt: skip
+    stack = start_stack(
+        tiny_llama_dir, tmp_path / "run", extra_args={"decode": ["--speculative-config", ngram]}
+    )
+    try:
+        address = stack.spec.gateway_address
+        cases = [CASES[1], CASES[4]]
+        refs = [expected(tiny_llama_dir, case) for case in cases]
+        with ThreadPoolExecutor(3) as pool:
+            free = pool.submit(generate, address, greedy_request(PROMPTS[1], 24))
+            futures = [
+                pool.submit(run_beam, address, beam_request(prompt, *case[:4], stop_ids=eos))
+                for case, (prompt, eos, _) in zip(cases, refs, strict=True)
+            ]
+            results = [f.result() for f in futures]
+        for case, (_, _, hyps), got in zip(cases, refs, results, strict=True):
+            assert [got[i]["tokens"] for i in range(case[3])] == [h[0] for h in hyps], case
+        assert free.result().token_ids == hf_greedy(tiny_llama_dir, PROMPTS[1], 24)
+        stats = wait_until_idle(stack)
+        assert all(p.num_free_blocks == p.num_blocks for p in stats.pools)
+    finally:
+        stack.stop()
