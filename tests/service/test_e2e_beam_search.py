@@ -19,7 +19,13 @@ import pytest
 
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
 from tests.hf_reference import hf_beam_search, hf_greedy, hf_model
-from tests.stack_client import generate, greedy_request, start_stack, wait_until_idle
+from tests.stack_client import (
+    BackgroundStream,
+    generate,
+    greedy_request,
+    start_stack,
+    wait_until_idle,
+)
 
 PROMPTS = ([5, 17, 300, 42], [9, 250, 3, 77, 101, 64, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21])
 MAX_NEW = 10
@@ -161,7 +167,7 @@ def test_beam_search_max_tokens_one_and_abort(arch):
     with grpc.insecure_channel(address) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
         long = beam_request(prompt, 8, 1.0, "never", 1)
-        long.max_tokens = 40
+        long.max_tokens = 200  # far longer than the deadline allows
         with pytest.raises(grpc.RpcError) as cut:
             for _ in stub.Generate(long, timeout=0.3):
                 pass
@@ -314,9 +320,10 @@ SMALL_POOLS = {
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preempted_beams_restart_the_search_and_stay_exact(tiny_llama_dir, tmp_path, mode):
-    """A decode pool of 10 blocks, long greedy requests beside two beam searches: beams
-    (the newest requests) are preempted (recomputed or swapped out), their searches start
-    over from the prompt, and every output is still HF's; every block comes back."""
+    """A decode pool of 10 blocks, long greedy requests beside two beam searches: with
+    recompute the beams (the newest requests) are preempted and their searches start over
+    from the prompt; with swap someone is swapped out. Every output is still HF's; every
+    block comes back."""
     args = {**SMALL_POOLS, "scheduler": [*SMALL_POOLS["scheduler"], "--preemption-mode", mode]}
     stack = start_stack(tiny_llama_dir, tmp_path / "run", extra_args=args)
     try:
@@ -324,23 +331,30 @@ def test_preempted_beams_restart_the_search_and_stay_exact(tiny_llama_dir, tmp_p
         long_prompts = [[(7 * i + j) % 1000 + 3 for j in range(40)] for i in range(3)]
         cases = [(4, 1.0, False, 2, 1, False), (8, 1.0, "never", 2, 0, False)]
         refs = [expected(tiny_llama_dir, case) for case in cases]
-        with ThreadPoolExecutor(6) as pool:
-            free = [pool.submit(generate, address, greedy_request(p, 40)) for p in long_prompts]
+        free = [BackgroundStream(address, greedy_request(p, 40)) for p in long_prompts]
+        for stream in free:  # decoding (holding blocks) before the searches come
+            stream.wait_tokens(2)
+        with ThreadPoolExecutor(2) as pool:
             futures = [
                 pool.submit(run_beam, address, beam_request(prompt, *case[:4], stop_ids=eos))
                 for case, (prompt, eos, _) in zip(cases, refs, strict=True)
             ]
             results = [f.result() for f in futures]
-            free_results = [f.result() for f in free]
+        for stream in free:
+            stream.result()
         for case, (_, _, hyps), got in zip(cases, refs, results, strict=True):
             assert [got[i]["tokens"] for i in range(case[3])] == [h[0] for h in hyps], case
-        for prompt, out in zip(long_prompts, free_results, strict=True):
-            assert out.token_ids == hf_greedy(tiny_llama_dir, prompt, 40)
+        for prompt, stream in zip(long_prompts, free, strict=True):
+            assert stream.code == grpc.StatusCode.OK, stream.details
+            assert stream.token_ids == hf_greedy(tiny_llama_dir, prompt, 40)
         stats = wait_until_idle(stack)
         assert all(p.num_free_blocks == p.num_blocks for p in stats.pools)
         assert sum(p.preemptions for p in stats.pools) > 0
         log = (stack.run_dir / "logs" / "scheduler.log").read_text()
-        assert "beam_search_restarted" in log
+        if mode == "recompute":  # the searches' beams are the newest: they go first
+            assert "beam_search_restarted" in log
+        else:  # whether a beam (or a greedy request) is the one swapped out is timing
+            assert sum(p.swap_outs for p in stats.pools) > 0
     finally:
         stack.stop()
 
