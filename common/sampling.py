@@ -13,7 +13,11 @@ import math
 from dataclasses import dataclass
 
 MAX_SAMPLES = 16  # n: samples of one request
-MAX_LOGPROBS = 20  # alternatives per token (logprobs, prompt_logprobs)
+MAX_LOGPROBS = 20  # alternatives per token (logprobs, prompt_logprobs) a client may ask
+MAX_BEAM_WIDTH = 8  # beams of a beam search request
+# Alternatives per sampled token the scheduler may ask a worker for: beam search needs
+# (1 + EOS ids) * beam_width per beam (HF's candidate count), more than clients may ask.
+MAX_INTERNAL_LOGPROBS = 64
 MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 10.0
 MAX_ABS_PENALTY = 2.0  # presence and frequency penalties
@@ -28,9 +32,9 @@ def _finite_in(name: str, value: float, low: float, high: float) -> None:
         raise ValueError(f"{name} must be a finite number in [{low:g}, {high:g}], got {value}")
 
 
-def _optional_count(name: str, value: int | None) -> None:
-    if value is not None and not 0 <= value <= MAX_LOGPROBS:
-        raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+def _optional_count(name: str, value: int | None, limit: int = MAX_LOGPROBS) -> None:
+    if value is not None and not 0 <= value <= limit:
+        raise ValueError(f"{name} must be in [0, {limit}], got {value}")
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,7 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
-        _optional_count("logprobs", self.logprobs)
+        _optional_count("logprobs", self.logprobs, MAX_INTERNAL_LOGPROBS)
         _optional_count("prompt_logprobs", self.prompt_logprobs)
 
     @property

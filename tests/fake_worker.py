@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.kv_shared_memory import SharedMemoryInfo
+from common.sampling import Logprob
 from services.scheduler.worker_types import (
     ConstraintRefusedError,
     KvPullRefusedError,
@@ -67,6 +68,22 @@ def model_token(token_ids: Sequence[int | None], vocab_size: int = VOCAB_SIZE) -
     for t in token_ids:
         h = (h * 1_000_003 + (t + 1 if t is not None else 0)) % _MODULUS
     return h % vocab_size
+
+
+def fake_top(
+    token_ids: Sequence[int | None], k: int, vocab_size: int = VOCAB_SIZE
+) -> list[tuple[int, float]]:
+    """The fake model's top-k alternatives after a sequence, as (token id, logprob), most
+    likely first: distinct tokens and logprobs that are a pure function of the sequence
+    (what a worker returns when a request asks for logprobs; beam search reads them)."""
+    base = model_token(token_ids, vocab_size)
+    tops = []
+    for j in range(min(k, vocab_size)):
+        token = (base + 7 * j) % vocab_size
+        score = model_token([*token_ids, token], vocab_size) % 997
+        tops.append((token, -(score / 100.0 + 0.001 * j)))
+    tops.sort(key=lambda t: -t[1])
+    return tops
 
 
 def expected_tokens(
@@ -177,6 +194,7 @@ class _Item:
     num_new_tokens: int
     replaced_table: list[int] | None
     num_lookahead_tokens: int = 0
+    num_logprobs: int | None = None
 
 
 @dataclass
@@ -198,6 +216,7 @@ class FakeRequest:
     token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int
+    num_logprobs: int | None = None
 
 
 @dataclass
@@ -220,6 +239,7 @@ class FakeWorker:
         # -- test controls
         self.step_delay_s = 0.0
         self.spec_results: dict[int, tuple[dict, dict]] = {}
+        self.logprob_results: dict[int, dict[str, Logprob]] = {}
         self.proposed_tokens = 0
         self._health = "SERVING"
         self._killed = False
@@ -392,6 +412,7 @@ class FakeWorker:
                     num_new_tokens=s.num_new_tokens,
                     replaced_table=list(s.replaced_table) if s.replaced_table else None,
                     num_lookahead_tokens=s.num_lookahead_tokens,
+                    num_logprobs=r.sampling.logprobs,
                 )
             )
             self.planned_request_ids.add(r.request_id)
@@ -584,6 +605,7 @@ class FakeWorker:
                         step_id=plan.step_id,
                         sampled=result,
                         execute_seconds=time.perf_counter() - started,
+                        logprobs=self.logprob_results.pop(plan.step_id, {}),
                         accepted={r: [(t, None) for t in ts] for r, ts in accepted.items()},
                         spec=spec,
                     )
@@ -611,6 +633,7 @@ class FakeWorker:
                     list(item.token_ids),
                     self._checked(item.block_ids),
                     item.num_computed_before,
+                    item.num_logprobs,
                 )
                 self.batch[item.request_id] = request
             else:
@@ -661,6 +684,7 @@ class FakeWorker:
                 block = self._block(request.block_ids[pos // bs])
                 block[pos % bs] = request.token_ids[pos]
         sampled: dict[str, int] = {}
+        logprobs: dict[str, Logprob] = {}
         for request, num_new in work:
             if request.num_computed_tokens + num_new == len(request.token_ids):
                 seen = [
@@ -673,6 +697,12 @@ class FakeWorker:
                         f"tokens are {request.token_ids} (blocks {request.block_ids})"
                     )
                 sampled[request.request_id] = model_token(seen, self.info.model.vocab_size)
+                if request.num_logprobs is not None:
+                    token = sampled[request.request_id]
+                    top = fake_top(seen, request.num_logprobs, self.info.model.vocab_size)
+                    logprobs[request.request_id] = Logprob(
+                        token, dict(top).get(token, -9.0), tuple(top)
+                    )
         accepted: dict[str, list[int]] = {}
         spec: dict[str, SpecCounts] = {}
         for request, _ in work:
@@ -689,6 +719,7 @@ class FakeWorker:
         for request_id, token in sampled.items():
             self.batch[request_id].token_ids.append(token)
         self.spec_results[plan.step_id] = (accepted, spec)
+        self.logprob_results[plan.step_id] = logprobs
         self.steps.append(
             StepRecord(
                 plan.step_id,

@@ -55,3 +55,41 @@ def hf_log_softmax(folder: str | os.PathLike, token_ids: list[int]) -> torch.Ten
     """log_softmax of the model's logits at every position of one sequence, [len, vocab]."""
     logits = hf_model(str(folder))(torch.tensor([token_ids])).logits[0].float()
     return torch.log_softmax(logits, dim=-1)
+
+
+@torch.inference_mode()
+def hf_beam_search(
+    folder: str | os.PathLike,
+    prompt_ids: list[int],
+    *,
+    num_beams: int,
+    max_new_tokens: int,
+    eos_token_ids: list[int],
+    num_return_sequences: int = 1,
+    length_penalty: float = 1.0,
+    early_stopping: bool | str = False,
+) -> list[tuple[list[int], float]]:
+    """`generate(num_beams=k, do_sample=False)`'s returned hypotheses, best first: (new token
+    ids without HF's trailing padding, sequences_scores)."""
+    model = hf_model(str(folder))
+    input_ids = torch.tensor([prompt_ids])
+    out = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        num_beams=num_beams,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        num_return_sequences=num_return_sequences,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+        eos_token_id=list(eos_token_ids),
+        pad_token_id=eos_token_ids[0],
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
+    lengths = (out.beam_indices != -1).sum(dim=1).tolist()  # generated tokens, EOS included
+    seqs = out.sequences[:, len(prompt_ids) :]
+    return [
+        (row[:n].tolist(), score)
+        for row, n, score in zip(seqs, lengths, out.sequences_scores.tolist(), strict=True)
+    ]

@@ -89,6 +89,8 @@ class SampleOutput:
         if update.cached_tokens:
             self.cached_tokens = update.cached_tokens
         out = generate_pb2.GenerateResponse(index=self.index)
+        if update.HasField("beam_score"):
+            out.beam_score = update.beam_score
         ended_by_scheduler = update.finish_reason != types_pb2.FINISH_REASON_UNSPECIFIED
         ids = list(update.token_ids)
         text = []

@@ -22,8 +22,9 @@ from common.lifecycle import wait_until
 from common.log import bind_request, get_logger
 from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
-from common.sampling import MAX_LOGPROBS, MAX_SAMPLES
+from common.sampling import MAX_LOGPROBS, MAX_SAMPLES, SamplingParams
 from common.sampling_pb import ROLE_FROM_PB, sampling_to_pb
+from services.gateway.beam_check import check_beam_counts, validate_beam_search
 from services.gateway.lora_rpcs import LoraRpcs
 from services.gateway.output import RequestOutput, SampleOutput
 from services.gateway.prompts import LARGE_INPUT_CHARS, PromptTokenizer
@@ -137,6 +138,7 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
         check_prompt_field(request)
         sampling = validate_sampling(request.sampling, self.limits)
         n = validate_count(request, "n", 1, MAX_SAMPLES, 1)
+        beam = validate_beam_search(request)  # None: sampling
         logprobs = validate_count(request, "logprobs", 0, MAX_LOGPROBS, None)
         prompt_logprobs = validate_count(request, "prompt_logprobs", 0, MAX_LOGPROBS, None)
         cache_salt = validate_cache_salt(request.cache_salt)
@@ -158,6 +160,9 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
         stop_ids = set(stopping.stop_token_ids)
         if not stopping.ignore_eos:
             stop_ids.update(self.model.eos_token_ids)
+        if beam is not None:  # the stop ids are the search's EOS ids; greedy, plain
+            check_beam_counts(beam, len(stop_ids))
+            sampling = SamplingParams()
         submit = scheduler_pb2.SubmitRequest(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
@@ -168,6 +173,8 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
             n=n,
             lora_name=lora_name,
         )
+        if beam is not None:
+            submit.beam_search.CopyFrom(beam)
         if request.HasField("structured_output"):  # same message shape as the internal one
             submit.structured_output.ParseFromString(request.structured_output.SerializeToString())
         return PreparedRequest(prompt_ids, stopping, frozenset(stop_ids), n, submit)

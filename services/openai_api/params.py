@@ -81,7 +81,7 @@ def read_common(fields: Fields, request: generate_pb2.GenerateRequest) -> Option
             "best_of",
             "unsupported_parameter",
         )
-    unsupported(fields, "use_beam_search", "beam search is not implemented")
+    read_beam_search(fields, request, 1 if n is None else n)
     request.cache_salt = fields.str("cache_salt") or ""
     read_structured(fields, request)
     fields.str("user")  # accepted and ignored, as by OpenAI for anything but abuse reports
@@ -100,6 +100,41 @@ def read_common(fields: Fields, request: generate_pb2.GenerateRequest) -> Option
         include_usage=include_usage,
         prompt_logprobs=prompt_logprobs,
     )
+
+
+EARLY_STOPPING = {
+    False: generate_pb2.BEAM_EARLY_STOPPING_FALSE,
+    True: generate_pb2.BEAM_EARLY_STOPPING_TRUE,
+    "never": generate_pb2.BEAM_EARLY_STOPPING_NEVER,
+}
+
+
+def read_beam_search(fields: Fields, request: generate_pb2.GenerateRequest, n: int) -> None:
+    """vLLM's `use_beam_search` (beam width = n, the n best hypotheses returned) with the
+    `length_penalty` and `early_stopping` extras (transformers' meaning). Without beam
+    search, only their defaults (1.0, false) are accepted: they would do nothing."""
+    use = bool(fields.bool("use_beam_search"))
+    length_penalty = fields.number("length_penalty")
+    early = fields.get("early_stopping")
+    if early is not None and (isinstance(early, str) and early != "never"):
+        raise invalid("early_stopping", 'must be true, false or "never"')
+    if early is not None and not isinstance(early, bool | str):
+        raise invalid("early_stopping", 'must be true, false or "never"', "invalid_type")
+    if not use:
+        for key, value, default in (
+            ("length_penalty", length_penalty, 1.0),
+            ("early_stopping", early, False),
+        ):
+            if value is not None and value != default:
+                raise ApiError(
+                    f"{key} only applies with use_beam_search=true", 400, key, "invalid_value"
+                )
+        return
+    request.beam_search.beam_width = n
+    if length_penalty is not None:
+        request.beam_search.length_penalty = length_penalty
+    if early is not None:
+        request.beam_search.early_stopping = EARLY_STOPPING[early]
 
 
 def read_logit_bias(value) -> dict[int, float]:

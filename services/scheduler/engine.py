@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from common.lifecycle import wait_until
 from common.log import bind_request, get_logger
+from services.scheduler.beam_group import BeamSteps
 from services.scheduler.grammar_gate import GrammarGate
 from services.scheduler.handle import Finished, RequestHandle, Stage, Tokens
 from services.scheduler.handoff import KvHandoff
@@ -75,7 +76,7 @@ def _spec_fields(request) -> dict:
     }
 
 
-class Engine(Recovery):
+class Engine(Recovery, BeamSteps):
     def __init__(
         self,
         pools: Sequence[Pool],
@@ -125,6 +126,7 @@ class Engine(Recovery):
             ),
             transfer_failed=self._transfer_failed,
             streaming=kv_transfer_streaming,
+            arrived=self._beam_arrived,
         )
         self.grammars = GrammarGate(lambda: self.pools, self._spawn, self._grammar_ready)
         r = self.resilience
@@ -311,7 +313,8 @@ class Engine(Recovery):
                 self.handoff.pull(pool)
                 self._migrate(pool)  # draining: what is idle here leaves with its KV
             plan = pool.scheduler.schedule()
-            for victim in plan.preempted:
+            self._beam_restarts(plan.swapped_out)  # a beam search restarts when it loses a beam
+            for victim in self._beam_restarts(plan.preempted):
                 self._requeue(self._handles[victim.request_id])
             if not plan.is_empty:
                 step_id = await pool.client.send_step(plan)
@@ -365,6 +368,9 @@ class Engine(Recovery):
             log.warning("unexpected_token", request_id=request_id, step=result.step_id)
         for item in update.tokens:
             request = item.request
+            if request.beam is not None:
+                self._beam_token(pool, item)  # beam_group.py
+                continue
             handle = self._handles[request.request_id]
             handle.events.put_nowait(
                 Tokens(
@@ -409,6 +415,8 @@ class Engine(Recovery):
         """Free what the request holds wherever it is (queues, blocks, a transfer in
         flight); it is left RECOVERING, holding nothing."""
         request, stage = handle.request, handle.stage
+        if request.beam is not None:  # its live beams, in the pool the leader is in
+            request.beam.reset(handle.pool.scheduler)
         handle.hold_nothing()
         if stage in (Stage.PREFILL, Stage.DECODE):
             if handle.transfer is not None:  # streamed while its prompt ran
@@ -430,18 +438,20 @@ class Engine(Recovery):
             request.finish_reason = reason
         self._handles.pop(request.request_id, None)
         cached = max(0, request.num_cached_tokens)
-        handle.events.put_nowait(
-            Finished(
-                index=request.index,
-                reason=request.finish_reason,
-                prompt_tokens=len(request.prompt_token_ids),
-                completion_tokens=len(request.output_token_ids),
-                cached_tokens=cached,
-                error=error,
-                num_draft_tokens=request.num_draft_tokens,
-                num_accepted_tokens=request.num_accepted_tokens,
+        beam = request.beam  # a beam search ends each of its n results
+        for index in range(beam.params.num_return_sequences) if beam else [request.index]:
+            handle.events.put_nowait(
+                Finished(
+                    index=index,
+                    reason=request.finish_reason,
+                    prompt_tokens=len(request.prompt_token_ids),
+                    completion_tokens=len(request.output_token_ids),
+                    cached_tokens=cached,
+                    error=error,
+                    num_draft_tokens=request.num_draft_tokens,
+                    num_accepted_tokens=request.num_accepted_tokens,
+                )
             )
-        )
         now = time.monotonic()
         n_out = len(request.output_token_ids)
         first = request.first_token_time

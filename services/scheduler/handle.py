@@ -66,6 +66,8 @@ class Finished:
     # Speculative decoding: tokens proposed for this sample, and accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Beam search: the hypothesis' score (HF's sequences_scores).
+    beam_score: float | None = None
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ class KvHandoff:
         fail: Callable[[RequestHandle, str], None],
         transfer_failed: Callable[[RequestHandle, Pool, Pool, BaseException], None],
         streaming: bool = True,
+        arrived: Callable[[RequestHandle], None] | None = None,
     ) -> None:
         """`fail` ends a request no decode pool can take; `transfer_failed` is told about a
         transfer that failed (both sides' blocks already released)."""
@@ -62,6 +63,7 @@ class KvHandoff:
         self._spawn = spawn
         self._fail = fail
         self._transfer_failed = transfer_failed
+        self._arrived = arrived  # told after a request joins its decode pool
         self.queue: deque[RequestHandle] = deque()
         # (source, receiver) worker ids whose receiver could not map the source's pool.
         self._no_pull: set[tuple[str, str]] = set()
@@ -321,3 +323,5 @@ class KvHandoff:
         handle.arrive(dst)
         dst.scheduler.add(request)
         dst.wakeup.set()
+        if self._arrived is not None:
+            self._arrived(handle)

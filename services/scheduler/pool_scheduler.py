@@ -146,8 +146,11 @@ class PoolScheduler(Migration):
     # -- introspection ---------------------------------------------------------------------
     def schedulable_tokens(self, request: Request) -> int:
         """Tokens the next step could compute for the request."""
+        if request.held:
+            return 0  # a beam waiting for its group's step (beam_group.py)
         known = request.num_known_tokens
-        if self.runs_decodes and not request.will_finish:
+        # A beam is never planned ahead of its result: its group picks its next token.
+        if self.runs_decodes and not request.will_finish and request.beam is None:
             known += request.num_pending_tokens  # the worker computes what it sampled
         return known - request.num_computed_tokens
 
@@ -291,7 +294,7 @@ class PoolScheduler(Migration):
                 num_new = 1
                 if ahead and not Lookahead.can_plan_ahead(request):
                     continue  # its steps in flight may finish it: wait for them
-                if self.lookahead is not None:
+                if self.lookahead is not None and request.beam is None:
                     lookahead = self.lookahead.slots(
                         request, budget - 1 - later_decodes, len(self.running)
                     )

@@ -128,7 +128,10 @@ class Recovery:
             pool.wakeup.set()
 
     def _migrate(self, pool: Pool) -> None:
-        """Hand on what a migrating pool holds with no step in flight (none otherwise)."""
+        """Hand on what a migrating pool holds with no step in flight (none otherwise).
+        Beam searches do not migrate: they start over elsewhere (beam_group.py)."""
+        if pool.scheduler.migrating:
+            self._beam_leave(pool)
         for request in pool.scheduler.take_migrations():
             self.handoff.enqueue(self._handles[request.request_id])
 

@@ -10,10 +10,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from common.sampling import Logprob, SamplingParams
 from common.structured_output import Constraint
 from services.scheduler.prefix_hash import BlockHash, extend_block_hashes
+
+if TYPE_CHECKING:
+    from services.scheduler.beam_group import BeamGroup
 
 
 class FinishReason(enum.Enum):
@@ -38,6 +42,12 @@ class Request:
     # whose prompt blocks they reuse through the prefix cache.
     index: int = 0
     leader: Request | None = None
+    # Beam search: the group this request is the prompt (leader) or a live beam of.
+    # Its output's last token is the worker's greedy pick, never used: the group
+    # chooses each beam's tokens from the step's logprobs (beam_group.py).
+    beam: BeamGroup | None = None
+    # A beam whose candidates are in, waiting for the rest of its group: not scheduled.
+    held: bool = False
     output_token_ids: list[int] = field(default_factory=list)
     # Leading tokens whose KV sits in the blocks of the pool the request is in now.
     num_computed_tokens: int = 0

@@ -10,9 +10,11 @@ import grpc
 
 from common.log import bind_request
 from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
-from common.sampling import MAX_SAMPLES
+from common.sampling import MAX_BEAM_WIDTH, MAX_INTERNAL_LOGPROBS, MAX_SAMPLES, SamplingParams
 from common.sampling_pb import ROLE_TO_PB, sampling_from_pb
 from common.structured_output import constraint_from_pb
+from services.scheduler.beam_group import EARLY_STOPPING, BeamGroup
+from services.scheduler.beam_search import BeamParams
 from services.scheduler.engine import Engine, InvalidRequestError, OverloadedError
 from services.scheduler.lora_admin import LoraAdmin
 from services.scheduler.lora_registry import LoraConflictError, LoraEntry, LoraNotFoundError
@@ -97,7 +99,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             except WorkerUnavailableError as exc:
                 state.refuse(request.request_id, "UNAVAILABLE", str(exc))
             else:
-                state.opened(request.request_id, handles)
+                state.opened(request.request_id, handles, max(len(handles), request.n))
 
     async def GetModelInfo(self, request, context):
         engine = await self._ready(context)
@@ -194,6 +196,8 @@ def samples_from_pb(request: scheduler_pb2.SubmitRequest, max_model_len: int) ->
     """The n samples of a SubmitRequest as separate requests (sample i: seed + i; only
     sample 0 computes prompt logprobs)."""
     n = request.n or 1
+    if request.HasField("beam_search"):
+        return [beam_leader_from_pb(request, max_model_len)]
     if not 1 <= n <= MAX_SAMPLES:
         raise InvalidRequestError(f"n must be in 1..{MAX_SAMPLES}, got {n}")
     structured = constraint_from_pb(request.structured_output)  # each sample its matcher
@@ -215,3 +219,47 @@ def samples_from_pb(request: scheduler_pb2.SubmitRequest, max_model_len: int) ->
     for sample in samples[1:]:
         sample.leader = samples[0]
     return samples
+
+
+def beam_leader_from_pb(request: scheduler_pb2.SubmitRequest, max_model_len: int) -> Request:
+    """A beam search request: its prompt's request (the group's leader, beam_group.py),
+    greedy with the policy's candidates as logprobs; the stop tokens are its EOS ids."""
+    beam = request.beam_search
+    if not 1 <= beam.beam_width <= MAX_BEAM_WIDTH:
+        raise InvalidRequestError(
+            f"beam_search.beam_width must be in 1..{MAX_BEAM_WIDTH}, got {beam.beam_width}"
+        )
+    if beam.early_stopping not in EARLY_STOPPING:
+        raise InvalidRequestError(f"beam_search.early_stopping: {beam.early_stopping!r}")
+    if request.HasField("structured_output"):
+        raise InvalidRequestError("structured_output is not supported with beam_search")
+    if request.max_tokens < 1:
+        raise InvalidRequestError(f"max_tokens must be >= 1, got {request.max_tokens}")
+    try:
+        params = BeamParams(
+            beam_width=beam.beam_width,
+            length_penalty=beam.length_penalty,
+            early_stopping=EARLY_STOPPING[beam.early_stopping],
+            eos_token_ids=tuple(sorted(set(request.stop_token_ids))),
+            max_new_tokens=request.max_tokens,
+            num_return_sequences=request.n or 1,
+            prompt_len=max(1, len(request.prompt_token_ids)),
+        )
+    except ValueError as exc:
+        raise InvalidRequestError(f"beam_search: {exc}") from None
+    leader = Request(
+        request_id=request.request_id,
+        prompt_token_ids=list(request.prompt_token_ids),
+        max_tokens=request.max_tokens,
+        cache_salt=request.cache_salt,
+        lora_name=request.lora_name,
+        max_model_len=max_model_len,
+    )
+    needed = BeamGroup(leader, params).search.candidates_needed()
+    if needed > MAX_INTERNAL_LOGPROBS:
+        raise InvalidRequestError(
+            f"beam_search needs max(2, 1 + stop tokens) * beam_width = {needed} candidates "
+            f"per beam; at most {MAX_INTERNAL_LOGPROBS}"
+        )
+    leader.sampling = SamplingParams(logprobs=needed)  # greedy, plain: raw logprobs
+    return leader

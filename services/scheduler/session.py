@@ -61,9 +61,13 @@ class SessionState:
     def sink(self, request_id: str) -> TaggedSink:
         return TaggedSink(self.queue, request_id)
 
-    def opened(self, request_id: str, handles: list[RequestHandle]) -> None:
+    def opened(
+        self, request_id: str, handles: list[RequestHandle], outputs: int | None = None
+    ) -> None:
+        """`outputs`: the Finished events that end the request (default one per handle; a
+        beam search has one handle and sends one per hypothesis returned)."""
         self.handles[request_id] = handles
-        self.unfinished[request_id] = len(handles)
+        self.unfinished[request_id] = len(handles) if outputs is None else outputs
 
     def refuse(self, request_id: str, code: str, message: str) -> None:
         self.queue.put_nowait((request_id, Refused(code, message)))
@@ -131,5 +135,7 @@ def updates_from_events(events: list) -> list[scheduler_pb2.SubmitResponse]:
         )
         if event.error is not None:
             update.error_code, update.error_message = event.error
+        if event.beam_score is not None:
+            update.beam_score = event.beam_score
         del open_updates[key]
     return out

@@ -288,6 +288,27 @@ CACHE_SALTS = {
 }
 
 
+BEAM_WIDTHS = {
+    False: st.sampled_from([1, 2, 4, 8]),
+    True: weighted((3, st.sampled_from([1, 2, 4, 8])), (1, any_int32)),
+}
+EARLY_STOPPING = {
+    False: st.sampled_from([0, 1, 2, 3]),
+    True: weighted((3, st.sampled_from([0, 1, 2, 3])), (1, st.sampled_from([4, 99, -1]))),
+}
+
+
+@st.composite
+def beam_search_params(draw, hostile: bool) -> generate_pb2.BeamSearchParams:
+    b = generate_pb2.BeamSearchParams(
+        beam_width=draw(BEAM_WIDTHS[hostile]), early_stopping=draw(EARLY_STOPPING[hostile])
+    )
+    length_penalty = draw(optional([-0.5, 0.0, 1.0, 2.0], any_float, hostile))
+    if length_penalty is not None:
+        b.length_penalty = length_penalty
+    return b
+
+
 @st.composite
 def generate_requests(draw) -> generate_pb2.GenerateRequest:
     """Half the requests lawful (they must succeed unless the prompt is too long for the
@@ -326,6 +347,15 @@ def generate_requests(draw) -> generate_pb2.GenerateRequest:
         if value is not None:
             setattr(r, name, value)
     r.cache_salt = draw(CACHE_SALTS[hostile])
+    if draw(st.integers(0, 5)) == 0:  # beam search, about one request in six
+        r.beam_search.CopyFrom(draw(beam_search_params(hostile)))
+        if not hostile:  # lawful: only what beam search takes
+            r.ClearField("sampling")
+            r.ClearField("logprobs")
+            r.ClearField("prompt_logprobs")
+            del r.stopping.stop[:]
+            r.stopping.ClearField("min_tokens")
+            r.n = draw(st.integers(1, r.beam_search.beam_width))
     return r
 
 
@@ -397,7 +427,52 @@ def documented_violations(r: generate_pb2.GenerateRequest) -> tuple[set[str], se
             possible.add("stopping.min_tokens")
     if utf8_len(r.cache_salt) > 256:
         certain.add("cache_salt")
+    if r.HasField("beam_search"):
+        beam_violations(r, certain, possible)
     return certain, possible
+
+
+# Values of the sampling fields that beam search accepts (docs/api.md, Beam search).
+BEAM_SAMPLING_OFF = {
+    "temperature": (0.0,),
+    "top_p": (1.0,),
+    "top_k": (0, -1),
+    "min_p": (0.0,),
+    "repetition_penalty": (1.0,),
+    "presence_penalty": (0.0,),
+    "frequency_penalty": (0.0,),
+}
+
+
+def beam_violations(r: generate_pb2.GenerateRequest, certain: set, possible: set) -> None:
+    """docs/api.md's beam search table."""
+    b = r.beam_search
+    width_ok = 1 <= b.beam_width <= 8
+    if not width_ok:
+        certain.add("beam_search.beam_width")
+    if b.HasField("length_penalty") and not math.isfinite(b.length_penalty):
+        certain.add("beam_search.length_penalty")
+    if b.early_stopping not in (0, 1, 2, 3):
+        certain.add("beam_search.early_stopping")
+    n = r.n if r.HasField("n") else 1
+    if width_ok and not 1 <= n <= b.beam_width:
+        certain.add("n")
+    s = r.sampling
+    for name, off in BEAM_SAMPLING_OFF.items():
+        if s.HasField(name) and getattr(s, name) not in off:
+            certain.add(f"sampling.{name}")
+    if s.logit_bias:
+        certain.add("sampling.logit_bias")
+    for name in ("logprobs", "prompt_logprobs"):
+        if r.HasField(name):
+            certain.add(name)
+    if r.stopping.stop:
+        certain.add("stopping.stop")
+    if r.stopping.HasField("min_tokens") and r.stopping.min_tokens:
+        certain.add("stopping.min_tokens")
+    if r.HasField("structured_output"):
+        certain.add("structured_output")
+    possible.add("stopping.stop_token_ids")  # (1 + stop ids with EOS) * width <= 64
 
 
 def error_field(details: str) -> str:
@@ -543,7 +618,9 @@ def stub(channel):
 
 @pytest.fixture(scope="module")
 def documented():
-    return documented_messages()
+    from tests.service.test_e2e_beam_search import beam_documented_messages
+
+    return documented_messages() + beam_documented_messages()
 
 
 @pytest.fixture(scope="module")

@@ -261,3 +261,52 @@ def wait_for(condition, timeout_s: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.02)
+
+
+def peft_merged_beams(base_dir, adapter_dir, prompt, num_beams: int, n: int, max_new: int):
+    """HF + PEFT's merged model: generate(num_beams, do_sample=False)'s n best, unpadded."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        hf = PeftModel.from_pretrained(hf, adapter_dir).merge_and_unload()
+    eos = hf.generation_config.eos_token_id
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            num_beams=num_beams,
+            num_return_sequences=n,
+            max_new_tokens=max_new,
+            eos_token_id=[eos],
+            pad_token_id=eos,
+            return_dict_in_generate=True,
+        )
+    lengths = (out.beam_indices != -1).sum(dim=1).tolist()
+    start = len(prompt)
+    return [row[start : start + k].tolist() for row, k in zip(out.sequences, lengths, strict=True)]
+
+
+def test_beam_search_with_an_adapter_equals_peft(tiny_llama_dir, adapters, stack):  # noqa: F811
+    """Every beam of a search carries its adapter: a beam search on an adapter and one on
+    the base model, at once, each equal HF + PEFT's merged beam search."""
+    from tests.service.test_e2e_beam_search import run_beam
+
+    name = next(iter(adapters))
+    address = stack.spec.gateway_address
+    requests = []
+    for lora in (name, None):
+        request = generate_pb2.GenerateRequest(max_tokens=NEW_TOKENS, n=2, lora_name=lora or "")
+        request.token_ids.ids.extend(PROMPT)
+        request.beam_search.beam_width = 4
+        requests.append(request)
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda r: run_beam(address, r), requests))
+    for lora, result in zip((name, None), got, strict=True):
+        want = peft_merged_beams(tiny_llama_dir, adapters.get(lora), PROMPT, 4, 2, NEW_TOKENS)
+        assert [result[i]["tokens"] for i in range(2)] == want, lora
+    assert got[0][0]["tokens"] != got[1][0]["tokens"]  # the adapter matters
+    wait_until_idle(stack)

@@ -150,7 +150,10 @@ def test_wrong_types_are_400s_naming_the_field(field, value, words):
     [
         ({"suffix": "tail"}, "suffix", "suffix is not supported"),
         ({"best_of": 2}, "best_of", "best_of is not supported unless it equals n"),
-        ({"use_beam_search": True}, "use_beam_search", "beam search"),
+        ({"length_penalty": 2.0}, "length_penalty", "only applies with use_beam_search"),
+        ({"early_stopping": True}, "early_stopping", "only applies with use_beam_search"),
+        ({"use_beam_search": True, "early_stopping": "soon"}, "early_stopping", "never"),
+        ({"use_beam_search": True, "early_stopping": 1}, "early_stopping", "never"),
         ({"echo": True, "logprobs": 1}, "echo", "echo with logprobs is not supported"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream"),
         ({"stream": True, "stream_options": {"continuous_usage_stats": True}},
@@ -164,6 +167,25 @@ def test_wrong_types_are_400s_naming_the_field(field, value, words):
 def test_unsupported_parameters_are_refused_by_name(extra, param, words):
     error = rejected(parse_completion, {"prompt": "x", **extra})
     assert (error.status, error.param) == (400, param) and words in error.message
+
+
+@pytest.mark.parametrize("parse", [parse_completion, parse_chat])
+def test_use_beam_search_maps_to_beam_search_with_width_n(parse):
+    body = {"use_beam_search": True, "n": 3, "length_penalty": 0.5, "early_stopping": "never"}
+    if parse is parse_chat:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = "x"
+    parsed = parse(body)
+    request = parsed.requests[0] if parse is parse_completion else parsed.request
+    beam = request.beam_search
+    assert (beam.beam_width, beam.length_penalty, request.n) == (3, 0.5, 3)
+    assert beam.early_stopping == generate_pb2.BEAM_EARLY_STOPPING_NEVER
+    plain = parse_completion({"prompt": "x", "use_beam_search": True})
+    assert plain.requests[0].beam_search.beam_width == 1
+    assert not plain.requests[0].beam_search.HasField("length_penalty")
+    off = parse_completion({"prompt": "x", "use_beam_search": False, "length_penalty": 1.0})
+    assert not off.requests[0].HasField("beam_search")
 
 
 def test_best_of_equal_to_n_and_null_fields_are_accepted():
