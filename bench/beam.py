@@ -89,7 +89,7 @@ def main() -> None:
                          prompt_len_range=(64, 128),
                          output_len_range=(args.max_tokens, args.max_tokens))  # fmt: skip
     workload = build_workload("mixed", usable_token_ids(tokenizer), params, 0)
-    prompts = [r.prompt_ids for r in workload]
+    prompts = [list(r.prompt_ids) for r in workload]
     results: dict[str, dict] = {}
     with bench_stack(folder, {}, "bench-beam-") as stack:
         address = stack.spec.gateway_address

@@ -474,25 +474,41 @@ def test_constrained_requests_survive_a_killed_decode_worker(stack, tiny_llama_d
     assert_all_alive(stack)
 
 
+BEAM_PROMPTS = ([5, 17, 300, 42], [9, 250, 3, 77, 101, 64])
+
+
+def start_beam_searches(stack: Stack, pool):
+    """Two k=4 searches (80 tokens, early_stopping never, the 2 best back), on `pool`."""
+    from tests.service.test_e2e_beam_search import beam_request, run_beam
+
+    futures = []
+    for prompt in BEAM_PROMPTS:
+        request = beam_request(prompt, 4, 1.0, "never", 2)
+        request.max_tokens = 80
+        futures.append(pool.submit(run_beam, stack.spec.gateway_address, request))
+    return futures
+
+
+def assert_hf_beams(model_dir, results) -> None:
+    from tests.hf_reference import hf_beam_search, hf_model
+
+    eos = [hf_model(str(model_dir)).generation_config.eos_token_id]
+    for prompt, got in zip(BEAM_PROMPTS, results, strict=True):
+        ref = hf_beam_search(model_dir, prompt, num_beams=4, max_new_tokens=80,
+                             eos_token_ids=eos, num_return_sequences=2,
+                             early_stopping="never")  # fmt: skip
+        assert [got[i]["tokens"] for i in range(2)] == [h[0] for h in ref]
+
+
 def test_beam_searches_survive_a_killed_decode_worker(stack, tiny_llama_dir):
     """Beam searches lose their decode worker mid-search: each starts over from its prompt
     (nothing was sent yet) on the other decode worker and still returns HF's hypotheses."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tests.hf_reference import hf_beam_search, hf_model
-    from tests.service.test_e2e_beam_search import beam_request, run_beam
-
     wait_healthy_pools(stack)
     before = pool_stats(stack)
-    eos = [hf_model(str(tiny_llama_dir)).generation_config.eos_token_id]
-    prompts = [[5, 17, 300, 42], [9, 250, 3, 77, 101, 64]]
-    requests = []
-    for prompt in prompts:
-        request = beam_request(prompt, 4, 1.0, "never", 2)
-        request.max_tokens = 80
-        requests.append(request)
-    with ThreadPoolExecutor(len(requests)) as pool:
-        futures = [pool.submit(run_beam, stack.spec.gateway_address, r) for r in requests]
+    with ThreadPoolExecutor(len(BEAM_PROMPTS)) as pool:
+        futures = start_beam_searches(stack, pool)
         wait_for(
             lambda: sum(p.num_requests for p in pool_stats(stack).pools if p.role != PREFILL) >= 4,
             30,
@@ -501,17 +517,7 @@ def test_beam_searches_survive_a_killed_decode_worker(stack, tiny_llama_dir):
         )
         victim = kill_busiest(stack, "decode")
         results = [f.result() for f in futures]
-    for prompt, got in zip(prompts, results, strict=True):
-        ref = hf_beam_search(
-            tiny_llama_dir,
-            prompt,
-            num_beams=4,
-            max_new_tokens=80,
-            eos_token_ids=eos,
-            num_return_sequences=2,
-            early_stopping="never",
-        )
-        assert [got[i]["tokens"] for i in range(2)] == [h[0] for h in ref]
+    assert_hf_beams(tiny_llama_dir, results)
     after = pool_stats(stack)
     assert after.worker_failures == before.worker_failures + 1
     assert after.restarted_requests > before.restarted_requests
@@ -527,19 +533,9 @@ def test_beam_searches_start_over_when_their_decode_worker_drains(stack, tiny_ll
     KV), return HF's hypotheses, and the draining worker exits cleanly."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tests.hf_reference import hf_beam_search, hf_model
-    from tests.service.test_e2e_beam_search import beam_request, run_beam
-
     wait_healthy_pools(stack)
-    eos = [hf_model(str(tiny_llama_dir)).generation_config.eos_token_id]
-    prompts = [[5, 17, 300, 42], [9, 250, 3, 77, 101, 64]]
-    requests = []
-    for prompt in prompts:
-        request = beam_request(prompt, 4, 1.0, "never", 2)
-        request.max_tokens = 80
-        requests.append(request)
-    with ThreadPoolExecutor(len(requests)) as pool:
-        futures = [pool.submit(run_beam, stack.spec.gateway_address, r) for r in requests]
+    with ThreadPoolExecutor(len(BEAM_PROMPTS)) as pool:
+        futures = start_beam_searches(stack, pool)
         wait_for(
             lambda: max(p.num_requests for p in pool_stats(stack).pools if p.role != PREFILL) >= 4,
             30,
@@ -550,17 +546,7 @@ def test_beam_searches_start_over_when_their_decode_worker_drains(stack, tiny_ll
         draining = max(names(stack, "decode"), key=lambda n: pools[n].num_requests)
         stack.signal(draining, signal.SIGTERM)
         results = [f.result() for f in futures]
-    for prompt, got in zip(prompts, results, strict=True):
-        ref = hf_beam_search(
-            tiny_llama_dir,
-            prompt,
-            num_beams=4,
-            max_new_tokens=80,
-            eos_token_ids=eos,
-            num_return_sequences=2,
-            early_stopping="never",
-        )
-        assert [got[i]["tokens"] for i in range(2)] == [h[0] for h in ref]
+    assert_hf_beams(tiny_llama_dir, results)
     assert stack.wait_exit(draining) == 0
     log = (stack.run_dir / "logs" / "scheduler.log").read_text()
     assert "its decode worker drains" in log
