@@ -156,19 +156,19 @@ class ModelRunner:
         if hidden is None:  # an earlier pipeline stage: the last one samples
             return self.tokens.receive_output()
         samplers = [i for i, item in enumerate(work) if item.samples]
+        sampling_requests = [work[i].request for i in samplers]
         sample: DeviceSample | None = None
         if samplers:
             flat = [meta.query_start_loc[i + 1] - 1 for i in samplers]
             rows = [
-                SamplingRow(r.sampling, r.token_ids, r.num_prompt_tokens)
-                for r in (work[i].request for i in samplers)
+                SamplingRow(r.sampling, r.token_ids, r.num_prompt_tokens) for r in sampling_requests
             ]
             extra_flat, extra_rows = spec.sample_rows(meta.query_start_loc)
             flat.extend(extra_flat)
             rows.extend(extra_rows)
             logits = self.model.compute_logits(hidden[to_device(flat, torch.int64, self.device)])
             if self.structured is not None:
-                self.structured.mask(logits, [work[i].request for i in samplers])
+                self.structured.mask(logits, sampling_requests)
             if self.tokens is None or self.tokens.samples:
                 sample = sample_on_device(logits, rows, self.generator)
         prompt = self._score_prompts(work, meta, hidden)
@@ -190,7 +190,7 @@ class ModelRunner:
             if self.tokens is not None and not self.tokens.pipeline:
                 self.tokens.send(tokens[: len(samplers)])
             if self.structured is not None:
-                self.structured.accept([work[i].request for i in samplers], tokens)
+                self.structured.accept(sampling_requests, tokens)
             for k, i in enumerate(samplers):
                 sampled[work[i].request.request_id] = tokens[k]
                 if entries[k] is not None:

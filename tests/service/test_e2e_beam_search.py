@@ -9,16 +9,15 @@ Plus the refusals: INVALID_ARGUMENT naming the field for what beam search does n
 from __future__ import annotations
 
 import json
-import re
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import pytest
 
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
 from tests.hf_reference import hf_beam_search, hf_greedy, hf_model
+from tests.service.test_api_validation import documented_messages
 from tests.stack_client import (
     BackgroundStream,
     generate,
@@ -249,16 +248,7 @@ TOO_MANY_STOP_IDS = "stopping.stop_token_ids: with beam_search"
 
 def beam_documented_messages() -> list[str]:
     """The error texts of docs/api.md's beam search table (the fuzz oracle reads them too)."""
-    text = (Path(__file__).resolve().parents[2] / "docs/api.md").read_text()
-    table = text.split("<!-- beam-validation-table -->")[1]
-    table = table.split("<!-- /beam-validation-table -->")[0]
-    rows = [line for line in table.splitlines() if line.startswith("|")][2:]
-    messages = []
-    for row in rows:
-        quoted = re.findall(r"`([^`]+)`", row.rsplit("|", 2)[1])
-        assert len(quoted) == 1, row
-        messages.append(quoted[0])
-    return messages
+    return documented_messages("beam-validation-table")
 
 
 def test_docs_beam_table_and_tested_refusals_agree():
