@@ -5,8 +5,9 @@ Same contract as `kernels.torch_paged.reshape_and_cache`: `key`/`value` are
 strided per-layer views of one `KvCache` tensor; only head_dim need be contiguous, and the
 views are written in place), and token t goes to slot `slot_mapping[t] = block * block_size +
 offset`, cast to the cache dtype. Slot -1 (padding) skips the row. An fp8 (float8_e4m3fn)
-cache gets each row rounded in registers exactly as torch's `.to(torch.float8_e4m3fn)`
-(nearest even, +-448 saturation: `triton_utils.e4m3fn_bits`); the caller has already divided
+cache gets each row rounded in registers exactly as `torch_paged.to_cache_dtype` (torch's
+cast after a clamp to +-448: nearest even, saturation; `triton_utils.e4m3fn_bits`); the
+caller has already divided
 by any k/v scale.
 
 CUDA-graph safe: the launch reads no tensor values on the host (the grid depends only on

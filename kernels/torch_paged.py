@@ -50,8 +50,20 @@ def reshape_and_cache(
         raise ValueError(f"slot {int(slots.max())} beyond cache of {num_blocks * block_size} slots")
     blocks = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots % block_size
-    k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+    k_cache[blocks, offsets] = to_cache_dtype(key[keep], k_cache.dtype)
+    v_cache[blocks, offsets] = to_cache_dtype(value[keep], v_cache.dtype)
+
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` cast to a cache dtype. For float8_e4m3fn, values beyond +-448 (and +-inf)
+    saturate to +-448 and NaN stays NaN, on every torch version (torch 2.11's cast made a
+    negative overflow NaN; 2.13's saturates), as the Triton write does and as vLLM clamps."""
+    if dtype == torch.float8_e4m3fn:
+        return x.float().clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return x.to(dtype)
 
 
 def paged_attention(

@@ -56,11 +56,15 @@ class LoadedWorker:
 
 
 def resolve_device(name: str) -> torch.device:
+    """The worker's device; a GPU always with its index ("cuda" is cuda:0), which
+    `torch.cuda.set_device` (called before UCX starts) requires."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} asked for but CUDA is not available")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
     return device
 
 

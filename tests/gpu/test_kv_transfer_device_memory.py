@@ -57,7 +57,12 @@ def test_ucx_moves_device_memory_between_processes(error_handling):
                 cwd=ROOT,
                 stdin=subprocess.PIPE,
                 text=True,
-                env={**os.environ, "PYTHONPATH": str(ROOT)},
+                env={
+                    **os.environ,
+                    "PYTHONPATH": os.pathsep.join(
+                        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
+                    ),
+                },
             )
             peer.stdin.write(json.dumps({"address": transport.address.hex(), "eh": error_handling}))
             peer.stdin.close()
