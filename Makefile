@@ -71,7 +71,7 @@ model: $(STAMP)
 	$(PY) -m devtools.checkpoint_builder --out .tandem/models/tandem-tiny-llama
 
 test: $(STAMP) $(BUF) protos-check lint-protos lint
-	TANDEM_BUF=$(CURDIR)/$(BUF) $(PY) -m pytest $(PYTEST_ARGS)
+	TANDEM_BUF=$(CURDIR)/$(BUF) $(PY) -m pytest --durations=30 $(PYTEST_ARGS)
 
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
