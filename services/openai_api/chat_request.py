@@ -61,12 +61,21 @@ def read_message(value, index: int) -> generate_pb2.ChatMessage:
     return generate_pb2.ChatMessage(role=ROLE_ALIASES.get(role, role), content=content)
 
 
-def refuse_tools(fields: Fields) -> None:
-    tools = fields.list("tools")
-    if tools:
+def read_messages(value) -> list[generate_pb2.ChatMessage]:
+    if not isinstance(value, list) or not value:
+        raise invalid("messages", "must be a non-empty array of {role, content}", "invalid_type")
+    return [read_message(m, i) for i, m in enumerate(value)]
+
+
+def refuse_tool_list(fields: Fields) -> None:
+    if fields.list("tools"):
         raise ApiError(
             "tools are not supported (no tool calling)", 400, "tools", "unsupported_parameter"
         )
+
+
+def refuse_tools(fields: Fields) -> None:
+    refuse_tool_list(fields)
     choice = fields.get("tool_choice")
     if choice not in (None, "none"):
         raise ApiError(
@@ -81,11 +90,9 @@ def refuse_tools(fields: Fields) -> None:
 
 def parse_chat(body) -> ChatRequest:
     fields = Fields(body)
-    messages = fields.required("messages")
-    if not isinstance(messages, list) or not messages:
-        raise invalid("messages", "must be a non-empty array of {role, content}", "invalid_type")
+    messages = read_messages(fields.required("messages"))
     request = generate_pb2.GenerateRequest()
-    request.chat.messages.extend(read_message(m, i) for i, m in enumerate(messages))
+    request.chat.messages.extend(messages)
     add_generation_prompt = fields.bool("add_generation_prompt")
     if add_generation_prompt is not None:
         request.chat.add_generation_prompt = add_generation_prompt
