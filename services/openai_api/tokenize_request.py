@@ -3,11 +3,11 @@ ids, and their answers. Pure.
 
 `/tokenize` has vLLM's two forms: completion (`prompt`, a string; `add_special_tokens`
 default true) and chat (`messages` read as `/v1/chat/completions` reads them, rendered by
-the gateway's one chat template path; `add_generation_prompt` default true;
-`add_special_tokens` default false). Both take `return_token_strs` (each token's piece).
-What the chat template path does not do is refused by name: `continue_final_message`,
-`add_special_tokens: true` with messages, non-empty `chat_template_kwargs`, and `tools`
-(as chat refuses them)."""
+the gateway's one chat template path, with chat's `add_generation_prompt` (default true) and
+`continue_final_message`; `add_special_tokens` default false). Both take
+`return_token_strs` (each token's piece). What the chat template path does not do is
+refused by name: `add_special_tokens: true` with messages, non-empty
+`chat_template_kwargs`, and `tools` (as chat refuses them)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from common.pb.tandem.v1 import generate_pb2
-from services.openai_api.chat_request import read_messages, refuse_tool_list
+from services.openai_api.chat_request import read_chat_options, read_messages, refuse_tool_list
 from services.openai_api.errors import ApiError, invalid
 from services.openai_api.fields import INT64, Fields, check_int, json_type
 
@@ -39,12 +39,7 @@ def _unsupported_value(key: str, why: str) -> ApiError:
 
 def _read_chat(fields: Fields, request: generate_pb2.TokenizeRequest) -> None:
     request.chat.messages.extend(read_messages(fields.get("messages")))
-    add_generation_prompt = fields.bool("add_generation_prompt")
-    request.chat.add_generation_prompt = (
-        True if add_generation_prompt is None else add_generation_prompt
-    )
-    if fields.bool("continue_final_message"):
-        raise _unsupported_value("continue_final_message", "true is not supported")
+    read_chat_options(fields, request.chat)
     if fields.bool("add_special_tokens"):
         raise _unsupported_value(
             "add_special_tokens",

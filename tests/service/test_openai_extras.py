@@ -114,7 +114,11 @@ def test_tokenize_and_detokenize_refusals_name_the_field(http):
         ({"prompt": "x", "messages": MESSAGES}, "messages", "either prompt or messages"),
         ({"prompt": "x", "add_generation_prompt": True}, "add_generation_prompt", "unknown"),
         ({"messages": []}, "messages", "non-empty array"),
-        ({"messages": MESSAGES, "continue_final_message": True}, "continue_final_message", ""),
+        (
+            {"messages": MESSAGES, "continue_final_message": True, "add_generation_prompt": True},
+            "continue_final_message",
+            "cannot be true with add_generation_prompt=true",
+        ),
         ({"messages": MESSAGES, "add_special_tokens": True}, "add_special_tokens", "chat"),
         ({"messages": MESSAGES, "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs", ""),
         (
@@ -196,7 +200,7 @@ def test_completion_return_token_ids_are_the_gateway_and_hf_ids(
     assert all(c.choices[0].token_ids for c in chunks[:-1])  # each chunk: the ids it covers
 
 
-def test_chat_return_token_ids_are_the_template_and_hf_ids(client, http, tiny_llama_dir):
+def test_chat_return_token_ids_are_the_template_and_hf_ids(client, http, tiny_llama_dir, tokenizer):
     prompt_ids = http.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
     want = hf_greedy(tiny_llama_dir, prompt_ids, 20)
     kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=20, temperature=0)
@@ -206,6 +210,20 @@ def test_chat_return_token_ids_are_the_template_and_hf_ids(client, http, tiny_ll
     assert got.prompt_token_ids == prompt_ids  # what /tokenize of the messages gives
     assert got.choices[0].token_ids == want
     assert got.usage.prompt_tokens == len(prompt_ids)
+
+    # continue_final_message: the assistant's partial answer is continued, not closed.
+    partial = [*MESSAGES, {"role": "assistant", "content": "Sure, the"}]
+    open_ids = list(
+        tokenizer.apply_chat_template(partial, continue_final_message=True)["input_ids"]
+    )
+    body = {"messages": partial, "continue_final_message": True, "add_generation_prompt": False}
+    assert http.post("/tokenize", json=body).json()["tokens"] == open_ids
+    continued = client.chat.completions.create(
+        model=MODEL, messages=partial, max_tokens=8, temperature=0,
+        extra_body={"return_token_ids": True, "continue_final_message": True},
+    )  # fmt: skip
+    assert continued.prompt_token_ids == open_ids
+    assert continued.choices[0].token_ids == hf_greedy(tiny_llama_dir, open_ids, 8)
 
     chunks = list(client.chat.completions.create(stream=True, extra_body=extra, **kwargs))
     assert chunks[0].prompt_token_ids == prompt_ids

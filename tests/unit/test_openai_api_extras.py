@@ -58,7 +58,9 @@ def test_tokenize_forms_and_vllms_defaults():
         {"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"}]}]}
     )
     assert [(m.role, m.content) for m in chat.request.chat.messages] == [("system", "a")]
-    assert chat.request.chat.add_generation_prompt is True  # vLLM's default, sent explicitly
+    # Unset: the gateway's default (true, as vLLM's), false when continuing the last message.
+    assert not chat.request.chat.HasField("add_generation_prompt")
+    assert not chat.request.chat.continue_final_message
     assert not chat.request.HasField("add_special_tokens")  # the template places them
     chat = parse_tokenize({
         "messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False,
@@ -66,6 +68,17 @@ def test_tokenize_forms_and_vllms_defaults():
         "chat_template_kwargs": {}, "tools": [], "return_token_strs": False,
     })  # fmt: skip
     assert chat.request.chat.add_generation_prompt is False
+    for parse, body in (
+        (parse_tokenize, {"messages": [{"role": "user", "content": "x"}]}),
+        (parse_chat, {"messages": [{"role": "user", "content": "x"}]}),
+    ):
+        parsed = parse({**body, "continue_final_message": True})
+        chat = parsed.request.chat
+        assert chat.continue_final_message and not chat.HasField("add_generation_prompt")
+        error = rejected(
+            parse, {**body, "continue_final_message": True, "add_generation_prompt": True}
+        )
+        assert error.param == "continue_final_message" and "add_generation_prompt" in error.message
 
 
 @pytest.mark.parametrize(
