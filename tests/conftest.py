@@ -92,10 +92,10 @@ class StackLauncher:
 
 @pytest.fixture(scope="session")
 def api_stack(tiny_llama_dir, tmp_path_factory):
-    """One disaggregated stack (prefill + decode worker) on the tiny llama, shared by the
-    generation-API test modules."""
+    """One disaggregated stack (prefill + decode worker) on the tiny llama with the HTTP
+    front, shared by the generation-API test modules."""
     launcher = StackLauncher(tiny_llama_dir, tmp_path_factory)
-    yield launcher(name="api-stack")
+    yield launcher(name="api-stack", http=True)
     launcher.stop_all()
 
 

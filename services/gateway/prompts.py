@@ -29,7 +29,11 @@ class PromptTokenizer:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def render_chat(
-        self, messages: list[dict], add_generation_prompt: bool, field: str
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool,
+        field: str,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Token ids of the conversation, exactly as transformers' apply_chat_template."""
         if not self.has_chat_template:
@@ -39,7 +43,10 @@ class PromptTokenizer:
             )
         try:
             rendered = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
             )
         except Exception as exc:  # jinja2 errors, raise_exception() in templates
             raise InvalidArgumentError(

@@ -127,11 +127,15 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
 
     async def _render_chat(self, chat: generate_pb2.ChatMessages, field: str) -> list[int]:
         messages = validate_chat(chat, field)
-        add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        go_on = chat.continue_final_message
+        add_prompt = (
+            chat.add_generation_prompt if chat.HasField("add_generation_prompt") else not go_on
+        )
+        args = (messages, add_prompt, field, go_on)
         if sum(len(m["content"]) for m in messages) > LARGE_INPUT_CHARS:
             # Rendering and tokenizing megabytes would stall every other call on the loop.
-            return await asyncio.to_thread(self.prompts.render_chat, messages, add_prompt, field)
-        return self.prompts.render_chat(messages, add_prompt, field)
+            return await asyncio.to_thread(self.prompts.render_chat, *args)
+        return self.prompts.render_chat(*args)
 
     async def _prepare(self, request: generate_pb2.GenerateRequest, request_id: str):
         # Cheap checks first: a bad field fails before a large prompt is tokenized.

@@ -3,7 +3,8 @@ translate it (`*_request.py`), call the gateway (`gateway_client.py`) and transl
 answer back (`*_response.py`, `sse.py`). Every error leaves as OpenAI-shaped JSON.
 
 The client's `Authorization` header goes to the gateway as call metadata; the gateway checks
-it (UNAUTHENTICATED becomes a 401). `/health` needs none."""
+it (UNAUTHENTICATED becomes a 401). `/health`, vLLM's `/ping` (GET or POST, the same
+answer) and `/version` need none."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from common.log import get_logger
-from services.openai_api.chat_request import parse_chat
+from common.pb.tandem.v1 import generate_pb2
+from services.openai_api.chat_request import ChatRequest, parse_chat
 from services.openai_api.chat_response import ChatChunks, chat_body
 from services.openai_api.collect import Collector, Meta
 from services.openai_api.completion_request import CompletionRequest, parse_completion
@@ -30,6 +32,7 @@ from services.openai_api.gateway_client import GatewayClient, GenerateStreams, M
 from services.openai_api.lora_routes import lora_routes
 from services.openai_api.request_body import credentials, read_json
 from services.openai_api.sse import EventStreamResponse, chat_chunks, completion_chunks, events
+from services.openai_api.vllm_routes import vllm_routes
 
 log = get_logger("services.openai_api")
 T = TypeVar("T")
@@ -91,6 +94,34 @@ async def _echo_texts(
     ]
 
 
+async def _completion_prompt_ids(
+    gateway: GatewayClient, parsed: CompletionRequest, metadata: Metadata
+) -> list[list[int]] | None:
+    """Each prompt's token ids for `return_token_ids` (text through `Tokenize`, which
+    tokenizes exactly as `Generate` does)."""
+    if not parsed.options.return_token_ids:
+        return None
+
+    async def ids(prompt) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        reply = await gateway.tokenize(generate_pb2.TokenizeRequest(text=prompt), metadata)
+        return list(reply.token_ids)
+
+    return list(await asyncio.gather(*(ids(p) for p in parsed.prompts)))
+
+
+async def _chat_prompt_ids(
+    gateway: GatewayClient, parsed: ChatRequest, metadata: Metadata
+) -> list[int] | None:
+    """The rendered conversation's token ids for `return_token_ids` (the gateway's one chat
+    template path renders it for `Tokenize` as for `Generate`)."""
+    if not parsed.options.return_token_ids:
+        return None
+    request = generate_pb2.TokenizeRequest(chat=parsed.request.chat)
+    return list((await gateway.tokenize(request, metadata)).token_ids)
+
+
 def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
     started = int(time.time())
 
@@ -99,6 +130,14 @@ def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
         await until_disconnect(request, streams.start())
         structlog.contextvars.bind_contextvars(request_id=streams.request_ids[0])
         return streams
+
+    async def while_open(request: Request, streams: GenerateStreams, work: Awaitable[T]) -> T:
+        """Await `work` with the streams open; any failure closes them."""
+        try:
+            return await until_disconnect(request, work)
+        except BaseException:
+            streams.close()
+            raise
 
     async def completions(request: Request) -> Response:
         created = int(time.time())
@@ -110,15 +149,22 @@ def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
             each.lora_name = lora
         echo_texts = await _echo_texts(gateway, parsed, credentials(request))
         streams = await open_streams(request, parsed.requests)
+        prompt_ids = await while_open(
+            request, streams, _completion_prompt_ids(gateway, parsed, credentials(request))
+        )
         meta = Meta(f"cmpl-{streams.request_ids[0]}", created, model)
         logprobs = parsed.logprobs is not None
         if options.stream:
-            chunks = CompletionChunks(meta, options.n, echo_texts, logprobs, options.include_usage)
+            chunks = CompletionChunks(
+                meta, options.n, echo_texts, logprobs, options.include_usage,
+                prompt_ids, options.tokens_as_ids,
+            )  # fmt: skip
             return _stream_response(streams, completion_chunks(streams, chunks))
         collected = await until_disconnect(request, collect(streams, Collector(options.n)))
         body = completion_body(
-            meta, collected, echo_texts, logprobs, options.prompt_logprobs is not None
-        )
+            meta, collected, echo_texts, logprobs, options.prompt_logprobs is not None,
+            prompt_ids, options.tokens_as_ids,
+        )  # fmt: skip
         return JSONResponse(body)
 
     async def chat_completions(request: Request) -> Response:
@@ -128,12 +174,21 @@ def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
         model = await gateway.resolve_model(options.model, credentials(request))
         parsed.request.lora_name = await gateway.lora_name(model, credentials(request))
         streams = await open_streams(request, [parsed.request])
+        prompt_ids = await while_open(
+            request, streams, _chat_prompt_ids(gateway, parsed, credentials(request))
+        )
         meta = Meta(f"chatcmpl-{streams.request_ids[0]}", created, model)
         if options.stream:
-            chunks = ChatChunks(meta, options.n, parsed.logprobs, options.include_usage)
+            chunks = ChatChunks(
+                meta, options.n, parsed.logprobs, options.include_usage,
+                prompt_ids, options.tokens_as_ids,
+            )  # fmt: skip
             return _stream_response(streams, chat_chunks(streams, chunks))
         collected = await until_disconnect(request, collect(streams, Collector(options.n)))
-        body = chat_body(meta, collected, parsed.logprobs, options.prompt_logprobs is not None)
+        body = chat_body(
+            meta, collected, parsed.logprobs, options.prompt_logprobs is not None,
+            prompt_ids, options.tokens_as_ids,
+        )  # fmt: skip
         return JSONResponse(body)
 
     def model_card(model) -> dict:
@@ -179,7 +234,9 @@ def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/v1/models/{model:path}", get_model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
+            Route("/ping", health, methods=["GET", "POST"]),  # vLLM's (SageMaker's) probe
             *lora_routes(gateway),
+            *vllm_routes(gateway, max_body_bytes),
         ],
         exception_handlers={
             ApiError: on_api_error,

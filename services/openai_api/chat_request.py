@@ -1,6 +1,6 @@
 """`/v1/chat/completions` JSON body -> one `GenerateRequest` with chat messages (the gateway
-renders the checkpoint's chat template). Text content only; tools and structured output
-are refused by name. Pure."""
+renders the checkpoint's chat template, with `add_generation_prompt` and vLLM's
+`continue_final_message`). Text content only; tools are refused by name. Pure."""
 
 from __future__ import annotations
 
@@ -61,12 +61,38 @@ def read_message(value, index: int) -> generate_pb2.ChatMessage:
     return generate_pb2.ChatMessage(role=ROLE_ALIASES.get(role, role), content=content)
 
 
-def refuse_tools(fields: Fields) -> None:
-    tools = fields.list("tools")
-    if tools:
+def read_messages(value) -> list[generate_pb2.ChatMessage]:
+    if not isinstance(value, list) or not value:
+        raise invalid("messages", "must be a non-empty array of {role, content}", "invalid_type")
+    return [read_message(m, i) for i, m in enumerate(value)]
+
+
+def read_chat_options(fields: Fields, chat: generate_pb2.ChatMessages) -> None:
+    """`add_generation_prompt` (unset: the gateway's default, true unless continuing) and
+    `continue_final_message`; both true is a 400, as in vLLM."""
+    add_generation_prompt = fields.bool("add_generation_prompt")
+    continue_final = bool(fields.bool("continue_final_message"))
+    if add_generation_prompt and continue_final:
+        raise ApiError(
+            "continue_final_message: cannot be true with add_generation_prompt=true "
+            "(set add_generation_prompt to false)",
+            400,
+            "continue_final_message",
+        )
+    if add_generation_prompt is not None:
+        chat.add_generation_prompt = add_generation_prompt
+    chat.continue_final_message = continue_final
+
+
+def refuse_tool_list(fields: Fields) -> None:
+    if fields.list("tools"):
         raise ApiError(
             "tools are not supported (no tool calling)", 400, "tools", "unsupported_parameter"
         )
+
+
+def refuse_tools(fields: Fields) -> None:
+    refuse_tool_list(fields)
     choice = fields.get("tool_choice")
     if choice not in (None, "none"):
         raise ApiError(
@@ -81,14 +107,10 @@ def refuse_tools(fields: Fields) -> None:
 
 def parse_chat(body) -> ChatRequest:
     fields = Fields(body)
-    messages = fields.required("messages")
-    if not isinstance(messages, list) or not messages:
-        raise invalid("messages", "must be a non-empty array of {role, content}", "invalid_type")
+    messages = read_messages(fields.required("messages"))
     request = generate_pb2.GenerateRequest()
-    request.chat.messages.extend(read_message(m, i) for i, m in enumerate(messages))
-    add_generation_prompt = fields.bool("add_generation_prompt")
-    if add_generation_prompt is not None:
-        request.chat.add_generation_prompt = add_generation_prompt
+    request.chat.messages.extend(messages)
+    read_chat_options(fields, request.chat)
     options = read_common(fields, request)
     # max_completion_tokens replaces the deprecated max_tokens; unset = until the context ends.
     read_max_tokens(fields, "max_tokens", request)

@@ -1,8 +1,13 @@
 """`GenerateResponse` messages -> `/v1/chat/completions` answers: one `chat.completion`
 object, or `chat.completion.chunk`s for SSE (a `role` delta per choice first, then `content`
-deltas, `finish_reason` on a choice's last chunk, an optional usage chunk at the end). Pure."""
+deltas, `finish_reason` on a choice's last chunk, an optional usage chunk at the end). With
+vLLM's `return_token_ids` (`prompt_ids` given) the answer carries `prompt_token_ids`
+(streamed: on the first chunk) and each choice its `token_ids` (streamed: each chunk's
+own; none on the role chunks). Pure."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from common.pb.tandem.v1 import generate_pb2
 from services.openai_api.collect import Collector, Meta, UsageSum, finish_reason, stop_reason
@@ -13,36 +18,60 @@ CHUNK_OBJECT = "chat.completion.chunk"
 ROLE = "assistant"
 
 
-def chat_body(meta: Meta, collected: Collector, logprobs: bool, with_prompt_logprobs: bool) -> dict:
-    choices = [
-        {
+def chat_body(
+    meta: Meta,
+    collected: Collector,
+    logprobs: bool,
+    with_prompt_logprobs: bool,
+    prompt_ids: Sequence[int] | None = None,
+    tokens_as_ids: bool = False,
+) -> dict:
+    choices = []
+    for choice in collected.sorted_choices():
+        body = {
             "index": choice.index,
             "message": {"role": ROLE, "content": choice.text},
-            "logprobs": {"content": chat_logprobs(choice.logprobs)} if logprobs else None,
+            "logprobs": (
+                {"content": chat_logprobs(choice.logprobs, tokens_as_ids)} if logprobs else None
+            ),
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,
         }
-        for choice in collected.sorted_choices()
-    ]
+        if prompt_ids is not None:
+            body["token_ids"] = choice.token_ids
+        choices.append(body)
     body = {**meta.head(OBJECT), "choices": choices, "usage": collected.usage.body()}
     if with_prompt_logprobs:
         body["prompt_logprobs"] = prompt_logprobs(collected.prompt_logprobs.get(0, ()))
+    if prompt_ids is not None:
+        body["prompt_token_ids"] = list(prompt_ids)
     return body
 
 
 class ChatChunks:
     """Builds the SSE chunks of one streamed chat request, message by message."""
 
-    def __init__(self, meta: Meta, n: int, logprobs: bool, include_usage: bool) -> None:
+    def __init__(
+        self,
+        meta: Meta,
+        n: int,
+        logprobs: bool,
+        include_usage: bool,
+        prompt_ids: Sequence[int] | None = None,
+        tokens_as_ids: bool = False,
+    ) -> None:
         self.meta = meta
         self.n = n
         self.logprobs = logprobs
         self.include_usage = include_usage
+        self.prompt_ids = prompt_ids
+        self.tokens_as_ids = tokens_as_ids
         self.usage = UsageSum()
 
     def role_chunks(self) -> list[dict]:
-        """The first chunk of every choice: the assistant role and empty content."""
-        return [
+        """The first chunk of every choice: the assistant role and empty content (the very
+        first with the prompt's token ids, when asked for)."""
+        chunks = [
             self._chunk(
                 {
                     "index": index,
@@ -53,6 +82,9 @@ class ChatChunks:
             )
             for index in range(self.n)
         ]
+        if self.prompt_ids is not None:
+            chunks[0]["prompt_token_ids"] = list(self.prompt_ids)
+        return chunks
 
     def chunk(self, response: generate_pb2.GenerateResponse) -> dict | None:
         """The chunk for one message, or None when it carries nothing at all. A message
@@ -62,19 +94,20 @@ class ChatChunks:
         reason = finish_reason(response)
         logprobs = None
         if self.logprobs and response.logprobs:
-            logprobs = {"content": chat_logprobs(response.logprobs)}
+            logprobs = {"content": chat_logprobs(response.logprobs, self.tokens_as_ids)}
         has_tokens = bool(response.token_ids)
         if not response.text and not has_tokens and logprobs is None and reason is None:
             return None
-        return self._chunk(
-            {
-                "index": response.index,
-                "delta": {"content": response.text} if response.text or has_tokens else {},
-                "logprobs": logprobs,
-                "finish_reason": reason,
-                "stop_reason": stop_reason(response),
-            }
-        )
+        choice = {
+            "index": response.index,
+            "delta": {"content": response.text} if response.text or has_tokens else {},
+            "logprobs": logprobs,
+            "finish_reason": reason,
+            "stop_reason": stop_reason(response),
+        }
+        if self.prompt_ids is not None:
+            choice["token_ids"] = list(response.token_ids)
+        return self._chunk(choice)
 
     def usage_chunk(self) -> dict | None:
         if not self.include_usage:

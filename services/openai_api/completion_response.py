@@ -1,6 +1,9 @@
 """`GenerateResponse` messages -> `/v1/completions` answers: one `text_completion` object,
 or `text_completion` chunks for SSE (echo on a choice's first chunk, logprob text offsets
-carried across chunks, an optional usage chunk at the end). Pure."""
+carried across chunks, an optional usage chunk at the end). With vLLM's `return_token_ids`
+(`prompt_ids` given: one id list per prompt) each choice carries its prompt's
+`prompt_token_ids` (streamed: on its first chunk) and its `token_ids` (streamed: each
+chunk's own). Pure."""
 
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ def completion_body(
     echo_texts: Sequence[str] | None,
     logprobs: bool,
     with_prompt_logprobs: bool,
+    prompt_ids: Sequence[Sequence[int]] | None = None,
+    tokens_as_ids: bool = False,
 ) -> dict:
     """The whole answer; `echo_texts[i]` is prepended to prompt i's choices when given."""
     choices = []
@@ -35,10 +40,15 @@ def completion_body(
         body = {
             "index": choice.index,
             "text": prefix + choice.text,
-            "logprobs": completion_logprobs(choice.logprobs, 0)[0] if logprobs else None,
+            "logprobs": (
+                completion_logprobs(choice.logprobs, 0, tokens_as_ids)[0] if logprobs else None
+            ),
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,
         }
+        if prompt_ids is not None:
+            body["prompt_token_ids"] = list(prompt_ids[prompt_index])
+            body["token_ids"] = choice.token_ids
         if with_prompt_logprobs:
             body["prompt_logprobs"] = prompt_logprobs(
                 collected.prompt_logprobs.get(prompt_index, ())
@@ -57,14 +67,19 @@ class CompletionChunks:
         echo_texts: Sequence[str] | None,
         logprobs: bool,
         include_usage: bool,
+        prompt_ids: Sequence[Sequence[int]] | None = None,
+        tokens_as_ids: bool = False,
     ) -> None:
         self.meta = meta
         self.n = n
         self.echo_texts = echo_texts
         self.logprobs = logprobs
         self.include_usage = include_usage
+        self.prompt_ids = prompt_ids
+        self.tokens_as_ids = tokens_as_ids
         self.usage = UsageSum()
         self._offsets: dict[int, int] = {}  # choice index -> text offset of its next token
+        self._started: set[int] = set()  # choices that sent a chunk
 
     def chunk(self, prompt_index: int, response: generate_pb2.GenerateResponse) -> dict | None:
         """The chunk for one message, or None when it carries nothing at all. A message
@@ -80,7 +95,7 @@ class CompletionChunks:
         logprobs = None
         if self.logprobs and response.logprobs:
             logprobs, self._offsets[index] = completion_logprobs(
-                response.logprobs, self._offsets[index]
+                response.logprobs, self._offsets[index], self.tokens_as_ids
             )
         reason = finish_reason(response)
         if not text and not response.token_ids and logprobs is None and reason is None:
@@ -92,6 +107,11 @@ class CompletionChunks:
             "finish_reason": reason,
             "stop_reason": stop_reason(response),
         }
+        if self.prompt_ids is not None:
+            if index not in self._started:
+                choice["prompt_token_ids"] = list(self.prompt_ids[prompt_index])
+            choice["token_ids"] = list(response.token_ids)
+        self._started.add(index)
         return self._with_usage({**self.meta.head(OBJECT), "choices": [choice]})
 
     def usage_chunk(self) -> dict | None:

@@ -1,6 +1,7 @@
 """The gateway's public gRPC API as the HTTP layer uses it (grpc.aio on the server's event
-loop): served models (cached briefly), detokenization for `echo`, health, and concurrent
-`Generate` streams merged into one. gRPC errors come out as `ApiError`s.
+loop): served models (cached briefly), tokenization (`/tokenize`, `return_token_ids`),
+detokenization (`echo`, `/detokenize`), health, and concurrent `Generate` streams merged
+into one. gRPC errors come out as `ApiError`s.
 
 Every call but health carries the HTTP client's credentials as gRPC metadata
 (`Metadata`, from its `Authorization` header): the gateway decides, and the model list is
@@ -154,6 +155,15 @@ class GatewayClient:
             "model_not_found",
         )
 
+    async def model_info(
+        self, model: str, metadata: Metadata = ()
+    ) -> generate_pb2.GetModelInfoResponse:
+        """The served model a resolved id stands for (a LoRA adapter's: its base model)."""
+        for m in await self.list_models(metadata):
+            if m.model_name == model or model in m.lora_adapters:
+                return m
+        raise ApiError(f"The model `{model}` does not exist", 404, "model", "model_not_found")
+
     async def lora_name(self, model: str, metadata: Metadata = ()) -> str:
         """The LoRA adapter a resolved model id stands for ("" = a base model), as vLLM
         selects adapters by the request's `model`."""
@@ -186,6 +196,14 @@ class GatewayClient:
         except grpc.aio.AioRpcError as exc:
             raise api_error(exc) from None
         return reply.text
+
+    async def tokenize(
+        self, request: generate_pb2.TokenizeRequest, metadata: Metadata = ()
+    ) -> generate_pb2.TokenizeResponse:
+        try:
+            return await self.stub.Tokenize(request, timeout=UNARY_TIMEOUT_S, metadata=metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise api_error(exc) from None
 
     async def serving(self) -> bool:
         try:

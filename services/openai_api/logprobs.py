@@ -2,7 +2,9 @@
 offsets; chat: one object per token with its UTF-8 bytes) and vLLM's prompt_logprobs. Pure.
 
 Non-finite values (a token the model gives no mass) are written as -9999.0, like vLLM,
-because JSON has no -Infinity.
+because JSON has no -Infinity. With vLLM's `return_tokens_as_token_ids`, every token string
+(chosen and top alternatives, and the chat `bytes` of it) is `"token_id:<id>"`; completion
+text offsets still count the real text.
 """
 
 from __future__ import annotations
@@ -21,13 +23,20 @@ def finite(value: float) -> float:
     return value if math.isfinite(value) else FLOOR
 
 
-def completion_logprobs(entries: Entries, text_offset: int) -> tuple[dict, int]:
+def token_name(entry: generate_pb2.TokenLogprob | generate_pb2.TopLogprob, as_ids: bool) -> str:
+    """The token's text, or vLLM's `token_id:<id>` under `return_tokens_as_token_ids`."""
+    return f"token_id:{entry.token_id}" if as_ids else entry.token
+
+
+def completion_logprobs(
+    entries: Entries, text_offset: int, as_ids: bool = False
+) -> tuple[dict, int]:
     """(the `logprobs` object of a completion choice or chunk, the next text offset)."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
     for entry in entries:
-        tokens.append(entry.token)
+        tokens.append(token_name(entry, as_ids))
         token_logprobs.append(finite(entry.logprob))
-        tops.append({top.token: finite(top.logprob) for top in entry.top_logprobs})
+        tops.append({token_name(top, as_ids): finite(top.logprob) for top in entry.top_logprobs})
         offsets.append(text_offset)
         text_offset += len(entry.token)
     body = {
@@ -43,21 +52,17 @@ def _token_bytes(token: str) -> list[int]:
     return list(token.encode("utf-8", errors="surrogatepass"))
 
 
-def chat_logprobs(entries: Entries) -> list[dict]:
+def _chat_token(entry: generate_pb2.TokenLogprob | generate_pb2.TopLogprob, as_ids: bool) -> dict:
+    token = token_name(entry, as_ids)
+    return {"token": token, "logprob": finite(entry.logprob), "bytes": _token_bytes(token)}
+
+
+def chat_logprobs(entries: Entries, as_ids: bool = False) -> list[dict]:
     """The `logprobs.content` array of a chat choice or chunk."""
     return [
         {
-            "token": entry.token,
-            "logprob": finite(entry.logprob),
-            "bytes": _token_bytes(entry.token),
-            "top_logprobs": [
-                {
-                    "token": top.token,
-                    "logprob": finite(top.logprob),
-                    "bytes": _token_bytes(top.token),
-                }
-                for top in entry.top_logprobs
-            ],
+            **_chat_token(entry, as_ids),
+            "top_logprobs": [_chat_token(top, as_ids) for top in entry.top_logprobs],
         }
         for entry in entries
     ]

@@ -1,5 +1,7 @@
 """The request fields `/v1/completions` and `/v1/chat/completions` share: sampling, stop
-conditions, `n`, streaming options, vLLM's extras — written into a `GenerateRequest`. Pure."""
+conditions, `n`, streaming options, vLLM's extras — written into a `GenerateRequest`, or
+kept in `Options` when only the HTTP layer acts on them (`return_token_ids`,
+`return_tokens_as_token_ids`). Pure."""
 
 from __future__ import annotations
 
@@ -29,6 +31,10 @@ class Options:
     stream: bool
     include_usage: bool
     prompt_logprobs: int | None
+    # vLLM's extras: the prompt's and each choice's token ids in the answer, and logprob
+    # tokens written as "token_id:<id>".
+    return_token_ids: bool = False
+    tokens_as_ids: bool = False
 
 
 def unsupported(fields: Fields, key: str, why: str) -> None:
@@ -99,6 +105,8 @@ def read_common(fields: Fields, request: generate_pb2.GenerateRequest) -> Option
         stream=stream,
         include_usage=include_usage,
         prompt_logprobs=prompt_logprobs,
+        return_token_ids=bool(fields.bool("return_token_ids")),
+        tokens_as_ids=bool(fields.bool("return_tokens_as_token_ids")),
     )
 
 

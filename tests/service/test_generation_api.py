@@ -88,6 +88,17 @@ def test_chat_messages_render_exactly_like_apply_chat_template(stub, tok, tiny_l
         got = stub.Tokenize(json_format.ParseDict({"chat": chat}, generate_pb2.TokenizeRequest()))
         assert list(got.token_ids) == want
         assert list(got.tokens) == tok.convert_ids_to_tokens(want)
+    # continue_final_message: the last turn left open (no generation prompt unless asked).
+    partial = [*MESSAGES, {"role": "assistant", "content": "Sure, the"}]
+    want = tok.apply_chat_template(partial, continue_final_message=True)["input_ids"]
+    chat = {"messages": partial, "continue_final_message": True}
+    got = stub.Tokenize(json_format.ParseDict({"chat": chat}, generate_pb2.TokenizeRequest()))
+    assert list(got.token_ids) == want
+    with pytest.raises(grpc.RpcError) as both:
+        chat["add_generation_prompt"] = True
+        stub.Tokenize(json_format.ParseDict({"chat": chat}, generate_pb2.TokenizeRequest()))
+    assert both.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not compatible" in both.value.details()
     prompt_ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True)["input_ids"]
     result = run(stub, request(MESSAGES, max_tokens=12, sampling={"temperature": 0}))
     assert result.ids[0] == hf_greedy(tiny_llama_dir, prompt_ids, 12)

@@ -465,12 +465,15 @@ def test_cli_client_sends_the_api_key_over_tls(stack, pki, tiny_llama_dir):
 # --- the HTTPS front -----------------------------------------------------------------------
 
 
-def https_get(stack: Stack, pki: Pki, path: str, headers: dict[str, str]):
+def https_get(stack: Stack, pki: Pki, path: str, headers: dict[str, str], body=None):
+    """GET `path`, or POST `body` as JSON when given: (status, headers, JSON answer)."""
     context = pki.tls(pki.client).client_ssl_context()
     host, port = stack.spec.http_address.rsplit(":", 1)
     connection = http.client.HTTPSConnection(host, int(port), timeout=30, context=context)
     try:
-        connection.request("GET", path, headers=headers)
+        data = None if body is None else json.dumps(body).encode()
+        headers = {**headers, "Content-Type": "application/json"}
+        connection.request("GET" if body is None else "POST", path, body=data, headers=headers)
         reply = connection.getresponse()
         return reply.status, dict(reply.getheaders()), json.loads(reply.read())
     finally:
@@ -498,6 +501,12 @@ def test_http_front_serves_https_and_forwards_the_bearer_token(stack, pki, tiny_
         assert reply_headers.get("www-authenticate") == "Bearer"
         assert body["error"]["type"] == "authentication_error"
         assert body["error"]["message"] == DENIED
+    # vLLM's extras: /tokenize and /detokenize need the key; /version and /ping do not.
+    for path, request in (("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": [1]})):
+        for key, want in (("", 401), ("wrong", 401), (API_KEY, 200)):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            assert https_get(stack, pki, path, headers, request)[0] == want, (path, key)
+    assert [https_get(stack, pki, p, {})[0] for p in ("/version", "/ping")] == [200, 200]
 
     with openai_client(stack, pki, "wrong") as client:
         with pytest.raises(openai.AuthenticationError) as caught:
