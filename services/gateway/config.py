@@ -33,10 +33,15 @@ def read_key_file(path: str) -> str:
     return key
 
 
+MAX_API_KEY_CHARS = 4096  # docs/security.md: any longer credential is wrong by length
+
+
 def _check_key(key: str, what: str) -> None:
     # The key travels as a gRPC metadata / HTTP header value: printable ASCII only.
     if not key.isascii() or not key.isprintable() or key != key.strip() or " " in key:
         raise ValueError(f"{what} must be printable ASCII without spaces")
+    if len(key) > MAX_API_KEY_CHARS:
+        raise ValueError(f"{what} must be at most {MAX_API_KEY_CHARS} characters")
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import TypeVar
 import structlog
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -184,6 +184,7 @@ def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
         exception_handlers={
             ApiError: on_api_error,
             ClientDisconnected: on_client_disconnected,
+            ClientDisconnect: on_client_disconnected,  # gone while its body was being read
             HTTPException: on_http_error,
             Exception: on_internal_error,
         },
@@ -197,7 +198,8 @@ async def on_api_error(request: Request, exc: ApiError) -> Response:
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
-async def on_client_disconnected(request: Request, exc: ClientDisconnected) -> Response:
+async def on_client_disconnected(request: Request, exc: Exception) -> Response:
+    """The client left (mid-body or while waiting): its doing, logged at info, no trace."""
     log.info("client_disconnected", path=request.url.path)
     return Response(status_code=CLIENT_CLOSED)
 
