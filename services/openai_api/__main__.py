@@ -78,7 +78,7 @@ async def serve(config: OpenAIApiConfig) -> None:
     ssl_options = https_options(tls)
     sock = listen(config.host, config.port)
     channel = open_channel(config.gateway, tls)
-    app = create_app(GatewayClient(channel), config.max_body_bytes)
+    app = create_app(GatewayClient(channel, config.served_model_name), config.max_body_bytes)
     app.state.body_timeout_s = config.body_timeout_s
     server = _Server(
         uvicorn.Config(

@@ -148,12 +148,15 @@ def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
         }
 
     def cards(models) -> list[dict]:
-        """Each model, then each of its LoRA adapters (parent: the model, as vLLM lists)."""
-        out = []
+        """Each model name, then each LoRA adapter (parent: the first name of its model, as
+        vLLM lists them)."""
+        out, listed = [], set()
         for m in models:
             out.append(model_card(m))
             for name in m.lora_adapters:
-                out.append(model_card(m) | {"id": name, "root": name, "parent": m.model_name})
+                if name not in listed:
+                    listed.add(name)
+                    out.append(model_card(m) | {"id": name, "root": name, "parent": m.model_name})
         return out
 
     async def list_models(request: Request) -> Response:
