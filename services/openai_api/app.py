@@ -24,7 +24,7 @@ from services.openai_api.chat_request import parse_chat
 from services.openai_api.chat_response import ChatChunks, chat_body
 from services.openai_api.collect import Collector, Meta
 from services.openai_api.completion_request import CompletionRequest, parse_completion
-from services.openai_api.completion_response import CompletionChunks, completion_body
+from services.openai_api.completion_response import CompletionChunks, Echo, completion_body
 from services.openai_api.errors import ApiError
 from services.openai_api.gateway_client import GatewayClient, GenerateStreams, Metadata
 from services.openai_api.lora_routes import lora_routes
@@ -91,6 +91,19 @@ async def _echo_texts(
     ]
 
 
+async def _echo(
+    gateway: GatewayClient, parsed: CompletionRequest, texts: list[str] | None, metadata: Metadata
+) -> Echo | None:
+    """What echo adds to the answer (with logprobs: each prompt's first token, which no
+    logprob covers, as the gateway writes logprob tokens)."""
+    if texts is None:
+        return None
+    first = None
+    if parsed.echo_logprobs:
+        first = [await gateway.first_token(p, metadata) for p in parsed.prompts]
+    return Echo(texts, first, parsed.logprobs or 0, parsed.echo_only)
+
+
 def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
     started = int(time.time())
 
@@ -116,9 +129,8 @@ def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
             chunks = CompletionChunks(meta, options.n, echo_texts, logprobs, options.include_usage)
             return _stream_response(streams, completion_chunks(streams, chunks))
         collected = await until_disconnect(request, collect(streams, Collector(options.n)))
-        body = completion_body(
-            meta, collected, echo_texts, logprobs, options.prompt_logprobs is not None
-        )
+        echo = await _echo(gateway, parsed, echo_texts, credentials(request))
+        body = completion_body(meta, collected, echo, logprobs, options.prompt_logprobs is not None)
         return JSONResponse(body)
 
     async def chat_completions(request: Request) -> Response:

@@ -204,6 +204,24 @@ class GatewayClient:
             raise api_error(exc) from None
         return reply.text
 
+    async def first_token(self, prompt: str | Sequence[int], metadata: Metadata = ()):
+        """A prompt's first token as (id, text), its text written as logprob tokens are
+        (the token alone, decoded with special tokens kept); a text prompt is tokenized as
+        Generate tokenizes it."""
+        try:
+            if isinstance(prompt, str):
+                reply = await self.stub.Tokenize(
+                    generate_pb2.TokenizeRequest(text=prompt),
+                    timeout=UNARY_TIMEOUT_S,
+                    metadata=metadata,
+                )
+                prompt = reply.token_ids
+        except grpc.aio.AioRpcError as exc:
+            raise api_error(exc) from None
+        if not prompt:
+            raise ApiError("prompt: echo with logprobs needs at least one prompt token", 400)
+        return int(prompt[0]), await self.detokenize([prompt[0]], metadata)
+
     async def serving(self) -> bool:
         try:
             reply = await self.health.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
