@@ -13,6 +13,7 @@ export BUF_CACHE_DIR := $(CURDIR)/.tools/buf-cache
 # HTTP=0 leaves it off), PREFILL/DECODE worker counts, BOTH>0 for single-device (no
 # disaggregation) workers, SPEC='<JSON>' for speculative decoding on the decode workers
 # (vLLM's --speculative-config, e.g. SPEC='{"method": "ngram", "num_speculative_tokens": 4}'),
+# SERVED_MODEL_NAME='name [name...]' the model's names for clients (vLLM's --served-model-name),
 # PREFILL_TP/DECODE_TP/BOTH_TP the tensor-parallel size of each worker of that role and
 # PREFILL_PP/DECODE_PP/BOTH_PP its pipeline stages (ranks started by the worker; prefill
 # and decode may differ, e.g. PREFILL_TP=2 DECODE_TP=1, or PREFILL_TP=2 DECODE_PP=2).
@@ -30,6 +31,7 @@ PREFILL_PP   ?= 1
 DECODE_PP    ?= 1
 BOTH_PP      ?= 1
 SPEC         ?=
+SERVED_MODEL_NAME ?=
 PYTEST_ARGS  ?=
 
 .PHONY: help venv up down status test unit protos protos-check lint lint-protos model clean
@@ -82,7 +84,8 @@ up: $(STAMP)
 		--prefill $(PREFILL) --decode $(DECODE) --both $(BOTH) \
 		--prefill-tp $(PREFILL_TP) --decode-tp $(DECODE_TP) --both-tp $(BOTH_TP) \
 		--prefill-pp $(PREFILL_PP) --decode-pp $(DECODE_PP) --both-pp $(BOTH_PP) \
-		$(if $(SPEC),--speculative-config '$(SPEC)')
+		$(if $(SPEC),--speculative-config '$(SPEC)') \
+		$(if $(SERVED_MODEL_NAME),--served-model-name $(SERVED_MODEL_NAME))
 
 down:
 	@if [ -x $(PY) ]; then $(PY) -m services.stack down; else echo "nothing to stop"; fi

@@ -80,6 +80,9 @@ def env_name(field: dataclasses.Field, env_prefix: str = DEFAULT_ENV_PREFIX) -> 
     return field.metadata.get("env") or f"{env_prefix}{field.name.upper()}"
 
 
+MAX_MODEL_NAME_CHARS = 128
+
+
 class ServiceConfig:
     """Base of every service's config: the settings every service has, checked once.
 
@@ -123,6 +126,17 @@ class ServiceConfig:
             return parse_size(getattr(self, name))
         except ValueError as exc:
             raise self._invalid(name, f"is {exc}") from None
+
+    def _model_names(self, name: str) -> None:
+        """Setting `name` lists model names (vLLM's --served-model-name): each 1..128
+        printable characters without surrounding spaces, no two alike."""
+        names = getattr(self, name)
+        for each in names:
+            ok = 1 <= len(each) <= MAX_MODEL_NAME_CHARS and each.isprintable()
+            self._require(ok and each == each.strip(), name,
+                          f"names must be 1..{MAX_MODEL_NAME_CHARS} printable characters "
+                          "without surrounding spaces")  # fmt: skip
+        self._require(len(set(names)) == len(names), name, "must not repeat a name")
 
     def _address(self, name: str, text: str) -> None:
         """`text` (setting `name`, or one of its items) must be host:port."""
@@ -191,6 +205,8 @@ def load_config(
         )
         # A bool flag alone means true (`--enable-lora`, as vLLM's); a value still works.
         switch = {"nargs": "?", "const": "true"} if hints[field.name] is bool else {}
+        if typing.get_origin(hints[field.name]) is tuple:
+            switch = {"nargs": "+"}  # `--flag a b` as vLLM's lists, or `--flag a,b`
         parser.add_argument(
             flag_name(field.name),
             dest=field.name,
@@ -203,6 +219,8 @@ def load_config(
     values: dict[str, Any] = {}
     for field in dataclasses.fields(cls):
         raw = getattr(parsed, field.name)
+        if isinstance(raw, list):
+            raw = ",".join(raw)
         source = flag_name(field.name)
         if raw is None and env_names[field.name] in env:
             raw, source = env[env_names[field.name]], env_names[field.name]

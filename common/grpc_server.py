@@ -19,10 +19,17 @@ from common.malformed_requests import MalformedRequestInterceptor
 from common.tls import TlsSettings, tls_from_env
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# A call's metadata (headers), credentials included (docs/security.md, "Oversized
+# credentials"). One limit, both soft and hard: gRPC's defaults (8 KiB soft, 16 KiB hard)
+# refuse calls between the two at random, so whether a 12 KiB token reached the key check
+# was chance. Above it: RESOURCE_EXHAUSTED from the transport, before any key is looked at.
+MAX_METADATA_BYTES = 64 * 1024
 
 SERVER_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_metadata_size", MAX_METADATA_BYTES),
+    ("grpc.absolute_max_metadata_size", MAX_METADATA_BYTES),
     # A port clash must fail loudly instead of silently sharing the port.
     ("grpc.so_reuseport", 0),
 )

@@ -55,6 +55,7 @@ async def serve(config: GatewayConfig) -> None:
     servicer = GenerateServicer(
         tokenizer, stub, config.default_max_tokens, config.allow_runtime_lora_updating
     )
+    servicer.served_model_names = config.served_model_name
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, host.server)
     watcher = None
     try:

@@ -33,10 +33,15 @@ def read_key_file(path: str) -> str:
     return key
 
 
+MAX_API_KEY_CHARS = 4096  # docs/security.md: any longer credential is wrong by length
+
+
 def _check_key(key: str, what: str) -> None:
     # The key travels as a gRPC metadata / HTTP header value: printable ASCII only.
     if not key.isascii() or not key.isprintable() or key != key.strip() or " " in key:
         raise ValueError(f"{what} must be printable ASCII without spaces")
+    if len(key) > MAX_API_KEY_CHARS:
+        raise ValueError(f"{what} must be at most {MAX_API_KEY_CHARS} characters")
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,13 @@ class GatewayConfig(ServiceConfig):
     host: str = host_setting("TANDEM_GATEWAY_HOST", "listen address of the public API")
     port: int = port_setting(
         50051, "TANDEM_GATEWAY_PORT", "listen port of the public API (0 = any free port)"
+    )
+    served_model_name: tuple[str, ...] = setting(
+        (),
+        "the name(s) clients use for the model, vLLM's --served-model-name: one or more "
+        "(`--served-model-name a b` or `a,b`); ListModels lists each, requests may give any; "
+        "default: the model folder's name",
+        env="TANDEM_SERVED_MODEL_NAME",
     )
     scheduler: str = setting(
         "127.0.0.1:50052", "scheduler address host:port", env="TANDEM_GATEWAY_SCHEDULER"
@@ -96,6 +108,7 @@ class GatewayConfig(ServiceConfig):
         if not self.model:
             raise ValueError("model is required: --model FOLDER or TANDEM_MODEL")
         self._address("scheduler", self.scheduler)
+        self._model_names("served_model_name")
         self._require(
             1024 <= self._size("max_request_bytes") <= 1 << 30,
             "max_request_bytes",

@@ -20,7 +20,9 @@ MAX_LORA_PATH_CHARS = 4096
 MODEL_INFO_TIMEOUT_S = 10.0
 
 
-def validate_lora_load(request: generate_pb2.LoadLoraAdapterRequest, model_name: str) -> None:
+def validate_lora_load(
+    request: generate_pb2.LoadLoraAdapterRequest, model_names: tuple[str, ...]
+) -> None:
     name, path = request.lora_name, request.lora_path
     if not 1 <= len(name) <= MAX_LORA_NAME_CHARS:
         raise InvalidArgumentError(
@@ -30,7 +32,7 @@ def validate_lora_load(request: generate_pb2.LoadLoraAdapterRequest, model_name:
         raise InvalidArgumentError(
             "lora_name must be printable, without leading or trailing spaces"
         )
-    if name == model_name:
+    if name in model_names:
         raise InvalidArgumentError(f"lora_name {name!r} is the base model's name")
     if not 1 <= len(path) <= MAX_LORA_PATH_CHARS:
         raise InvalidArgumentError(
@@ -48,6 +50,7 @@ def adapter_info(adapter) -> generate_pb2.LoraAdapterInfo:
 
 class LoraRpcs:
     allow_runtime_lora_updating = False
+    served_model_names: tuple[str, ...] = ()  # --served-model-name (empty: the folder's name)
 
     async def refresh_model(self) -> None:
         """Take the scheduler's current adapters (another gateway may have changed them)."""
@@ -68,7 +71,7 @@ class LoraRpcs:
         model = await self._ready(context)
         await self._check_updating_allowed(context)
         try:
-            validate_lora_load(request, model.name)
+            validate_lora_load(request, self.served_model_names or (model.name,))
         except InvalidArgumentError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:

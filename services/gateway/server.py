@@ -273,10 +273,16 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         return generate_pb2.DetokenizeResponse(text=self.prompts.decode(ids, skip))
 
-    def _model_info(self) -> generate_pb2.GetModelInfoResponse:
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The names clients use for the model (--served-model-name), the first the main
+        one; by default the scheduler's (the model folder's name)."""
+        return self.served_model_names or (self.model.name,)
+
+    def _model_info(self, name: str | None = None) -> generate_pb2.GetModelInfoResponse:
         m = self.model
         return generate_pb2.GetModelInfoResponse(
-            model_name=m.name,
+            model_name=name or self.model_names[0],
             architecture=m.architecture,
             vocab_size=m.vocab_size,
             max_model_len=m.max_model_len,
@@ -292,7 +298,9 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
 
     async def ListModels(self, request, context):
         await self._ready(context)
-        return generate_pb2.ListModelsResponse(models=[self._model_info()])
+        return generate_pb2.ListModelsResponse(
+            models=[self._model_info(name) for name in self.model_names]
+        )
 
     async def GetServerLoad(self, request, context):
         await self._ready(context)

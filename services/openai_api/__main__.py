@@ -14,12 +14,13 @@ from typing import Any
 
 import uvicorn
 
-from common.grpc_server import open_channel
+from common.grpc_server import MAX_METADATA_BYTES, open_channel
 from common.lifecycle import StartupError, run_service, wait_for_shutdown_signal
 from common.log import get_logger, setup_logging
 from common.tls import TlsSettings, tls_from_env
 from services.openai_api.app import create_app
 from services.openai_api.config import OpenAIApiConfig
+from services.openai_api.connection_limits import bounded_h11_protocol
 from services.openai_api.gateway_client import GatewayClient
 
 log = get_logger("services.openai_api")
@@ -77,14 +78,17 @@ async def serve(config: OpenAIApiConfig) -> None:
     ssl_options = https_options(tls)
     sock = listen(config.host, config.port)
     channel = open_channel(config.gateway, tls)
-    app = create_app(GatewayClient(channel), config.max_body_bytes)
+    app = create_app(GatewayClient(channel, config.served_model_name), config.max_body_bytes)
+    app.state.body_timeout_s = config.body_timeout_s
     server = _Server(
         uvicorn.Config(
             app,
             log_config=None,
             access_log=False,
             lifespan="off",
-            http="h11",
+            http=bounded_h11_protocol(config.header_timeout_s, config.max_connections),
+            # h11's own limit (16 KiB by default) stays above ours, which answers 431.
+            h11_max_incomplete_event_size=2 * MAX_METADATA_BYTES,
             timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
             **ssl_options,
         )

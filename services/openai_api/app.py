@@ -16,7 +16,7 @@ from typing import TypeVar
 import structlog
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -26,7 +26,7 @@ from services.openai_api.chat_request import ChatRequest, parse_chat
 from services.openai_api.chat_response import ChatChunks, chat_body
 from services.openai_api.collect import Collector, Meta
 from services.openai_api.completion_request import CompletionRequest, parse_completion
-from services.openai_api.completion_response import CompletionChunks, completion_body
+from services.openai_api.completion_response import CompletionChunks, Echo, completion_body
 from services.openai_api.errors import ApiError
 from services.openai_api.gateway_client import GatewayClient, GenerateStreams, Metadata
 from services.openai_api.lora_routes import lora_routes
@@ -122,6 +122,19 @@ async def _chat_prompt_ids(
     return list((await gateway.tokenize(request, metadata)).token_ids)
 
 
+async def _echo(
+    gateway: GatewayClient, parsed: CompletionRequest, texts: list[str] | None, metadata: Metadata
+) -> Echo | None:
+    """What echo adds to the answer (with logprobs: each prompt's first token, which no
+    logprob covers, as the gateway writes logprob tokens)."""
+    if texts is None:
+        return None
+    first = None
+    if parsed.echo_logprobs:
+        first = [await gateway.first_token(p, metadata) for p in parsed.prompts]
+    return Echo(texts, first, parsed.logprobs or 0, parsed.echo_only)
+
+
 def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
     started = int(time.time())
 
@@ -161,8 +174,9 @@ def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
             )  # fmt: skip
             return _stream_response(streams, completion_chunks(streams, chunks))
         collected = await until_disconnect(request, collect(streams, Collector(options.n)))
+        echo = await _echo(gateway, parsed, echo_texts, credentials(request))
         body = completion_body(
-            meta, collected, echo_texts, logprobs, options.prompt_logprobs is not None,
+            meta, collected, echo, logprobs, options.prompt_logprobs is not None,
             prompt_ids, options.tokens_as_ids,
         )  # fmt: skip
         return JSONResponse(body)
@@ -203,12 +217,15 @@ def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
         }
 
     def cards(models) -> list[dict]:
-        """Each model, then each of its LoRA adapters (parent: the model, as vLLM lists)."""
-        out = []
+        """Each model name, then each LoRA adapter (parent: the first name of its model, as
+        vLLM lists them)."""
+        out, listed = [], set()
         for m in models:
             out.append(model_card(m))
             for name in m.lora_adapters:
-                out.append(model_card(m) | {"id": name, "root": name, "parent": m.model_name})
+                if name not in listed:
+                    listed.add(name)
+                    out.append(model_card(m) | {"id": name, "root": name, "parent": m.model_name})
         return out
 
     async def list_models(request: Request) -> Response:
@@ -241,6 +258,7 @@ def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
         exception_handlers={
             ApiError: on_api_error,
             ClientDisconnected: on_client_disconnected,
+            ClientDisconnect: on_client_disconnected,  # gone while its body was being read
             HTTPException: on_http_error,
             Exception: on_internal_error,
         },
@@ -254,7 +272,8 @@ async def on_api_error(request: Request, exc: ApiError) -> Response:
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
-async def on_client_disconnected(request: Request, exc: ClientDisconnected) -> Response:
+async def on_client_disconnected(request: Request, exc: Exception) -> Response:
+    """The client left (mid-body or while waiting): its doing, logged at info, no trace."""
     log.info("client_disconnected", path=request.url.path)
     return Response(status_code=CLIENT_CLOSED)
 

@@ -26,6 +26,10 @@ class CompletionRequest:
     requests: tuple[generate_pb2.GenerateRequest, ...]  # one per prompt, same order
     echo: bool
     logprobs: int | None
+    # echo with logprobs: the prompt's tokens lead the logprobs (echo_logprobs.py); with
+    # max_tokens 0 nothing is generated (one token is, and dropped, as vLLM does).
+    echo_logprobs: bool = False
+    echo_only: bool = False
 
 
 def read_prompts(value) -> list[Prompt]:
@@ -60,14 +64,17 @@ def parse_completion(body) -> CompletionRequest:
     if logprobs is not None:
         template.logprobs = logprobs
     echo = bool(fields.bool("echo"))
-    if echo and logprobs is not None:
-        raise ApiError(
-            "echo with logprobs is not supported (it would need the prompt tokens' logprobs; "
-            "use prompt_logprobs for those)",
-            400,
-            "echo",
-            "unsupported_parameter",
-        )
+    echo_logprobs = echo and logprobs is not None
+    if echo_logprobs:
+        if options.stream:
+            raise ApiError(
+                "echo with logprobs is not supported with stream=true", 400, "echo",
+                "unsupported_parameter",
+            )  # fmt: skip
+        template.prompt_logprobs = max(logprobs, template.prompt_logprobs)
+    echo_only = echo and template.HasField("max_tokens") and template.max_tokens == 0
+    if echo_only:
+        template.max_tokens = 1  # the gateway generates at least one; it is dropped
     unsupported(fields, "suffix", "insertion (fill-in-the-middle) is not implemented")
     fields.finish()
     requests = []
@@ -79,4 +86,6 @@ def parse_completion(body) -> CompletionRequest:
         else:
             request.token_ids.ids.extend(prompt)
         requests.append(request)
-    return CompletionRequest(options, tuple(prompts), tuple(requests), echo, logprobs)
+    return CompletionRequest(
+        options, tuple(prompts), tuple(requests), echo, logprobs, echo_logprobs, echo_only
+    )

@@ -8,6 +8,7 @@ chunk's own). Pure."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from common.pb.tandem.v1 import generate_pb2
 from services.openai_api.collect import (
@@ -18,31 +19,54 @@ from services.openai_api.collect import (
     finish_reason,
     stop_reason,
 )
+from services.openai_api.echo_logprobs import FirstToken, echoed_logprobs
 from services.openai_api.logprobs import completion_logprobs, prompt_logprobs
 
 OBJECT = "text_completion"
 
 
+@dataclass(frozen=True)
+class Echo:
+    """What `echo` adds to each prompt's choices: its text, and with logprobs its first
+    token and how many alternatives to show; `only`: max_tokens 0 (nothing generated)."""
+
+    texts: Sequence[str]
+    first_tokens: Sequence[FirstToken] | None = None
+    k: int = 0
+    only: bool = False
+
+
 def completion_body(
     meta: Meta,
     collected: Collector,
-    echo_texts: Sequence[str] | None,
+    echo: Echo | None,
     logprobs: bool,
     with_prompt_logprobs: bool,
     prompt_ids: Sequence[Sequence[int]] | None = None,
     tokens_as_ids: bool = False,
 ) -> dict:
-    """The whole answer; `echo_texts[i]` is prepended to prompt i's choices when given."""
+    """The whole answer; `echo.texts[i]` is prepended to prompt i's choices when given."""
     choices = []
     for choice in collected.sorted_choices():
         prompt_index = choice.index // collected.n
-        prefix = echo_texts[prompt_index] if echo_texts is not None else ""
+        prefix = echo.texts[prompt_index] if echo is not None else ""
+        generated = choice.logprobs
+        if echo is not None and echo.only:  # max_tokens 0: the one token made is dropped
+            choice.texts, generated = [], []
+            choice.finish_reason, choice.stop_reason = "length", None
+            collected.usage.completion_tokens -= len(choice.token_ids)
+        if echo is not None and echo.first_tokens is not None:
+            entries = collected.prompt_logprobs.get(prompt_index, ())
+            first = echo.first_tokens[prompt_index]
+            choice_logprobs = echoed_logprobs(first, entries, generated, echo.k, tokens_as_ids)
+        else:
+            choice_logprobs = (
+                completion_logprobs(generated, 0, tokens_as_ids)[0] if logprobs else None
+            )
         body = {
             "index": choice.index,
             "text": prefix + choice.text,
-            "logprobs": (
-                completion_logprobs(choice.logprobs, 0, tokens_as_ids)[0] if logprobs else None
-            ),
+            "logprobs": choice_logprobs,
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,
         }

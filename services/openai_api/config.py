@@ -28,15 +28,40 @@ class OpenAIApiConfig(ServiceConfig):
     gateway: str = setting(
         "127.0.0.1:50051", "gateway address host:port", env="TANDEM_HTTP_GATEWAY"
     )
+    served_model_name: tuple[str, ...] = setting(
+        (),
+        "the name(s) this front lists and accepts for the gateway's model (vLLM's "
+        "--served-model-name, one or more); default: the names the gateway lists (its own "
+        "--served-model-name, or the model folder's name)",
+        env="TANDEM_SERVED_MODEL_NAME",
+    )
     max_body_size: str = setting(
         "8MiB", "largest accepted request body (larger: 413)", env="TANDEM_HTTP_MAX_BODY_SIZE"
+    )
+    header_timeout_s: float = setting(
+        30.0,
+        "seconds a connection has to send a request's headers (from opening, or from the "
+        "previous response); then it gets 408 and is closed",
+        env="TANDEM_HTTP_HEADER_TIMEOUT_S",
+    )
+    body_timeout_s: float = setting(
+        60.0,
+        "seconds a request has to send its whole body once its headers are in (then 408)",
+        env="TANDEM_HTTP_BODY_TIMEOUT_S",
+    )
+    max_connections: int = setting(
+        1024,
+        "most open client connections; past it new ones are closed on accept",
+        env="TANDEM_HTTP_MAX_CONNECTIONS",
     )
     log_level: str = log_level_setting()
 
     def __post_init__(self) -> None:
         self._check_service()
         self._address("gateway", self.gateway)
+        self._model_names("served_model_name")
         self._require(self._size("max_body_size") >= 1, "max_body_size", "must be at least 1 byte")
+        self._positive("header_timeout_s", "body_timeout_s", "max_connections")
 
     @property
     def max_body_bytes(self) -> int:

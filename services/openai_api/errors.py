@@ -28,6 +28,7 @@ ERROR_TYPES = {
     403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable_error",

@@ -110,8 +110,25 @@ class GenerateStreams:
             call.cancel()  # no-op once finished
 
 
+def renamed(
+    models: list[generate_pb2.GetModelInfoResponse], names: tuple[str, ...]
+) -> list[generate_pb2.GetModelInfoResponse]:
+    """The gateway's model under this front's own served names (its --served-model-name):
+    one entry per name, each a copy of the gateway's first model."""
+    if not names or not models:
+        return models
+    out = []
+    for name in names:
+        model = generate_pb2.GetModelInfoResponse()
+        model.CopyFrom(models[0])
+        model.model_name = name
+        out.append(model)
+    return out
+
+
 class GatewayClient:
-    def __init__(self, channel: grpc.aio.Channel) -> None:
+    def __init__(self, channel: grpc.aio.Channel, served_model_names: tuple[str, ...] = ()) -> None:
+        self.served_model_names = served_model_names
         self.stub = generate_pb2_grpc.GenerateServiceStub(channel)
         self.health = health_pb2_grpc.HealthStub(channel)
         # credentials -> (fetched at, models): only answers the gateway gave them.
@@ -131,7 +148,7 @@ class GatewayClient:
                 raise api_error(exc) from None
             if len(self._models) >= MODELS_CACHE_ENTRIES:
                 self._models.clear()
-            models = list(reply.models)
+            models = renamed(list(reply.models), self.served_model_names)
             self._models[metadata] = (time.monotonic(), models)
         return models
 
@@ -204,6 +221,24 @@ class GatewayClient:
             return await self.stub.Tokenize(request, timeout=UNARY_TIMEOUT_S, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             raise api_error(exc) from None
+
+    async def first_token(self, prompt: str | Sequence[int], metadata: Metadata = ()):
+        """A prompt's first token as (id, text), its text written as logprob tokens are
+        (the token alone, decoded with special tokens kept); a text prompt is tokenized as
+        Generate tokenizes it."""
+        try:
+            if isinstance(prompt, str):
+                reply = await self.stub.Tokenize(
+                    generate_pb2.TokenizeRequest(text=prompt),
+                    timeout=UNARY_TIMEOUT_S,
+                    metadata=metadata,
+                )
+                prompt = reply.token_ids
+        except grpc.aio.AioRpcError as exc:
+            raise api_error(exc) from None
+        if not prompt:
+            raise ApiError("prompt: echo with logprobs needs at least one prompt token", 400)
+        return int(prompt[0]), await self.detokenize([prompt[0]], metadata)
 
     async def serving(self) -> bool:
         try:

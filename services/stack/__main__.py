@@ -45,6 +45,13 @@ def worker_args(args: argparse.Namespace) -> dict[str, list[str]]:
     return out
 
 
+def served_names_args(args: argparse.Namespace) -> dict[str, list[str]]:
+    """--served-model-name for the gateway (and so the HTTP front, which lists its names)."""
+    if not args.served_model_name:
+        return {}
+    return {"gateway": ["--served-model-name", *args.served_model_name]}
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     existing = Stack.load(args.run_dir)
@@ -67,7 +74,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         both_ports=_ports(args.both_port, args.both),
         log_level=args.log_level,
         http_port=None if args.no_http else args.http_port,
-        extra_args=worker_args(args),
+        extra_args=worker_args(args) | served_names_args(args),
     )
     print(
         "starting "
@@ -155,6 +162,12 @@ def main(argv: list[str] | None = None) -> int:
         "--speculative-config",
         default="",
         help="speculative decoding on the decode (or both) workers, vLLM's JSON",
+    )
+    up.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=[],
+        help="the model's name(s) for clients (vLLM's flag); default: the folder's name",
     )
     up.add_argument("--log-level", default="info")
     up.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for SERVING")

@@ -1214,7 +1214,14 @@ def keep_short(path: str, body):
 @st.composite
 def http_bodies(draw) -> tuple[str, bytes]:
     path = draw(st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
-    shape = draw(st.sampled_from(["fields"] * 6 + ["junk", "bytes", "broken"]))
+    shape = draw(st.sampled_from(["fields"] * 6 + ["junk", "bytes", "broken", "deep"]))
+    if shape == "deep":  # nesting past the 128-level limit, somewhere in the body (issue 19)
+        depth = draw(st.integers(129, 200_000))
+        opener, closer = draw(st.sampled_from([("[", "]"), ('{"a":', "}")]))
+        inner = opener * depth + "1" + closer * depth
+        where = draw(st.sampled_from(["body", "prompt", "messages", "unknown field"]))
+        key = {"body": None, "unknown field": "x"}.get(where, where)
+        return path, (inner if key is None else json.dumps({key: 0})[:-2] + inner + "}").encode()
     if shape == "junk":
         return path, json.dumps(keep_short(path, draw(junk_json))).encode()
     if shape == "bytes":

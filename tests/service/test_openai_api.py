@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from services.stack.launcher import Stack
-from tests.hf_reference import hf_greedy, hf_tokenizer
+from tests.hf_reference import hf_greedy, hf_log_softmax, hf_tokenizer
 from tests.stack_client import wait_until_idle
 
 MODEL = "tiny-llama"  # the served id: the checkpoint folder's name
@@ -316,3 +316,42 @@ def test_a_non_streaming_client_that_gives_up_aborts_its_request(stack):
         )  # fmt: skip
     gone = logged(stack, "http", event="client_disconnected", path="/v1/completions")
     assert_aborted_early(stack, gone["request_id"], 500)
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_echo_with_logprobs_scores_the_prompt_as_hf_does(client, tiny_llama_dir, max_tokens):
+    """lm-eval's loglikelihood request (`local-completions`): token-id prompts, echo,
+    logprobs 1, max_tokens 0 or 1. Each prompt token's logprob equals HF's log-softmax at the
+    position before it (fp32, within 1e-4); the first is null; max_tokens 0 adds nothing."""
+    tokenizer = hf_tokenizer(str(tiny_llama_dir))
+    prompts = [tokenizer.encode(t) for t in ("The capital of France is", "One two three four")]
+    got = client.completions.create(
+        model=MODEL, prompt=prompts, echo=True, logprobs=1, max_tokens=max_tokens, temperature=0
+    )
+    for choice, ids in zip(got.choices, prompts, strict=True):
+        logprobs = choice.logprobs
+        scores = hf_log_softmax(tiny_llama_dir, ids)  # [len(ids), vocab]
+        assert len(logprobs.tokens) == len(ids) + max_tokens
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+        for i in range(1, len(ids)):
+            assert abs(logprobs.token_logprobs[i] - scores[i - 1, ids[i]].item()) < 1e-4, i
+            best = scores[i - 1].max().item()
+            assert max(logprobs.top_logprobs[i].values()) == pytest.approx(best, abs=1e-4)
+        assert logprobs.tokens[: len(ids)] == [tokenizer.decode([t]) for t in ids]
+        if max_tokens == 0:
+            assert choice.text == tokenizer.decode(ids) and choice.finish_reason == "length"
+        else:
+            assert logprobs.tokens[-1] == tokenizer.decode([int(scores[-1].argmax())])
+    assert got.usage.completion_tokens == max_tokens * len(prompts)
+
+
+def test_echo_with_logprobs_on_a_text_prompt_starts_at_its_first_token(client, tiny_llama_dir):
+    ids = hf_tokenizer(str(tiny_llama_dir)).encode("Scores for a text prompt")
+    got = client.completions.create(
+        model=MODEL, prompt="Scores for a text prompt", echo=True, logprobs=2, max_tokens=0
+    )
+    logprobs = got.choices[0].logprobs
+    assert len(logprobs.tokens) == len(ids) and logprobs.token_logprobs[0] is None
+    assert all(len(top) in (2, 3) for top in logprobs.top_logprobs[1:])  # 2 + the token
+    scores = hf_log_softmax(tiny_llama_dir, ids)
+    assert abs(logprobs.token_logprobs[-1] - scores[-2, ids[-1]].item()) < 1e-4

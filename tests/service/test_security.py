@@ -272,6 +272,7 @@ def test_api_key_comes_from_flag_env_or_file_and_stays_out_of_repr(tmp_path):
         (["--api-key-file", "{file}"], "  \n", "api_key_file: .* is empty"),
         (["--api-key", "two words"], None, "api_key must be printable ASCII without spaces"),
         (["--api-key", "clé"], None, "api_key must be printable ASCII"),
+        (["--api-key", "k" * 4097], None, "api_key must be at most 4096 characters"),
     ],
 )
 def test_bad_api_key_settings_raise_naming_the_setting(tmp_path, argv, file_text, message):
@@ -551,3 +552,37 @@ def test_http_front_refuses_plaintext_and_clients_without_a_certificate(stack, p
     for tls in (pki.tls(None), pki.tls(pki.rogue), pki.tls(pki.client, ca=pki.other_ca)):
         assert http_health_status(stack.spec.http_address, 5, tls) == "UNREACHABLE"
     assert http_health_status(stack.spec.http_address, 5, pki.tls(pki.client)) == "SERVING"
+
+
+def test_oversized_credentials_get_one_answer_right_key_or_not(stack, pki):
+    """docs/security.md, "Oversized credentials": up to 64 KiB of metadata / request head
+    the key is checked (a credential longer than any key can be is simply wrong:
+    UNAUTHENTICATED / 401); past it the call is refused before any key is looked at
+    (RESOURCE_EXHAUSTED / 431), the same whether the key was right. Each size is tried
+    several times: between gRPC's default soft and hard limits the answer used to be
+    chance."""
+    sizes = {6 * 1024: "checked", 12 * 1024: "checked", 40 * 1024: "checked",
+             100 * 1024: "refused"}  # fmt: skip
+    with open_sync_channel(stack.spec.gateway_address, pki.tls(pki.client)) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        for size, outcome in sizes.items():
+            wrong = bearer("k" * size)
+            right_padded = (*bearer(API_KEY), ("x-pad", "p" * size))
+            for _ in range(5):
+                codes = []
+                for metadata in (wrong, right_padded):
+                    try:
+                        stub.GetModelInfo(
+                            generate_pb2.GetModelInfoRequest(), timeout=30, metadata=metadata
+                        )
+                        codes.append(grpc.StatusCode.OK)
+                    except grpc.RpcError as exc:
+                        codes.append(exc.code())
+                if outcome == "checked":
+                    assert codes == [grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.OK], size
+                else:
+                    assert codes == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 2, size
+            wrong_http = {"Authorization": "Bearer " + "k" * size}
+            right_http = {"Authorization": f"Bearer {API_KEY}", "X-Pad": "p" * size}
+            statuses = [https_get(stack, pki, "/v1/models", h)[0] for h in (wrong_http, right_http)]
+            assert statuses == ([401, 200] if outcome == "checked" else [431, 431]), size

@@ -17,7 +17,7 @@ from services.openai_api.chat_request import parse_chat
 from services.openai_api.chat_response import ChatChunks, chat_body
 from services.openai_api.collect import Collector, Meta
 from services.openai_api.completion_request import parse_completion
-from services.openai_api.completion_response import CompletionChunks, completion_body
+from services.openai_api.completion_response import CompletionChunks, Echo, completion_body
 from services.openai_api.config import OpenAIApiConfig
 from services.openai_api.errors import ApiError, from_rpc_error
 from services.openai_api.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
@@ -154,7 +154,11 @@ def test_wrong_types_are_400s_naming_the_field(field, value, words):
         ({"early_stopping": True}, "early_stopping", "only applies with use_beam_search"),
         ({"use_beam_search": True, "early_stopping": "soon"}, "early_stopping", "never"),
         ({"use_beam_search": True, "early_stopping": 1}, "early_stopping", "never"),
-        ({"echo": True, "logprobs": 1}, "echo", "echo with logprobs is not supported"),
+        (
+            {"echo": True, "logprobs": 1, "stream": True},
+            "echo",
+            "echo with logprobs is not supported with stream=true",
+        ),
         ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream"),
         ({"stream": True, "stream_options": {"continuous_usage_stats": True}},
          "stream_options.continuous_usage_stats", "not supported"),
@@ -313,7 +317,7 @@ def test_batch_of_prompts_with_n_samples_indexes_choices_and_sums_usage():
     for prompt_index, response in stream:
         collector.add(prompt_index, response)
     body = completion_body(
-        META, collector, ["P0", "P1"], logprobs=False, with_prompt_logprobs=False
+        META, collector, Echo(["P0", "P1"]), logprobs=False, with_prompt_logprobs=False
     )
     assert body["object"] == "text_completion" and body["id"] == "cmpl-abc"
     got = [(c["index"], c["text"], c["finish_reason"], c["stop_reason"]) for c in body["choices"]]
@@ -497,3 +501,55 @@ def test_structured_output_from_response_format_and_vllms_extra():
         {"model": "m", "prompt": "x", "structured_outputs": {"regex": "b"}}
     )
     assert completion.requests[0].structured_output.regex == "b"
+
+
+def test_echo_with_logprobs_asks_for_prompt_logprobs_and_max_tokens_0_for_one_dropped():
+    parsed = parse_completion({"prompt": [5, 6, 7], "echo": True, "logprobs": 2, "max_tokens": 0})
+    assert parsed.echo_logprobs and parsed.echo_only
+    (request,) = parsed.requests
+    assert request.prompt_logprobs == 2 and request.logprobs == 2 and request.max_tokens == 1
+    plain = parse_completion({"prompt": "x", "echo": True, "max_tokens": 3})
+    assert not plain.echo_logprobs and not plain.echo_only and plain.requests[0].max_tokens == 3
+    assert not plain.requests[0].HasField("prompt_logprobs")
+    assert not parse_completion({"prompt": "x", "max_tokens": 0}).echo_only  # gateway's 400
+
+
+def echo_collector(generated_ids):
+    collector = Collector(n=1)
+    first = message(
+        text="!" if generated_ids else "", ids=generated_ids, finish=LENGTH, usage=(3, 1, 0),
+        logprobs=[lp(9, "!", -0.75, [(8, "?", -0.5)])] if generated_ids else [],
+        prompt_logprobs=[lp(6, " b", -1.5, [(4, " a", -0.25), (3, "z", -3.0)]),
+                         lp(7, " c", float("-inf"), [(6, " b", -0.125)])],
+    )  # fmt: skip
+    collector.add(0, first)
+    return collector
+
+
+def test_echoed_logprobs_lead_with_the_prompt_first_token_null():
+    body = completion_body(
+        META, echo_collector([9]), Echo(["a b c"], [(5, "a")], k=1), logprobs=True,
+        with_prompt_logprobs=False,
+    )  # fmt: skip
+    (choice,) = body["choices"]
+    assert choice["text"] == "a b c!"
+    assert choice["logprobs"] == {
+        "tokens": ["a", " b", " c", "!"],
+        "token_logprobs": [None, -1.5, -9999.0, -0.75],
+        "top_logprobs": [None, {" a": -0.25, " b": -1.5}, {" b": -0.125, " c": -9999.0},
+                         {"?": -0.5}],
+        "text_offset": [0, 1, 3, 5],
+    }  # fmt: skip
+    assert body["usage"]["completion_tokens"] == 1 and "prompt_logprobs" not in choice
+
+
+def test_echo_with_max_tokens_0_returns_only_the_prompt():
+    body = completion_body(
+        META, echo_collector([9]), Echo(["a b c"], [(5, "a")], k=2, only=True), logprobs=True,
+        with_prompt_logprobs=False,
+    )  # fmt: skip
+    (choice,) = body["choices"]
+    assert choice["text"] == "a b c" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == ["a", " b", " c"]
+    assert choice["logprobs"]["top_logprobs"][1] == {" a": -0.25, "z": -3.0, " b": -1.5}
+    assert body["usage"]["completion_tokens"] == 0 and body["usage"]["total_tokens"] == 3

@@ -8,7 +8,6 @@ fan-in/fan-out layouts) is refused naming it, so an adapter never loads half-app
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -17,8 +16,11 @@ from pathlib import Path
 
 import torch
 
+from common.json_depth import load_json
+
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MAX_LORA_RANK = 64
+MAX_CONFIG_DEPTH = 32  # adapter_config.json nests 2-3 levels; deeper is not PEFT's format
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
 )
@@ -48,7 +50,8 @@ def load_adapter(
 
     path = Path(folder)
     try:
-        config = json.loads((path / "adapter_config.json").read_text())
+        config = load_json((path / "adapter_config.json").read_bytes(), MAX_CONFIG_DEPTH,
+                           "adapter_config.json")  # fmt: skip
     except (OSError, ValueError) as exc:
         raise LoraAdapterError(f"LoRA adapter {name!r}: no readable adapter_config.json "
                                f"in {path}: {exc}") from exc  # fmt: skip
