@@ -553,3 +553,14 @@ def test_echo_with_max_tokens_0_returns_only_the_prompt():
     assert choice["logprobs"]["tokens"] == ["a", " b", " c"]
     assert choice["logprobs"]["top_logprobs"][1] == {" a": -0.25, "z": -3.0, " b": -1.5}
     assert body["usage"]["completion_tokens"] == 0 and body["usage"]["total_tokens"] == 3
+
+
+def test_echoed_logprobs_name_tokens_by_id_under_return_tokens_as_token_ids():
+    body = completion_body(
+        META, echo_collector([9]), Echo(["a b c"], [(5, "a")], k=1), logprobs=True,
+        with_prompt_logprobs=False, tokens_as_ids=True,
+    )  # fmt: skip
+    logprobs = body["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == ["token_id:5", "token_id:6", "token_id:7", "token_id:9"]
+    assert logprobs["top_logprobs"][1] == {"token_id:4": -0.25, "token_id:6": -1.5}
+    assert logprobs["text_offset"] == [0, 1, 3, 5]  # the text's offsets, as without ids
