@@ -15,7 +15,10 @@ export BUF_CACHE_DIR := $(CURDIR)/.tools/buf-cache
 # (vLLM's --speculative-config, e.g. SPEC='{"method": "ngram", "num_speculative_tokens": 4}'),
 # PREFILL_TP/DECODE_TP/BOTH_TP the tensor-parallel size of each worker of that role and
 # PREFILL_PP/DECODE_PP/BOTH_PP its pipeline stages (ranks started by the worker; prefill
-# and decode may differ, e.g. PREFILL_TP=2 DECODE_TP=1, or PREFILL_TP=2 DECODE_PP=2).
+# and decode may differ, e.g. PREFILL_TP=2 DECODE_TP=1, or PREFILL_TP=2 DECODE_PP=2),
+# METRICS_PORT_BASE=N Prometheus metrics of the gRPC services on ports N (gateway), N+1
+# (scheduler), N+2... (workers); `make status` lists them (the HTTP front's GET /metrics
+# is always on HTTP_PORT).
 MODEL        ?=
 GATEWAY_PORT ?= 50051
 HTTP_PORT    ?= 8000
@@ -30,6 +33,7 @@ PREFILL_PP   ?= 1
 DECODE_PP    ?= 1
 BOTH_PP      ?= 1
 SPEC         ?=
+METRICS_PORT_BASE ?= 0
 PYTEST_ARGS  ?=
 
 .PHONY: help venv up down status test unit protos protos-check lint lint-protos model clean
@@ -82,7 +86,8 @@ up: $(STAMP)
 		--prefill $(PREFILL) --decode $(DECODE) --both $(BOTH) \
 		--prefill-tp $(PREFILL_TP) --decode-tp $(DECODE_TP) --both-tp $(BOTH_TP) \
 		--prefill-pp $(PREFILL_PP) --decode-pp $(DECODE_PP) --both-pp $(BOTH_PP) \
-		$(if $(SPEC),--speculative-config '$(SPEC)')
+		$(if $(SPEC),--speculative-config '$(SPEC)') \
+		--metrics-port-base $(METRICS_PORT_BASE)
 
 down:
 	@if [ -x $(PY) ]; then $(PY) -m services.stack down; else echo "nothing to stop"; fi

@@ -9,6 +9,7 @@ from common.config import (
     drain_timeout_setting,
     host_setting,
     log_level_setting,
+    metrics_port_setting,
     port_setting,
     setting,
 )
@@ -49,6 +50,7 @@ class GatewayConfig(ServiceConfig):
     port: int = port_setting(
         50051, "TANDEM_GATEWAY_PORT", "listen port of the public API (0 = any free port)"
     )
+    metrics_port: int = metrics_port_setting("TANDEM_GATEWAY_METRICS_PORT")
     scheduler: str = setting(
         "127.0.0.1:50052", "scheduler address host:port", env="TANDEM_GATEWAY_SCHEDULER"
     )

@@ -3,7 +3,7 @@ translate it (`*_request.py`), call the gateway (`gateway_client.py`) and transl
 answer back (`*_response.py`, `sse.py`). Every error leaves as OpenAI-shaped JSON.
 
 The client's `Authorization` header goes to the gateway as call metadata; the gateway checks
-it (UNAUTHENTICATED becomes a 401). `/health` needs none."""
+it (UNAUTHENTICATED becomes a 401). `/health` and `/metrics` (Prometheus) need none."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import TypeVar
 import structlog
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -28,6 +29,7 @@ from services.openai_api.completion_response import CompletionChunks, completion
 from services.openai_api.errors import ApiError
 from services.openai_api.gateway_client import GatewayClient, GenerateStreams, Metadata
 from services.openai_api.lora_routes import lora_routes
+from services.openai_api.metrics import HttpMetrics, metrics_endpoint
 from services.openai_api.request_body import credentials, read_json
 from services.openai_api.sse import EventStreamResponse, chat_chunks, completion_chunks, events
 
@@ -179,8 +181,10 @@ def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/v1/models/{model:path}", get_model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics_endpoint, methods=["GET"]),
             *lora_routes(gateway),
         ],
+        middleware=[Middleware(HttpMetrics)],
         exception_handlers={
             ApiError: on_api_error,
             ClientDisconnected: on_client_disconnected,

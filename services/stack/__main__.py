@@ -45,6 +45,19 @@ def worker_args(args: argparse.Namespace) -> dict[str, list[str]]:
     return out
 
 
+def metrics_ports(args: argparse.Namespace) -> tuple[int, ...]:
+    """--metrics-port-base N: the gateway's metrics on N, the scheduler's on N+1, the
+    workers' on N+2... (0: off)."""
+    if not args.metrics_port_base:
+        return ()
+    if not 1024 <= args.metrics_port_base <= 65535 - 2 - args.prefill - args.decode - args.both:
+        raise ValueError(
+            f"--metrics-port-base must leave room for every service's port in 1024..65535, "
+            f"got {args.metrics_port_base}"
+        )
+    return _ports(args.metrics_port_base, 2 + args.prefill + args.decode + args.both)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     existing = Stack.load(args.run_dir)
@@ -68,6 +81,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         http_port=None if args.no_http else args.http_port,
         extra_args=worker_args(args),
+        metrics_ports=metrics_ports(args),
     )
     print(
         "starting "
@@ -84,6 +98,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"\nTandem is serving {Path(spec.model).name} ({time.perf_counter() - started:.1f}s)")
     for process in stack.processes:
         print(f"  {process.name:<14} {process.address:<22} pid {process.pid}")
+    if spec.metrics_ports:
+        print("\nPrometheus scrapes GET /metrics on:")
+        print("\n".join(f"  {p.name:<14} http://{p.metrics}/metrics" for p in stack.processes))
     print(f"""
 Call it:
   {_short(Path(sys.executable))} -m services.client "The meaning of life is" --max-tokens 32
@@ -118,7 +135,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 1
     statuses = [(p, process_health(p)) for p in stack.processes]
     for process, status in statuses:
-        print(f"  {process.name:<14} {process.address:<22} {status}")
+        metrics = f"  metrics http://{process.metrics}/metrics" if process.metrics else ""
+        print(f"  {process.name:<14} {process.address:<22} {status:<12}{metrics}")
     return 0 if all(s == "SERVING" for _, s in statuses) else 1
 
 
@@ -155,6 +173,13 @@ def main(argv: list[str] | None = None) -> int:
         "--speculative-config",
         default="",
         help="speculative decoding on the decode (or both) workers, vLLM's JSON",
+    )
+    up.add_argument(
+        "--metrics-port-base",
+        type=int,
+        default=0,
+        help="serve Prometheus metrics: gateway on this port, scheduler on +1, workers on +2... "
+        "(the HTTP front always serves GET /metrics on its own port; 0 = off)",
     )
     up.add_argument("--log-level", default="info")
     up.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for SERVING")
