@@ -18,6 +18,8 @@ from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from common.lifecycle import StartupError
+
 PREFIX = "tandem:"
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards and SLOs carry over.
@@ -64,10 +66,15 @@ def start_metrics_server(
     host: str, port: int, registry: CollectorRegistry = REGISTRY
 ) -> MetricsServer | None:
     """Serve `registry` in the Prometheus text format on host:port from a daemon thread
-    (None when port is 0: metrics off). Raises OSError when the port is taken."""
+    (None when port is 0: metrics off). Raises StartupError when it cannot listen there."""
     if not port:
         return None
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise StartupError(
+            f"could not serve metrics on {host}:{port} (--metrics-port): {exc.strerror or exc}"
+        ) from None
     return MetricsServer(host, server.server_port, server)
 
 

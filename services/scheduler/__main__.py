@@ -33,6 +33,7 @@ async def serve(config: SchedulerConfig) -> None:
         task.add_done_callback(health_updates.discard)
 
     async with host.running(config.host, config.port, log, grace=2.0):
+        metrics = start_metrics_server(config.host, config.metrics_port)
         engine, model = await bootstrap.connect(config, on_serving_change)
         servicer.engine, servicer.model = engine, model
         engine.on_finish = RequestTimes(model.name).observe
@@ -40,7 +41,6 @@ async def serve(config: SchedulerConfig) -> None:
             asyncio.get_running_loop(), lambda: pool_families(engine, model.name)
         )
         REGISTRY.register(collector)
-        metrics = start_metrics_server(config.host, config.metrics_port)
         engine.start()
         try:
             await host.set_serving(True)

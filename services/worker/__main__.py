@@ -22,8 +22,8 @@ async def serve(config: WorkerConfig) -> None:
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, host.server)
     async with host.running(config.host, config.port, log, grace=2.0) as port:
         worker_id = config.worker_id or f"{config.role}-{port}"
-        servicer.worker = await Worker.load(config, worker_id)
         metrics = start_metrics_server(config.host, config.metrics_port)
+        servicer.worker = await Worker.load(config, worker_id)
         try:
             await host.set_serving(True)
             log.info(

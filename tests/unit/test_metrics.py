@@ -16,6 +16,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.config import load_config
+from common.lifecycle import StartupError
 from common.metrics import REGISTRY, LoopCollector, start_metrics_server
 from services.gateway.config import GatewayConfig
 from services.openai_api.metrics import handler_label
@@ -110,8 +111,8 @@ def test_endpoint_serves_the_text_format_until_closed():
             text = response.read().decode()
         samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
         assert samples["tandem:unit_things_total"] == 3
-        with pytest.raises(OSError):  # the port is taken
-            start_metrics_server("127.0.0.1", port, registry)
+        with pytest.raises(StartupError, match=f"could not serve metrics on 127.0.0.1:{port}"):
+            start_metrics_server("127.0.0.1", port, registry)  # the port is taken
     finally:
         server.close()
     with pytest.raises(OSError):
