@@ -1,5 +1,5 @@
 """Prometheus metrics of a live stack: every service scraped after a known set of requests
-(two sharing a prompt prefix, one with n=2, one through the HTTP front, two refused), each
+(two sharing a prompt prefix, one with n=2, one through the HTTP front, three refused), each
 number checked against what was sent, what the client saw, and `GetPoolStats`; and the
 Grafana dashboard's PromQL only names metrics the stack exports."""
 
@@ -56,7 +56,14 @@ def by_label(samples: dict, name: str, label: str) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def stack(module_stacks):
     return module_stacks(
-        name="metrics", http=True, metrics=True, extra_args={"gateway": ["--api-key", API_KEY]}
+        name="metrics",
+        http=True,
+        metrics=True,
+        extra_args={
+            "gateway": ["--api-key", API_KEY],
+            # The n=2 request fits the queue; an n=3 one is refused as queue full.
+            "scheduler": ["--max-waiting-requests", "2"],
+        },
     )
 
 
@@ -79,6 +86,10 @@ def sent(stack):
         with pytest.raises(grpc.RpcError) as invalid:
             _stream(stub, too_long)
         assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        too_many = generate_pb2.GenerateRequest(text="Once upon a time", max_tokens=4, n=3)
+        with pytest.raises(grpc.RpcError) as queue_full:
+            _stream(stub, too_many)
+        assert queue_full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         with pytest.raises(grpc.RpcError) as unauthenticated:
             list(stub.Generate(requests[0]))
         assert unauthenticated.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -137,7 +148,7 @@ def test_gateway_metrics_match_what_the_clients_saw(stack, sent):
         c - 1 for c in with_tokens.values() if c
     )
     rejected = by_label(g, "tandem:request_rejected_total", "reason")
-    assert rejected == {"invalid_argument": 1, "unauthenticated": 1}
+    assert rejected == {"invalid_argument": 1, "unauthenticated": 1, "resource_exhausted": 1}
 
 
 def test_scheduler_metrics_match_pool_stats(stack, sent):
@@ -156,7 +167,7 @@ def test_scheduler_metrics_match_pool_stats(stack, sent):
     assert total(s, "tandem:num_preemptions_total") == sum(p.preemptions for p in stats.pools)
     assert total(s, "tandem:worker_failures_total", **model) == stats.worker_failures
     assert total(s, "tandem:restarted_requests_total", **model) == stats.restarted_requests
-    assert total(s, "tandem:queue_rejections_total", **model) == stats.rejected_requests
+    assert total(s, "tandem:queue_rejections_total", **model) == stats.rejected_requests == 1
     for p in stats.pools:
         pool = {"worker_id": p.worker_id, **model}
         usage = total(s, "tandem:kv_cache_usage_perc", **pool)
