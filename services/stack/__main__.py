@@ -98,9 +98,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"\nTandem is serving {Path(spec.model).name} ({time.perf_counter() - started:.1f}s)")
     for process in stack.processes:
         print(f"  {process.name:<14} {process.address:<22} pid {process.pid}")
-    if spec.metrics_ports:
-        print("\nPrometheus scrapes GET /metrics on:")
-        print("\n".join(f"  {p.name:<14} http://{p.metrics}/metrics" for p in stack.processes))
+    scraped = [p for p in stack.processes if p.metrics]
+    if scraped:
+        print("\nPrometheus metrics (GET /metrics):")
+        print("\n".join(f"  {p.name:<14} http://{p.metrics}/metrics" for p in scraped))
     print(f"""
 Call it:
   {_short(Path(sys.executable))} -m services.client "The meaning of life is" --max-tokens 32
