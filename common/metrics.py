@@ -14,13 +14,17 @@ import concurrent.futures
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from prometheus_client import REGISTRY, start_http_server
+from prometheus_client import REGISTRY, disable_created_metrics, start_http_server
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from common.lifecycle import StartupError
 
 PREFIX = "tandem:"
+
+# No `*_created` series beside each counter and histogram (as vLLM): they double the
+# exposition and no dashboard reads them. Every metrics module imports this one first.
+disable_created_metrics()
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards and SLOs carry over.
 TTFT_BUCKETS = (
