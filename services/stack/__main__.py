@@ -137,7 +137,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     statuses = [(p, process_health(p)) for p in stack.processes]
     for process, status in statuses:
         metrics = f"  metrics http://{process.metrics}/metrics" if process.metrics else ""
-        print(f"  {process.name:<14} {process.address:<22} {status:<12}{metrics}")
+        print(f"  {process.name:<14} {process.address:<22} {status:<12}{metrics}".rstrip())
     return 0 if all(s == "SERVING" for _, s in statuses) else 1
 
 
