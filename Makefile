@@ -16,7 +16,10 @@ export BUF_CACHE_DIR := $(CURDIR)/.tools/buf-cache
 # SERVED_MODEL_NAME='name [name...]' the model's names for clients (vLLM's --served-model-name),
 # PREFILL_TP/DECODE_TP/BOTH_TP the tensor-parallel size of each worker of that role and
 # PREFILL_PP/DECODE_PP/BOTH_PP its pipeline stages (ranks started by the worker; prefill
-# and decode may differ, e.g. PREFILL_TP=2 DECODE_TP=1, or PREFILL_TP=2 DECODE_PP=2).
+# and decode may differ, e.g. PREFILL_TP=2 DECODE_TP=1, or PREFILL_TP=2 DECODE_PP=2),
+# METRICS_PORT_BASE=N Prometheus metrics of the gRPC services on ports N (gateway), N+1
+# (scheduler), N+2... (workers); `make status` lists them (the HTTP front's GET /metrics
+# is always on HTTP_PORT).
 MODEL        ?=
 GATEWAY_PORT ?= 50051
 HTTP_PORT    ?= 8000
@@ -32,6 +35,7 @@ DECODE_PP    ?= 1
 BOTH_PP      ?= 1
 SPEC         ?=
 SERVED_MODEL_NAME ?=
+METRICS_PORT_BASE ?= 0
 PYTEST_ARGS  ?=
 
 .PHONY: help venv up down status test unit protos protos-check lint lint-protos model clean
@@ -85,7 +89,8 @@ up: $(STAMP)
 		--prefill-tp $(PREFILL_TP) --decode-tp $(DECODE_TP) --both-tp $(BOTH_TP) \
 		--prefill-pp $(PREFILL_PP) --decode-pp $(DECODE_PP) --both-pp $(BOTH_PP) \
 		$(if $(SPEC),--speculative-config '$(SPEC)') \
-		$(if $(SERVED_MODEL_NAME),--served-model-name $(SERVED_MODEL_NAME))
+		$(if $(SERVED_MODEL_NAME),--served-model-name $(SERVED_MODEL_NAME)) \
+		--metrics-port-base $(METRICS_PORT_BASE)
 
 down:
 	@if [ -x $(PY) ]; then $(PY) -m services.stack down; else echo "nothing to stop"; fi

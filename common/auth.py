@@ -9,7 +9,7 @@ other method of the server is protected. The token is compared in constant time.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health
@@ -58,11 +58,18 @@ async def _deny(request, context) -> None:
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Rejects calls without the right bearer token, except to `open_services`."""
 
-    def __init__(self, token: str, open_services: Sequence[str] = OPEN_SERVICES) -> None:
+    def __init__(
+        self,
+        token: str,
+        open_services: Sequence[str] = OPEN_SERVICES,
+        on_denied: Callable[[str], None] | None = None,
+    ) -> None:
+        """`on_denied(method)` is called for each call refused (metrics)."""
         if not token:
             raise ValueError("the bearer token must not be empty")
         self._token = token.encode("utf-8")
         self._open = frozenset(open_services)
+        self._on_denied = on_denied
 
     def authorized(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> bool:
         presented = _presented_token(metadata)
@@ -79,6 +86,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None  # unknown method: UNIMPLEMENTED, as without auth
         log.warning("unauthenticated_call", method=method)
+        if self._on_denied is not None:
+            self._on_denied(method)
         serialize = handler.response_serializer
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(_deny, _discard, serialize)

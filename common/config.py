@@ -61,6 +61,15 @@ def port_setting(default: int, env: str, help: str = "listen port (0 = any free 
     return setting(default, help, env=env)
 
 
+def metrics_port_setting(env: str):
+    """A gRPC service's Prometheus endpoint (`common/metrics.py`; plain HTTP on its host)."""
+    return setting(
+        0,
+        "port of the Prometheus metrics endpoint (plain HTTP GET /metrics on --host; 0 = off)",
+        env=env,
+    )
+
+
 def log_level_setting():
     return setting(
         "info", "debug, info, warning or error", env="TANDEM_LOG_LEVEL", choices=LOG_LEVELS
@@ -87,7 +96,8 @@ class ServiceConfig:
     """Base of every service's config: the settings every service has, checked once.
 
     A subclass is a frozen dataclass that declares `host`, `port` and `log_level` (and
-    `drain_timeout_s` when it drains on SIGTERM) with its own environment names and defaults
+    `drain_timeout_s` when it drains on SIGTERM, `metrics_port` when it serves metrics)
+    with its own environment names and defaults
     (`host_setting`, `port_setting`, `log_level_setting`, `drain_timeout_setting`), and
     starts its `__post_init__` with `self._check_service()`. Its own checks use `_require`,
     `_at_least`, `_positive`, `_size` and `_address`, whose errors name the setting, its flag
@@ -100,6 +110,15 @@ class ServiceConfig:
         self._require(
             self.log_level in LOG_LEVELS, "log_level", f"must be one of {', '.join(LOG_LEVELS)}"
         )
+        if hasattr(self, "metrics_port"):
+            self._require(
+                0 <= self.metrics_port < 65536, "metrics_port", "must be in 0..65535 (0 = off)"
+            )
+            self._require(
+                not self.metrics_port or self.metrics_port != self.port,
+                "metrics_port",
+                "must differ from --port",
+            )
         if hasattr(self, "drain_timeout_s"):
             self._at_least(0, "drain_timeout_s")
 

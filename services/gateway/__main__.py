@@ -16,9 +16,11 @@ from common.healthcheck import channel_health_status
 from common.hf_checkpoint_reader import load_tokenizer
 from common.lifecycle import StartupError, run_service, wait_for_shutdown_signal
 from common.log import get_logger, setup_logging
+from common.metrics import start_metrics_server
 from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
 from services.gateway.config import GatewayConfig
+from services.gateway.metrics import rejected
 from services.gateway.server import GenerateServicer
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
@@ -44,7 +46,11 @@ async def serve(config: GatewayConfig) -> None:
     setup_logging("gateway", config.log_level)
     tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
     api_key = config.resolved_api_key
-    interceptors = [BearerTokenInterceptor(api_key)] if api_key else []
+    interceptors = (
+        [BearerTokenInterceptor(api_key, on_denied=lambda _: rejected("UNAUTHENTICATED"))]
+        if api_key
+        else []
+    )
     host = ServiceHost(
         [SERVICE_NAME],
         interceptors=interceptors,
@@ -57,9 +63,10 @@ async def serve(config: GatewayConfig) -> None:
     )
     servicer.served_model_names = config.served_model_name
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, host.server)
-    watcher = None
+    watcher = metrics = None
     try:
         async with host.running(config.host, config.port, log, grace=5.0):
+            metrics = start_metrics_server(config.host, config.metrics_port)
             servicer.set_model(await fetch_model(stub, config.scheduler_ready_timeout_s))
             await host.set_serving(True)
             watcher = asyncio.create_task(
@@ -70,6 +77,7 @@ async def serve(config: GatewayConfig) -> None:
                 model=servicer.model.name,
                 scheduler=config.scheduler,
                 auth="bearer" if api_key else "off",
+                metrics=f"{config.host}:{metrics.port}" if metrics else "off",
             )
             log.info("shutting_down", signal=await wait_for_shutdown_signal())
             # Drain: NOT_SERVING, new requests refused, open streams run to the end.
@@ -81,6 +89,8 @@ async def serve(config: GatewayConfig) -> None:
     finally:
         if watcher is not None:
             watcher.cancel()
+        if metrics is not None:
+            metrics.close()
         await servicer.session.close()
         await channel.close()
 

@@ -9,6 +9,7 @@ from common.config import (
     drain_timeout_setting,
     host_setting,
     log_level_setting,
+    metrics_port_setting,
     port_setting,
     setting,
 )
@@ -61,6 +62,7 @@ class GatewayConfig(ServiceConfig):
         "default: the model folder's name",
         env="TANDEM_SERVED_MODEL_NAME",
     )
+    metrics_port: int = metrics_port_setting("TANDEM_GATEWAY_METRICS_PORT")
     scheduler: str = setting(
         "127.0.0.1:50052", "scheduler address host:port", env="TANDEM_GATEWAY_SCHEDULER"
     )

@@ -26,6 +26,7 @@ from common.sampling import MAX_LOGPROBS, MAX_SAMPLES, SamplingParams
 from common.sampling_pb import ROLE_FROM_PB, sampling_to_pb
 from services.gateway.beam_check import check_beam_counts, validate_beam_search
 from services.gateway.lora_rpcs import LoraRpcs
+from services.gateway.metrics import GatewayMetrics, rejected
 from services.gateway.output import RequestOutput, SampleOutput
 from services.gateway.prompts import LARGE_INPUT_CHARS, PromptTokenizer
 from services.gateway.scheduler_session import SchedulerError, SchedulerSession
@@ -98,6 +99,7 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
             max_model_len=model.max_model_len,
             default_max_tokens=self.default_max_tokens,
         )
+        self.metrics = GatewayMetrics(model.name)
         self.model = model
 
     async def _ready(self, context) -> types_pb2.ModelDescription:
@@ -199,6 +201,8 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
 
     async def Generate(self, request, context):
         arrival = time.monotonic()
+        if self.model is None or self.draining:
+            rejected("UNAVAILABLE")
         await self._ready(context)
         self.num_open += 1
         try:
@@ -215,17 +219,26 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
                 prepared = await self._prepare(request, request_id)
             except InvalidArgumentError as exc:
                 log.info("invalid_request", error=str(exc))
+                rejected("INVALID_ARGUMENT")
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except NotFoundError as exc:
                 log.info("unknown_lora_adapter", error=str(exc))
+                rejected("NOT_FOUND")
                 await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
             output = self._output(request_id, prepared, arrival)
             updates = await self.session.submit(prepared.submit)
+            sent = False
             try:
                 async for update in updates:
+                    times = output.samples[update.index].times
+                    previous_last = times.last
                     message = output.consume(update, self.prompts.token_text)
                     if message is None:
                         continue  # a sample that already ended on a stop string
+                    self.metrics.message(times, previous_last)
+                    if output.done:
+                        self.metrics.finished(output, message)
+                    sent = True
                     yield message
                     if output.done:
                         break
@@ -233,6 +246,8 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
                         await updates.abort(message.index)
             except SchedulerError as exc:
                 log.warning("scheduler_error", code=exc.code.name, details=exc.details)
+                if not sent:  # refused (queue full, unknown adapter, ...), not failed midway
+                    rejected(exc.code.name)
                 await context.abort(exc.code, exc.details)
             finally:
                 updates.close()  # no-op when finished; aborts the request if the client left

@@ -3,8 +3,8 @@ translate it (`*_request.py`), call the gateway (`gateway_client.py`) and transl
 answer back (`*_response.py`, `sse.py`). Every error leaves as OpenAI-shaped JSON.
 
 The client's `Authorization` header goes to the gateway as call metadata; the gateway checks
-it (UNAUTHENTICATED becomes a 401). `/health`, vLLM's `/ping` (GET or POST, the same
-answer) and `/version` need none."""
+it (UNAUTHENTICATED becomes a 401). `/health`, `/metrics` (Prometheus), vLLM's `/ping`
+(GET or POST, the same answer) and `/version` need none."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from typing import TypeVar
 import structlog
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -30,6 +31,7 @@ from services.openai_api.completion_response import CompletionChunks, Echo, comp
 from services.openai_api.errors import ApiError
 from services.openai_api.gateway_client import GatewayClient, GenerateStreams, Metadata
 from services.openai_api.lora_routes import lora_routes
+from services.openai_api.metrics import HttpMetrics, metrics_endpoint
 from services.openai_api.request_body import credentials, read_json
 from services.openai_api.sse import EventStreamResponse, chat_chunks, completion_chunks, events
 from services.openai_api.vllm_routes import vllm_routes
@@ -252,9 +254,11 @@ def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
             Route("/v1/models/{model:path}", get_model, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/ping", health, methods=["GET", "POST"]),  # vLLM's (SageMaker's) probe
+            Route("/metrics", metrics_endpoint, methods=["GET"]),
             *lora_routes(gateway),
             *vllm_routes(gateway, max_body_bytes),
         ],
+        middleware=[Middleware(HttpMetrics)],
         exception_handlers={
             ApiError: on_api_error,
             ClientDisconnected: on_client_disconnected,

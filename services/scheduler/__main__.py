@@ -7,9 +7,11 @@ import asyncio
 from common.grpc_server import ServiceHost
 from common.lifecycle import run_service, wait_for_shutdown_signal
 from common.log import get_logger, setup_logging
+from common.metrics import REGISTRY, LoopCollector, start_metrics_server
 from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler import bootstrap
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.metrics import RequestTimes, pool_families
 from services.scheduler.server import SchedulerServicer
 
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
@@ -31,8 +33,14 @@ async def serve(config: SchedulerConfig) -> None:
         task.add_done_callback(health_updates.discard)
 
     async with host.running(config.host, config.port, log, grace=2.0):
+        metrics = start_metrics_server(config.host, config.metrics_port)
         engine, model = await bootstrap.connect(config, on_serving_change)
         servicer.engine, servicer.model = engine, model
+        engine.on_finish = RequestTimes(model.name).observe
+        collector = LoopCollector(
+            asyncio.get_running_loop(), lambda: pool_families(engine, model.name)
+        )
+        REGISTRY.register(collector)
         engine.start()
         try:
             await host.set_serving(True)
@@ -41,6 +49,7 @@ async def serve(config: SchedulerConfig) -> None:
                 model=model.name,
                 max_model_len=model.max_model_len,
                 workers=list(config.workers),
+                metrics=f"{config.host}:{metrics.port}" if metrics else "off",
             )
             log.info("shutting_down", signal=await wait_for_shutdown_signal())
             # Drain: refuse new requests, let the running ones finish.
@@ -49,6 +58,9 @@ async def serve(config: SchedulerConfig) -> None:
             drained = await engine.drain(config.drain_timeout_s)
             log.info("drained" if drained else "drain_timed_out", requests=engine.num_requests)
         finally:
+            if metrics is not None:
+                metrics.close()
+            REGISTRY.unregister(collector)
             await engine.close()
 
 

@@ -25,6 +25,7 @@ draining) starts over from its prompt: the search is deterministic and nothing w
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -250,6 +251,8 @@ class BeamSteps:
         results, steps = group.results(), group.search.num_steps
         self._release(handle)
         handle.finish()
+        if self.on_finish is not None:  # metrics: the search's times, as one request
+            self.on_finish(request, time.monotonic())
         self._handles.pop(request.request_id, None)
         cached = max(0, request.num_cached_tokens)
         for index, result in enumerate(results):

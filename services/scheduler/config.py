@@ -9,6 +9,7 @@ from common.config import (
     drain_timeout_setting,
     host_setting,
     log_level_setting,
+    metrics_port_setting,
     port_setting,
     setting,
 )
@@ -26,6 +27,7 @@ class SchedulerConfig(ServiceConfig):
     )
     host: str = host_setting("TANDEM_SCHEDULER_HOST")
     port: int = port_setting(50052, "TANDEM_SCHEDULER_PORT")
+    metrics_port: int = metrics_port_setting("TANDEM_SCHEDULER_METRICS_PORT")
     max_num_batched_tokens: int = setting(
         2048,
         "token budget of one step on one worker (longer prompts are chunked); must not "

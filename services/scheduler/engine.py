@@ -141,6 +141,8 @@ class Engine(Recovery, BeamSteps):
         self.num_worker_failures = 0
         self.num_restarted_requests = 0
         self.num_rejected_requests = 0
+        # Called with each finished request and the time (metrics: RequestTimes.observe).
+        self.on_finish: Callable[[Request, float], None] | None = None
 
     # -- public --------------------------------------------------------------------------
     def start(self) -> None:
@@ -453,6 +455,8 @@ class Engine(Recovery, BeamSteps):
                 )
             )
         now = time.monotonic()
+        if self.on_finish is not None:
+            self.on_finish(request, now)
         n_out = len(request.output_token_ids)
         first = request.first_token_time
         with bind_request(request.request_id):

@@ -23,6 +23,7 @@ another decode pool with their KV (`pool_migration.py`). Pure Python.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from services.scheduler.block_manager import BlockManager
@@ -79,6 +80,9 @@ class PoolScheduler(Migration):
         # stay in the worker's batch until their blocks here are freed.
         self.migrating = False
         self._leaving: dict[str, Request] = {}
+        # Prefix cache, in tokens (vLLM's): the tokens of requests that looked it up on
+        # admission, and the tokens found there.
+        self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
         self.num_preemptions = 0
         self.num_swap_outs = 0
@@ -374,6 +378,9 @@ class PoolScheduler(Migration):
                 continue
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = start if hits else 0
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = time.monotonic()
+                self.num_prefix_query_tokens += request.num_tokens
                 self.num_prefix_hit_tokens += request.num_cached_tokens
             self.running.append(request)
             budget -= num_new

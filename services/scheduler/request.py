@@ -70,6 +70,9 @@ class Request:
     num_accepted_tokens: int = 0
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    # First admitted to run (metrics: queue time = this - arrival, prefill time = first
+    # token - this).
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
 
     @property

@@ -52,6 +52,19 @@ def served_names_args(args: argparse.Namespace) -> dict[str, list[str]]:
     return {"gateway": ["--served-model-name", *args.served_model_name]}
 
 
+def metrics_ports(args: argparse.Namespace) -> tuple[int, ...]:
+    """--metrics-port-base N: the gateway's metrics on N, the scheduler's on N+1, the
+    workers' on N+2... (0: off)."""
+    if not args.metrics_port_base:
+        return ()
+    if not 1024 <= args.metrics_port_base <= 65535 - 2 - args.prefill - args.decode - args.both:
+        raise ValueError(
+            f"--metrics-port-base must leave room for every service's port in 1024..65535, "
+            f"got {args.metrics_port_base}"
+        )
+    return _ports(args.metrics_port_base, 2 + args.prefill + args.decode + args.both)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     existing = Stack.load(args.run_dir)
@@ -75,6 +88,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         http_port=None if args.no_http else args.http_port,
         extra_args=worker_args(args) | served_names_args(args),
+        metrics_ports=metrics_ports(args),
     )
     print(
         "starting "
@@ -91,6 +105,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"\nTandem is serving {Path(spec.model).name} ({time.perf_counter() - started:.1f}s)")
     for process in stack.processes:
         print(f"  {process.name:<14} {process.address:<22} pid {process.pid}")
+    scraped = [p for p in stack.processes if p.metrics]
+    if scraped:
+        print("\nPrometheus metrics (GET /metrics):")
+        print("\n".join(f"  {p.name:<14} http://{p.metrics}/metrics" for p in scraped))
     print(f"""
 Call it:
   {_short(Path(sys.executable))} -m services.client "The meaning of life is" --max-tokens 32
@@ -125,7 +143,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 1
     statuses = [(p, process_health(p)) for p in stack.processes]
     for process, status in statuses:
-        print(f"  {process.name:<14} {process.address:<22} {status}")
+        metrics = f"  metrics http://{process.metrics}/metrics" if process.metrics else ""
+        print(f"  {process.name:<14} {process.address:<22} {status:<12}{metrics}".rstrip())
     return 0 if all(s == "SERVING" for _, s in statuses) else 1
 
 
@@ -168,6 +187,13 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=[],
         help="the model's name(s) for clients (vLLM's flag); default: the folder's name",
+    )
+    up.add_argument(
+        "--metrics-port-base",
+        type=int,
+        default=0,
+        help="serve Prometheus metrics: gateway on this port, scheduler on +1, workers on +2... "
+        "(the HTTP front always serves GET /metrics on its own port; 0 = off)",
     )
     up.add_argument("--log-level", default="info")
     up.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for SERVING")

@@ -48,6 +48,10 @@ class StackSpec:
     log_level: str = "info"
     # The OpenAI-compatible HTTP front's port (python -m services.openai_api); None = none.
     http_port: int | None = None
+    # Prometheus endpoints (--metrics-port) of the gRPC services, in the order gateway,
+    # scheduler, then the workers (prefill, decode, both); () = off. The HTTP front serves
+    # GET /metrics on its own port.
+    metrics_ports: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.both_ports and (self.prefill_ports or self.decode_ports):
@@ -57,12 +61,34 @@ class StackSpec:
         ports = [self.gateway_port, self.scheduler_port, *self.worker_ports]
         if self.http_port is not None:
             ports.append(self.http_port)
+        if self.metrics_ports and len(self.metrics_ports) != 2 + len(self.worker_ports):
+            raise ValueError(
+                f"metrics_ports needs {2 + len(self.worker_ports)} ports (gateway, scheduler, "
+                f"each worker), got {len(self.metrics_ports)}"
+            )
+        ports += self.metrics_ports
         if len(set(ports)) != len(ports):
             raise ValueError(f"ports must be distinct, got {ports}")
 
     @property
     def worker_ports(self) -> list[int]:
         return [*self.prefill_ports, *self.decode_ports, *self.both_ports]
+
+    def metrics_port(self, name: str) -> int | None:
+        """The metrics port of service `name` ('gateway', 'scheduler', 'decode-50071')."""
+        if not self.metrics_ports:
+            return None
+        workers = [
+            f"{role}-{p}"
+            for role, ports in (
+                ("prefill", self.prefill_ports),
+                ("decode", self.decode_ports),
+                ("both", self.both_ports),
+            )
+            for p in ports
+        ]
+        names = ["gateway", "scheduler", *workers]
+        return dict(zip(names, self.metrics_ports, strict=True)).get(name)
 
     @property
     def gateway_address(self) -> str:
@@ -84,10 +110,13 @@ class StackSpec:
         decode: int = 1,
         both: int = 0,
         http: bool = False,
+        metrics: bool = False,
         **kwargs,
     ) -> StackSpec:
-        """Every service on a free loopback port; `http` adds the HTTP front on one too."""
-        ports = iter(_distinct_free_ports(2 + prefill + decode + both + int(http)))
+        """Every service on a free loopback port; `http` adds the HTTP front on one too,
+        `metrics` a metrics port for each gRPC service."""
+        num_grpc = 2 + prefill + decode + both
+        ports = iter(_distinct_free_ports(num_grpc * (1 + int(metrics)) + int(http)))
         return cls(
             model=model,
             gateway_port=next(ports),
@@ -96,6 +125,7 @@ class StackSpec:
             decode_ports=tuple(next(ports) for _ in range(decode)),
             both_ports=tuple(next(ports) for _ in range(both)),
             http_port=next(ports) if http else None,
+            metrics_ports=tuple(next(ports) for _ in range(num_grpc)) if metrics else (),
             **kwargs,
         )
 
@@ -116,6 +146,7 @@ class Process:
     pid: int
     log: str
     probe: str = "grpc"  # how its health is read: grpc.health.v1, or "http" GET /health
+    metrics: str | None = None  # where Prometheus scrapes it (host:port), if anywhere
 
 
 def process_health(process: Process, tls: TlsSettings | None = None) -> str:
@@ -209,6 +240,9 @@ def _commands(spec: StackSpec) -> list[tuple[str, str, list[str]]]:
             *spec.extra_args.get("http", ()),
         ]
         out.append(("http", spec.http_address, http))
+    for name, _, argv in out:
+        if name != "http" and spec.metrics_port(name) is not None:
+            argv += ["--metrics-port", str(spec.metrics_port(name))]
     return out
 
 
@@ -240,7 +274,14 @@ class Stack:
                 start_new_session=True,
             )
         probe = "http" if name == "http" else "grpc"
-        return Process(name, address, proc.pid, str(log_path), probe)
+        return Process(name, address, proc.pid, str(log_path), probe, self._metrics_at(name))
+
+    def _metrics_at(self, name: str) -> str | None:
+        """host:port of the service's GET /metrics (the HTTP front's is its own port)."""
+        if name == "http":
+            return self.spec.http_address
+        port = self.spec.metrics_port(name)
+        return None if port is None else f"{self.spec.host}:{port}"
 
     def process(self, name: str) -> Process:
         """The service called `name` ("gateway", "scheduler", "decode-50071", ...)."""
@@ -328,8 +369,8 @@ class Stack:
             return None
         state = json.loads(path.read_text())
         spec = state["spec"]
-        for key in ("prefill_ports", "decode_ports", "both_ports"):
-            spec[key] = tuple(spec[key])
+        for key in ("prefill_ports", "decode_ports", "both_ports", "metrics_ports"):
+            spec[key] = tuple(spec.get(key, ()))
         return cls(StackSpec(**spec), Path(run_dir), [Process(**p) for p in state["processes"]])
 
     def alive(self, process: Process) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from common.grpc_server import ServiceHost
 from common.lifecycle import run_service, wait_for_shutdown_signal
 from common.log import get_logger, setup_logging
+from common.metrics import start_metrics_server
 from common.pb.tandem.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.worker.config import WorkerConfig
 from services.worker.server import WorkerServicer
@@ -21,10 +22,15 @@ async def serve(config: WorkerConfig) -> None:
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, host.server)
     async with host.running(config.host, config.port, log, grace=2.0) as port:
         worker_id = config.worker_id or f"{config.role}-{port}"
+        metrics = start_metrics_server(config.host, config.metrics_port)
         servicer.worker = await Worker.load(config, worker_id)
         try:
             await host.set_serving(True)
-            log.info("serving", worker_id=worker_id)
+            log.info(
+                "serving",
+                worker_id=worker_id,
+                metrics=f"{config.host}:{metrics.port}" if metrics else "off",
+            )
             log.info("shutting_down", signal=await wait_for_shutdown_signal())
             # Drain: NOT_SERVING tells the scheduler to place nothing new here; the
             # requests this worker holds run to the end.
@@ -32,6 +38,8 @@ async def serve(config: WorkerConfig) -> None:
             drained = await servicer.drain(config.drain_timeout_s)
             log.info("drained" if drained else "drain_timed_out")
         finally:
+            if metrics is not None:
+                metrics.close()
             await servicer.worker.close()
 
 

@@ -9,6 +9,7 @@ from common.config import (
     drain_timeout_setting,
     host_setting,
     log_level_setting,
+    metrics_port_setting,
     port_setting,
     setting,
 )
@@ -34,6 +35,7 @@ class WorkerConfig(ServiceConfig):
     )
     host: str = host_setting("TANDEM_WORKER_HOST")
     port: int = port_setting(50061, "TANDEM_WORKER_PORT")
+    metrics_port: int = metrics_port_setting("TANDEM_WORKER_METRICS_PORT")
     worker_id: str = setting(
         "", "stable id of this worker (default: <role>-<port>)", env="TANDEM_WORKER_ID"
     )

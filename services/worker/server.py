@@ -17,6 +17,7 @@ from common.structured_output import ConstraintError, constraint_from_pb
 from services.worker.batch import PlanError
 from services.worker.kv_pull import KvMapError, KvSource
 from services.worker.kv_transfer import KvTransferError
+from services.worker.metrics import WorkerMetrics
 from services.worker.step_output_wire import step_response_pb
 from services.worker.step_wire import plan_from_pb
 from services.worker.worker import KV_LAYOUT, LoraDisabledError, Worker
@@ -40,8 +41,17 @@ def kv_source_from_pb(source: worker_pb2.KvSource) -> KvSource:
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self) -> None:
         self.worker: Worker | None = None
+        self._metrics: WorkerMetrics | None = None
         self._step_stream_id = 0
         self._open_streams = 0
+
+    @property
+    def metrics(self) -> WorkerMetrics:
+        """This worker's metrics (labelled once the worker has loaded)."""
+        if self._metrics is None:
+            w = self.worker
+            self._metrics = WorkerMetrics(w.model_config.name, w.worker_id, w.role)
+        return self._metrics
 
     async def drain(self, timeout_s: float, settle_s: float = 1.0) -> bool:
         """Wait until no scheduler drives this worker, or it has held no request and no
@@ -155,6 +165,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     log.error("bad_step_plan", step_id=step_id, error=str(exc))
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
                 await worker.mark_executed(step_id)
+                self.metrics.step(output.execute_seconds)
                 if output.execute_seconds > SLOW_STEP_S:
                     log.warning(
                         "slow_step",
@@ -202,11 +213,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         except ValueError as exc:  # a layout this model cannot have
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"peer layout: {exc}")
         except KvTransferError as exc:
+            self.metrics.transfer_failed("send")
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        self.metrics.transfer("send", result.num_bytes, result.seconds)
         return worker_pb2.SendKvResponse(num_bytes=result.num_bytes, seconds=result.seconds)
 
     async def ReceiveKv(self, request, context):
         worker = await self._ready(context)
+        direction = "pull" if request.HasField("source") else "receive"
         try:
             if request.HasField("source"):
                 result = await worker.pull_kv(
@@ -215,6 +229,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     list(request.block_ids),
                     request.after_step_id,
                 )
+                self.metrics.transfer(direction, result.num_bytes, result.seconds)
                 return worker_pb2.ReceiveKvResponse(
                     num_bytes=result.num_bytes,
                     seconds=result.seconds,
@@ -235,7 +250,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         except KvMapError as exc:  # this pair of workers must use UCX
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except KvTransferError as exc:
+            self.metrics.transfer_failed(direction)
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        self.metrics.transfer(direction, result.num_bytes, result.seconds)
         return worker_pb2.ReceiveKvResponse(num_bytes=result.num_bytes, seconds=result.seconds)
 
     async def AddLora(self, request, context):

@@ -49,6 +49,8 @@ def reference(prompt_ids, k: int, n: int, max_tokens: int, early=False):
 
 async def scenario(infos, searches, greedy=2, **settings):
     async with cluster(*infos, **settings) as c:
+        finished = []  # the metrics hook: each search and each greedy request once
+        c.engine.on_finish = lambda request, now: finished.append(request.request_id)
         handles = []
         for i, (k, n, max_tokens) in enumerate(searches):
             leader = beam_leader_from_pb(
@@ -70,6 +72,8 @@ async def scenario(infos, searches, greedy=2, **settings):
         assert not errors, errors[:3]
         assert not c.engine.check_integrity()
         assert all(p.blocks.num_free_blocks == p.blocks.num_blocks for p in c.engine.pools)
+        want = [f"b{i}" for i in range(len(searches))] + [f"g{i}" for i in range(greedy)]
+        assert sorted(finished) == sorted(want)
         return results, sum(g.num_restarts for g in groups)
 
 

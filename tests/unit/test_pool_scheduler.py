@@ -138,6 +138,9 @@ def test_prefix_hit_skips_cached_blocks_but_always_recomputes_the_last_token():
     assert (item.num_computed_before, item.num_new_tokens) == (8, 3)
     assert longer.num_cached_tokens == 8
     assert s.num_prefix_hit_tokens == 12
+    # Queries (vLLM's prefix_cache_queries, in tokens): each prompt once, when admitted.
+    assert s.num_prefix_query_tokens == 8 + 8 + 11
+    assert first.first_scheduled_time <= again.first_scheduled_time <= longer.first_scheduled_time
 
 
 def test_newest_running_request_is_preempted_for_recompute_when_blocks_run_out():

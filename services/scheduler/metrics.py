@@ -1,0 +1,147 @@
+"""The scheduler's Prometheus metrics.
+
+Per pool (labels `model_name`, `worker_id`, `role`) and per engine, computed at scrape time
+on the engine's loop from the numbers `GetPoolStats` reports (`pool_families`: nothing on
+the serving path); per request, the time histograms (`RequestTimes.observe`, once when a
+request finishes). Names and meanings follow vLLM's (`vllm:` becomes `tandem:`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from prometheus_client import Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+
+from common.metrics import REQUEST_LATENCY_BUCKETS, name
+from services.scheduler.request import Request
+
+POOL_LABELS = ("model_name", "worker_id", "role")
+
+
+def _histogram(short: str, help: str) -> Histogram:
+    return Histogram(name(short), help, ["model_name"], buckets=REQUEST_LATENCY_BUCKETS)
+
+
+QUEUE_TIME = _histogram(
+    "request_queue_time_seconds", "time from arrival at the scheduler to first scheduled"
+)
+PREFILL_TIME = _histogram(
+    "request_prefill_time_seconds", "time from first scheduled to the first token"
+)
+DECODE_TIME = _histogram("request_decode_time_seconds", "time from the first token to finish")
+INFERENCE_TIME = _histogram("request_inference_time_seconds", "time from first scheduled to finish")
+
+
+class RequestTimes:
+    """The per-request time histograms of one model (the engine's `on_finish` hook)."""
+
+    def __init__(self, model_name: str) -> None:
+        self._queue = QUEUE_TIME.labels(model_name)
+        self._prefill = PREFILL_TIME.labels(model_name)
+        self._decode = DECODE_TIME.labels(model_name)
+        self._inference = INFERENCE_TIME.labels(model_name)
+
+    def observe(self, request: Request, now: float) -> None:
+        """A finished request's times (those it reached: an abort while queued has none)."""
+        scheduled, first = request.first_scheduled_time, request.first_token_time
+        if scheduled is None:
+            return
+        self._queue.observe(max(0.0, scheduled - request.arrival_time))
+        self._inference.observe(max(0.0, now - scheduled))
+        if first is not None:
+            self._prefill.observe(max(0.0, first - scheduled))
+            self._decode.observe(max(0.0, now - first))
+
+
+def _pool_family(kind, short: str, help: str) -> Metric:
+    return kind(name(short), help, labels=POOL_LABELS)
+
+
+def pool_families(engine, model_name: str) -> Iterable[Metric]:
+    """Every pool's gauges and counters and the engine's counters, as they are now (run
+    on the engine's loop)."""
+    g, c = GaugeMetricFamily, CounterMetricFamily
+    running = _pool_family(g, "num_requests_running", "requests in the pool's running batch")
+    waiting = _pool_family(g, "num_requests_waiting", "requests queued in the pool")
+    swapped = _pool_family(g, "num_requests_swapped", "requests swapped out to CPU memory")
+    usage = _pool_family(g, "kv_cache_usage_perc", "fraction of the pool's KV blocks in use")
+    blocks = _pool_family(g, "kv_cache_num_blocks", "KV blocks of the pool")
+    healthy = _pool_family(g, "worker_healthy", "1 while the worker answers its checks")
+    queries = _pool_family(
+        c, "prefix_cache_queries", "tokens of requests that looked up the prefix cache"
+    )
+    hits = _pool_family(c, "prefix_cache_hits", "prompt tokens found in the prefix cache")
+    preemptions = _pool_family(c, "num_preemptions", "requests preempted for lack of KV blocks")
+    prompt_computed = _pool_family(
+        c, "prompt_tokens_computed", "prompt (and recomputed) tokens the pool computed"
+    )
+    transfers = _pool_family(c, "kv_transfers", "KV transfers received by the pool")
+    blocks_received = _pool_family(c, "kv_blocks_received", "KV blocks received by the pool")
+    drafts = _pool_family(c, "spec_decode_num_drafts", "request-steps that verified proposals")
+    draft_tokens = _pool_family(c, "spec_decode_num_draft_tokens", "proposed tokens")
+    accepted = _pool_family(c, "spec_decode_num_accepted_tokens", "accepted proposed tokens")
+    for pool in engine.pools:
+        labels = [model_name, pool.info.worker_id, pool.info.role]
+        s, kv = pool.scheduler, pool.blocks
+        running.add_metric(labels, len(s.running))
+        waiting.add_metric(labels, len(s.waiting))
+        swapped.add_metric(labels, len(s.swapped))
+        num_blocks = kv.num_blocks
+        usage.add_metric(
+            labels, (num_blocks - kv.num_free_blocks) / num_blocks if num_blocks else 0.0
+        )
+        blocks.add_metric(labels, num_blocks)
+        healthy.add_metric(labels, float(pool.healthy))
+        queries.add_metric(labels, s.num_prefix_query_tokens)
+        hits.add_metric(labels, s.num_prefix_hit_tokens)
+        preemptions.add_metric(labels, s.num_preemptions)
+        prompt_computed.add_metric(labels, s.num_prompt_tokens_computed)
+        transfers.add_metric(labels, pool.counters.kv_transfers)
+        blocks_received.add_metric(labels, pool.counters.kv_blocks_received)
+        drafts.add_metric(labels, s.spec_decode.num_steps)
+        draft_tokens.add_metric(labels, s.spec_decode.num_draft_tokens)
+        accepted.add_metric(labels, s.spec_decode.num_accepted_tokens)
+    yield from (running, waiting, swapped, usage, blocks, healthy, queries, hits, preemptions)
+    yield from (prompt_computed, transfers, blocks_received, drafts, draft_tokens, accepted)
+    yield from engine_families(engine, model_name)
+
+
+def engine_families(engine, model_name: str) -> Iterable[Metric]:
+    """The engine's counters, and vLLM's `lora_requests_info`."""
+    for short, help, value in (
+        ("worker_failures", "workers declared failed", engine.num_worker_failures),
+        ("restarted_requests", "requests restarted after a failure",
+         engine.num_restarted_requests),
+        ("queue_rejections", "requests refused: the waiting queue was full",
+         engine.num_rejected_requests),
+    ):  # fmt: skip
+        family = CounterMetricFamily(name(short), help, labels=["model_name"])
+        family.add_metric([model_name], value)
+        yield family
+    yield lora_info(engine, model_name)
+
+
+def lora_info(engine, model_name: str) -> Metric:
+    """vLLM's `lora_requests_info`: one sample whose labels list the adapters of running and
+    waiting requests, its value the time of the scrape."""
+    running: set[str] = set()
+    waiting: set[str] = set()
+    max_lora = 0
+    for pool in engine.pools:
+        s = pool.scheduler
+        max_lora = max(max_lora, s.max_loras)
+        running.update(r.lora_name for r in s.running if r.lora_name)
+        waiting.update(r.lora_name for q in (s.waiting, s.swapped) for r in q if r.lora_name)
+    family = GaugeMetricFamily(
+        name("lora_requests_info"),
+        "LoRA adapters of running and waiting requests (value: scrape time)",
+        labels=["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+    )
+    family.add_metric(
+        [model_name, str(max_lora), ",".join(sorted(running)), ",".join(sorted(waiting))],
+        time.time(),
+    )
+    return family
