@@ -76,6 +76,7 @@ class SampleOutput:
         self.num_draft_tokens = 0  # speculative decoding, from the sample's last message
         self.num_accepted_tokens = 0
         self.finished = False
+        self.finish_reason = generate_pb2.FINISH_REASON_UNSPECIFIED  # set when finished
         self.times = SampleTimes()
 
     def consume(self, update: scheduler_pb2.SubmitResponse, now: float):
@@ -133,6 +134,8 @@ class SampleOutput:
                 out.finish_reason = FINISH_FROM_PB[update.finish_reason]
             self.finished = True
         out.text = "".join(text)
+        if self.finished:
+            self.finish_reason = out.finish_reason
         self.times.record(now, len(out.token_ids))
         return out
 

@@ -3,7 +3,8 @@ translate it (`*_request.py`), call the gateway (`gateway_client.py`) and transl
 answer back (`*_response.py`, `sse.py`). Every error leaves as OpenAI-shaped JSON.
 
 The client's `Authorization` header goes to the gateway as call metadata; the gateway checks
-it (UNAUTHENTICATED becomes a 401). `/health` needs none."""
+it (UNAUTHENTICATED becomes a 401). `/health` needs none. With tracing on, each request is a
+span (`http_trace.py`) that the Generate calls carry to the gateway."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ from typing import TypeVar
 import structlog
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from common.log import get_logger
+from common.tracing import enabled, outgoing_metadata
 from services.openai_api.chat_request import parse_chat
 from services.openai_api.chat_response import ChatChunks, chat_body
 from services.openai_api.collect import Collector, Meta
@@ -27,6 +30,7 @@ from services.openai_api.completion_request import CompletionRequest, parse_comp
 from services.openai_api.completion_response import CompletionChunks, completion_body
 from services.openai_api.errors import ApiError
 from services.openai_api.gateway_client import GatewayClient, GenerateStreams, Metadata
+from services.openai_api.http_trace import HttpTracing
 from services.openai_api.lora_routes import lora_routes
 from services.openai_api.request_body import credentials, read_json
 from services.openai_api.sse import EventStreamResponse, chat_chunks, completion_chunks, events
@@ -95,7 +99,8 @@ def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
     started = int(time.time())
 
     async def open_streams(request: Request, requests) -> GenerateStreams:
-        streams = gateway.generate(requests, credentials(request))
+        # The HTTP span (when traced) goes to the gateway as the calls' traceparent.
+        streams = gateway.generate(requests, (*credentials(request), *outgoing_metadata()))
         await until_disconnect(request, streams.start())
         structlog.contextvars.bind_contextvars(request_id=streams.request_ids[0])
         return streams
@@ -181,6 +186,7 @@ def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
             Route("/health", health, methods=["GET"]),
             *lora_routes(gateway),
         ],
+        middleware=[Middleware(HttpTracing)] if enabled() else [],
         exception_handlers={
             ApiError: on_api_error,
             ClientDisconnected: on_client_disconnected,

@@ -251,6 +251,8 @@ class BeamSteps:
         self._release(handle)
         handle.finish()
         self._handles.pop(request.request_id, None)
+        if handle.trace is not None:
+            handle.trace.sample_finished(request, None)
         cached = max(0, request.num_cached_tokens)
         for index, result in enumerate(results):
             handle.events.put_nowait(Tokens(index, list(result.tokens), cached_tokens=cached))

@@ -1,0 +1,163 @@
+"""OpenTelemetry tracing across a real stack (HTTP front, gateway, scheduler, a prefill and a
+decode worker moving KV over UCX), exporting over OTLP/gRPC to a collector run here (the
+TraceService of opentelemetry-proto, spans kept in memory): one request with a client's
+`traceparent` gives one trace, a span from every hop with the right parents; a stack
+started without OTEL_EXPORTER_OTLP_ENDPOINT exports nothing."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from concurrent import futures
+from contextlib import contextmanager
+
+import grpc
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from common.pb.tandem.v1 import generate_pb2_grpc
+from tests.stack_client import greedy_request, wait_until_idle
+
+CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
+CLIENT_SPAN = "b7ad6b7169203331"
+TRACEPARENT = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
+OTLP_DEFAULT_PORT = 4317  # where an exporter sends when no endpoint is configured
+
+
+class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+    """Keeps every exported span as (service.name, span)."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, object]] = []
+        self._lock = threading.Lock()
+
+    def Export(self, request, context):
+        with self._lock:
+            for resource_spans in request.resource_spans:
+                service = next(
+                    a.value.string_value
+                    for a in resource_spans.resource.attributes
+                    if a.key == "service.name"
+                )
+                for scope_spans in resource_spans.scope_spans:
+                    self.spans.extend((service, span) for span in scope_spans.spans)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def snapshot(self) -> list[tuple[str, object]]:
+        with self._lock:
+            return list(self.spans)
+
+
+@contextmanager
+def collector(port: int = 0):
+    """An OTLP/gRPC trace collector on 127.0.0.1:`port` (0: a free one): (it, its port)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    kept = Collector()
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(kept, server)
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    if not bound:
+        pytest.fail(f"the test collector cannot listen on 127.0.0.1:{port} (in use?)")
+    server.start()
+    try:
+        yield kept, bound
+    finally:
+        server.stop(0)
+
+
+def hex_id(raw: bytes) -> str:
+    return raw.hex()
+
+
+def attribute(span, key: str):
+    for a in span.attributes:
+        if a.key == key:
+            value = a.value
+            return getattr(value, value.WhichOneof("value"))
+    return None
+
+
+# (service.name, span name) of every span one request must leave, and its parent's.
+EXPECTED_PARENTS = {
+    ("tandem-http", "POST /v1/completions"): None,  # the client's span
+    ("tandem-gateway", "text_completion"): ("tandem-http", "POST /v1/completions"),
+    ("tandem-gateway", "tokenize"): ("tandem-gateway", "text_completion"),
+    ("tandem-scheduler", "llm_request"): ("tandem-gateway", "text_completion"),
+    ("tandem-worker-prefill", "prefill"): ("tandem-scheduler", "llm_request"),
+    ("tandem-scheduler", "kv_transfer"): ("tandem-scheduler", "llm_request"),
+    ("tandem-worker-prefill", "kv_send"): ("tandem-scheduler", "kv_transfer"),
+    ("tandem-worker-decode", "kv_receive"): ("tandem-scheduler", "kv_transfer"),
+    ("tandem-worker-decode", "decode"): ("tandem-scheduler", "llm_request"),
+}
+
+
+def short_name(name: str) -> str:
+    """`text_completion <model>` -> `text_completion` (the model is the stack's path)."""
+    return name.split(" ")[0] if name.startswith("text_completion ") else name
+
+
+def test_one_trace_through_every_hop(launch_stack):
+    with collector() as (kept, port):
+        stack = launch_stack(
+            http=True,
+            env={
+                "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+                "OTEL_BSP_SCHEDULE_DELAY": "50",  # ms: export soon after a span ends
+                "TANDEM_KV_TRANSFER_SHARED_MEMORY": "false",  # KV over UCX: SendKv too
+            },
+        )
+        body = {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        http = urllib.request.Request(
+            f"http://{stack.spec.http_address}/v1/completions",
+            data=json.dumps(body).encode(),
+            method="POST",
+            headers={"Content-Type": "application/json", "traceparent": TRACEPARENT},
+        )
+        with urllib.request.urlopen(http, timeout=60) as response:
+            usage = json.load(response)["usage"]
+        wait_until_idle(stack)  # the workers have dropped the request: spans ended
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            got = {(s, short_name(span.name)): span for s, span in kept.snapshot()}
+            if set(EXPECTED_PARENTS) <= set(got):
+                break
+            time.sleep(0.1)
+        spans = kept.snapshot()
+
+    got = {(s, short_name(span.name)): span for s, span in spans}
+    assert set(EXPECTED_PARENTS) <= set(got), sorted(set(got))
+    assert {hex_id(span.trace_id) for _, span in spans} == {CLIENT_TRACE}
+    # One of each: one request, one span per hop (none per step or token).
+    assert len(spans) == len(EXPECTED_PARENTS), sorted((s, sp.name) for s, sp in spans)
+    for key, parent in EXPECTED_PARENTS.items():
+        expected = CLIENT_SPAN if parent is None else hex_id(got[parent].span_id)
+        assert hex_id(got[key].parent_span_id) == expected, (key, parent)
+    gateway = got[("tandem-gateway", "text_completion")]
+    assert attribute(gateway, "gen_ai.usage.input_tokens") == usage["prompt_tokens"]
+    assert attribute(gateway, "gen_ai.usage.output_tokens") == usage["completion_tokens"] == 4
+    assert attribute(gateway, "gen_ai.request.max_tokens") == 4
+    scheduler = got[("tandem-scheduler", "llm_request")]
+    stages = [e.name for e in scheduler.events]
+    assert stages == ["handoff", "transfer", "decode", "released", "done"]
+    assert attribute(got[("tandem-worker-decode", "kv_receive")], "tandem.kv.mode") == "ucx"
+    assert (
+        attribute(got[("tandem-http", "POST /v1/completions")], "http.response.status_code") == 200
+    )
+
+
+def test_a_stack_without_an_endpoint_exports_nothing(api_stack):
+    """api_stack runs with this process's environment: no OTEL endpoint. A collector on the
+    OTLP default port would receive whatever an exporter with no endpoint set sends."""
+    with collector(OTLP_DEFAULT_PORT) as (kept, _):
+        request = greedy_request("Once upon a time", 4)
+        with grpc.insecure_channel(api_stack.spec.gateway_address) as channel:
+            stub = generate_pb2_grpc.GenerateServiceStub(channel)
+            # A client's traceparent is accepted (and goes nowhere).
+            messages = list(stub.Generate(request, metadata=[("traceparent", TRACEPARENT)]))
+        assert messages[-1].usage.completion_tokens == 4
+        wait_until_idle(api_stack)
+        # A batch processor exports within its delay (OTEL_BSP_SCHEDULE_DELAY, 5 s by
+        # default): wait that long for spans that must not come.
+        time.sleep(5.5)
+        assert kept.snapshot() == []
