@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from common.lifecycle import wait_until
 from common.log import bind_request, get_logger
+from common.tracing import enabled as tracing_enabled
 from services.scheduler.beam_group import BeamSteps
 from services.scheduler.grammar_gate import GrammarGate
 from services.scheduler.handle import Finished, RequestHandle, Stage, Tokens
@@ -39,7 +40,7 @@ from services.scheduler.pool_scheduler import PoolScheduler
 from services.scheduler.prefix_hash import root_hash
 from services.scheduler.recovery import Recovery
 from services.scheduler.request import FinishReason, Request
-from services.scheduler.request_trace import RequestTrace
+from services.scheduler.request_trace import RequestTrace, note_scheduled
 from services.scheduler.worker_types import StepResult, WorkerInfo, WorkerUnavailableError
 
 log = get_logger(__name__)
@@ -324,6 +325,8 @@ class Engine(Recovery, BeamSteps):
                 self._requeue(self._handles[victim.request_id])
             if not plan.is_empty:
                 step_id = await pool.client.send_step(plan)
+                if tracing_enabled():  # one check per step
+                    note_scheduled(plan, self._handles, pool.info.worker_id, step_id)
                 if not pool.scheduler.runs_decodes:  # prompt chunks: stream their KV
                     for item in plan.scheduled:
                         handle = self._handles[item.request.request_id]

@@ -1,7 +1,8 @@
 """The scheduler's span of one submitted request (`llm_request`, as vLLM names it), a child
 of the gateway's span (the submit's `traceparent` field): the request's stage changes
-(`handle.py`: prefill when queued again, handoff, transfer, decode, released, done) are
-timestamped events on it (its start is the arrival), each KV
+(`handle.py`: prefill when queued again, handoff, transfer, decode, released, done) and
+`scheduled` (a step takes it into a worker's batch) are timestamped events on it (its start
+is the arrival), each KV
 transfer is a child span (`kv_transfer`, current while its SendKv / ReceiveKv calls run, so
 they carry it to the workers in their metadata), and the workers continue the trace from
 the `traceparent` sent once in each sample's NewRequest. The span ends when the request's
@@ -13,7 +14,9 @@ one `is None` each. No grpc here.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING
 
 from opentelemetry.trace import use_span
 
@@ -27,6 +30,9 @@ from common.tracing import (
     start_span,
 )
 from services.scheduler.request import Request
+
+if TYPE_CHECKING:
+    from services.scheduler.handle import RequestHandle
 
 
 class RequestTrace:
@@ -71,6 +77,18 @@ class RequestTrace:
         """A sample moved to `stage` (an event, timestamped now)."""
         name = "released" if stage == "recovering" else stage  # before a restart or the end
         self.span.add_event(name, {"tandem.sample_index": request.index})
+
+    def scheduled(self, request: Request, worker_id: str, step_id: int) -> None:
+        """A step (sent to `worker_id`) takes the sample into that worker's batch."""
+        self.span.add_event(
+            "scheduled",
+            {
+                "tandem.sample_index": request.index,
+                "tandem.worker.id": worker_id,
+                "tandem.step_id": step_id,
+                "tandem.num_computed_tokens": request.num_computed_tokens,
+            },
+        )
 
     def transfer_span(
         self, request: Request, src_worker: str, dst_worker: str
@@ -121,3 +139,13 @@ def transfer_span(
     if trace is None:
         return nullcontext()
     return trace.transfer_span(request, src_worker, dst_worker)
+
+
+def note_scheduled(plan, handles: Mapping[str, RequestHandle], worker_id: str, step_id: int):
+    """`scheduled` events for the traced requests a plan brings to its worker (once per
+    request and worker: `is_new`); the engine calls it only while tracing is on."""
+    for item in plan.scheduled:
+        if item.is_new:
+            handle = handles.get(item.request.request_id)  # a beam's is not there
+            if handle is not None and handle.trace is not None:
+                handle.trace.scheduled(item.request, worker_id, step_id)

@@ -139,7 +139,9 @@ def test_one_trace_through_every_hop(launch_stack):
     assert attribute(gateway, "gen_ai.request.max_tokens") == 4
     scheduler = got[("tandem-scheduler", "llm_request")]
     stages = [e.name for e in scheduler.events]
-    assert stages == ["handoff", "transfer", "decode", "released", "done"]
+    assert stages == ["scheduled", "handoff", "transfer", "decode", "scheduled", "released", "done"]
+    workers = [attribute(e, "tandem.worker.id") for e in scheduler.events if e.name == "scheduled"]
+    assert [w.split("-")[0] for w in workers] == ["prefill", "decode"]
     assert attribute(got[("tandem-worker-decode", "kv_receive")], "tandem.kv.mode") == "ucx"
     assert (
         attribute(got[("tandem-http", "POST /v1/completions")], "http.response.status_code") == 200
