@@ -1,8 +1,9 @@
 """OpenTelemetry tracing across a real stack (HTTP front, gateway, scheduler, a prefill and a
 decode worker moving KV over UCX), exporting over OTLP/gRPC to a collector run here (the
 TraceService of opentelemetry-proto, spans kept in memory): one request with a client's
-`traceparent` gives one trace, a span from every hop with the right parents; a stack
-started without OTEL_EXPORTER_OTLP_ENDPOINT exports nothing."""
+`traceparent` gives one trace, a span from every hop with the right parents; a call the
+gateway refuses leaves one failed span; a stack started without OTEL_EXPORTER_OTLP_ENDPOINT
+exports nothing."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ from tests.stack_client import greedy_request, wait_until_idle
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN = "b7ad6b7169203331"
 TRACEPARENT = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
+REFUSED_TRACE = "5b8efff798038103d269b633813fc60c"
+REFUSED_SPAN = "eee19b7ec3c1b174"
+REFUSED_PARENT = f"00-{REFUSED_TRACE}-{REFUSED_SPAN}-01"
 OTLP_DEFAULT_PORT = 4317  # where an exporter sends when no endpoint is configured
 
 
@@ -97,6 +101,22 @@ def short_name(name: str) -> str:
     return name.split(" ")[0] if name.startswith("text_completion ") else name
 
 
+def wait_for_spans(kept: Collector, done, timeout_s: float = 20.0) -> list[tuple[str, object]]:
+    """The collector's spans once `done(spans)` holds (or as they are after timeout_s)."""
+    deadline = time.monotonic() + timeout_s
+    while not done(spans := kept.snapshot()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return spans
+
+
+def of_trace(spans, trace_id: str) -> dict[tuple[str, str], object]:
+    return {
+        (service, short_name(span.name)): span
+        for service, span in spans
+        if hex_id(span.trace_id) == trace_id
+    }
+
+
 def test_one_trace_through_every_hop(launch_stack):
     with collector() as (kept, port):
         stack = launch_stack(
@@ -117,19 +137,25 @@ def test_one_trace_through_every_hop(launch_stack):
         with urllib.request.urlopen(http, timeout=60) as response:
             usage = json.load(response)["usage"]
         wait_until_idle(stack)  # the workers have dropped the request: spans ended
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            got = {(s, short_name(span.name)): span for s, span in kept.snapshot()}
-            if set(EXPECTED_PARENTS) <= set(got):
-                break
-            time.sleep(0.1)
-        spans = kept.snapshot()
+        spans = wait_for_spans(
+            kept, lambda s: set(EXPECTED_PARENTS) <= set(of_trace(s, CLIENT_TRACE))
+        )
 
-    got = {(s, short_name(span.name)): span for s, span in spans}
-    assert set(EXPECTED_PARENTS) <= set(got), sorted(set(got))
-    assert {hex_id(span.trace_id) for _, span in spans} == {CLIENT_TRACE}
+        # A call the gateway refuses (a gRPC client's, straight to it) ends its span failed.
+        refused = greedy_request("Once upon a time", 4)
+        refused.sampling.temperature = -1.0
+        with grpc.insecure_channel(stack.spec.gateway_address) as channel:
+            stub = generate_pb2_grpc.GenerateServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as error:
+                list(stub.Generate(refused, metadata=[("traceparent", REFUSED_PARENT)]))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        spans = wait_for_spans(kept, lambda s: of_trace(s, REFUSED_TRACE))
+
+    assert {hex_id(span.trace_id) for _, span in spans} == {CLIENT_TRACE, REFUSED_TRACE}
+    got = of_trace(spans, CLIENT_TRACE)
+    assert set(EXPECTED_PARENTS) <= set(got), sorted(got)
     # One of each: one request, one span per hop (none per step or token).
-    assert len(spans) == len(EXPECTED_PARENTS), sorted((s, sp.name) for s, sp in spans)
+    assert sum(hex_id(sp.trace_id) == CLIENT_TRACE for _, sp in spans) == len(EXPECTED_PARENTS)
     for key, parent in EXPECTED_PARENTS.items():
         expected = CLIENT_SPAN if parent is None else hex_id(got[parent].span_id)
         assert hex_id(got[key].parent_span_id) == expected, (key, parent)
@@ -143,9 +169,15 @@ def test_one_trace_through_every_hop(launch_stack):
     workers = [attribute(e, "tandem.worker.id") for e in scheduler.events if e.name == "scheduled"]
     assert [w.split("-")[0] for w in workers] == ["prefill", "decode"]
     assert attribute(got[("tandem-worker-decode", "kv_receive")], "tandem.kv.mode") == "ucx"
-    assert (
-        attribute(got[("tandem-http", "POST /v1/completions")], "http.response.status_code") == 200
-    )
+    http_span = got[("tandem-http", "POST /v1/completions")]
+    assert attribute(http_span, "http.response.status_code") == 200
+
+    (only,) = of_trace(spans, REFUSED_TRACE).items()  # refused before the scheduler
+    (service, name), span = only
+    assert (service, name) == ("tandem-gateway", "text_completion")
+    assert hex_id(span.parent_span_id) == REFUSED_SPAN
+    assert span.status.code == span.status.STATUS_CODE_ERROR
+    assert span.status.message.startswith("INVALID_ARGUMENT: sampling.temperature")
 
 
 def test_a_stack_without_an_endpoint_exports_nothing(api_stack):
