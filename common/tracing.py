@@ -28,8 +28,6 @@ from opentelemetry.trace import (
     SpanKind,
     StatusCode,
     Tracer,
-    format_span_id,
-    format_trace_id,
     set_span_in_context,
     use_span,
 )
@@ -186,12 +184,6 @@ def rpc_span(
         return nullcontext()
     parent = context_from_metadata(context.invocation_metadata())
     return use_span(start_span(name, parent, SpanKind.SERVER, attributes), end_on_exit=True)
-
-
-def span_ids(span: Span) -> tuple[str, str]:
-    """(trace id, span id) in hex, as they appear in a traceparent and in logs."""
-    context = span.get_span_context()
-    return format_trace_id(context.trace_id), format_span_id(context.span_id)
 
 
 def end_span(
