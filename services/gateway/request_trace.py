@@ -93,7 +93,7 @@ class GenerateTrace:
         if output is not None:
             usage = output.usage()
             timings = output.timings(time.monotonic())
-            reasons = [FINISH_NAMES[s.finish_reason] for s in output.samples if s.finished]
+            reasons = [FINISH_NAMES.get(s.finish_reason, "") for s in output.samples if s.finished]
             attributes = {
                 "gen_ai.usage.output_tokens": usage.completion_tokens,
                 "gen_ai.usage.input_tokens": usage.prompt_tokens,

@@ -27,6 +27,8 @@ TRACEPARENT = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
 REFUSED_TRACE = "5b8efff798038103d269b633813fc60c"
 REFUSED_SPAN = "eee19b7ec3c1b174"
 REFUSED_PARENT = f"00-{REFUSED_TRACE}-{REFUSED_SPAN}-01"
+SAMPLES_TRACE = "6c9a2f1e0d3b4a5968778695a4b3c2d1"
+BEAM_TRACE = "7d0b3e2f1c4a5b6978695a4b3c2d1e0f"
 OTLP_DEFAULT_PORT = 4317  # where an exporter sends when no endpoint is configured
 
 
@@ -117,6 +119,15 @@ def of_trace(spans, trace_id: str) -> dict[tuple[str, str], object]:
     }
 
 
+def ended(trace_id: str, spans) -> bool:
+    """The side requests' spans are in: the refused call's, each scheduler span and the
+    two samples' decode spans."""
+    names = [span.name for _, span in spans if hex_id(span.trace_id) == trace_id]
+    if trace_id == REFUSED_TRACE:
+        return bool(names)
+    return "llm_request" in names and (trace_id != SAMPLES_TRACE or names.count("decode") == 2)
+
+
 def test_one_trace_through_every_hop(launch_stack):
     with collector() as (kept, port):
         stack = launch_stack(
@@ -144,14 +155,26 @@ def test_one_trace_through_every_hop(launch_stack):
         # A call the gateway refuses (a gRPC client's, straight to it) ends its span failed.
         refused = greedy_request("Once upon a time", 4)
         refused.sampling.temperature = -1.0
+        # Two samples, and a beam search, traced: they complete, and each scheduler span
+        # ends once.
+        samples = greedy_request("Once upon a time", 6)
+        samples.n, samples.sampling.temperature, samples.sampling.seed = 2, 1.0, 7
+        samples.stopping.ignore_eos = True
+        beam = greedy_request("Once upon a time", 4)
+        beam.beam_search.beam_width = 2
         with grpc.insecure_channel(stack.spec.gateway_address) as channel:
             stub = generate_pb2_grpc.GenerateServiceStub(channel)
             with pytest.raises(grpc.RpcError) as error:
                 list(stub.Generate(refused, metadata=[("traceparent", REFUSED_PARENT)]))
+            for request, trace_id in ((samples, SAMPLES_TRACE), (beam, BEAM_TRACE)):
+                parent = [("traceparent", f"00-{trace_id}-{CLIENT_SPAN}-01")]
+                assert list(stub.Generate(request, metadata=parent))[-1].HasField("usage")
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        spans = wait_for_spans(kept, lambda s: of_trace(s, REFUSED_TRACE))
+        wait_until_idle(stack)
+        traces = (REFUSED_TRACE, SAMPLES_TRACE, BEAM_TRACE)
+        spans = wait_for_spans(kept, lambda s: all(ended(t, s) for t in traces))
 
-    assert {hex_id(span.trace_id) for _, span in spans} == {CLIENT_TRACE, REFUSED_TRACE}
+    assert {hex_id(span.trace_id) for _, span in spans} == {CLIENT_TRACE, *traces}
     got = of_trace(spans, CLIENT_TRACE)
     assert set(EXPECTED_PARENTS) <= set(got), sorted(got)
     # One of each: one request, one span per hop (none per step or token).
@@ -178,6 +201,15 @@ def test_one_trace_through_every_hop(launch_stack):
     assert hex_id(span.parent_span_id) == REFUSED_SPAN
     assert span.status.code == span.status.STATUS_CODE_ERROR
     assert span.status.message.startswith("INVALID_ARGUMENT: sampling.temperature")
+
+    for trace_id in (SAMPLES_TRACE, BEAM_TRACE):
+        names = [(service, sp.name) for service, sp in spans if hex_id(sp.trace_id) == trace_id]
+        assert names.count(("tandem-scheduler", "llm_request")) == 1, names
+        # Per request and hop: a beam search's beams (a new request each step) add none.
+        limit = 2 * len(EXPECTED_PARENTS) if trace_id == SAMPLES_TRACE else len(EXPECTED_PARENTS)
+        assert len(names) <= limit, names
+    samples_trace = [sp.name for _, sp in spans if hex_id(sp.trace_id) == SAMPLES_TRACE]
+    assert samples_trace.count("prefill") == samples_trace.count("decode") == 2, samples_trace
 
 
 def test_a_stack_without_an_endpoint_exports_nothing(api_stack):
