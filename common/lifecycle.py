@@ -1,5 +1,6 @@
-"""Process entry helpers: config errors end the process with a clear message (exit 2), and
-SIGTERM/SIGINT end `serve` gracefully."""
+"""Process entry helpers: config errors end the process with a clear message (exit 2),
+SIGTERM/SIGINT end `serve` gracefully, and tracing (`common/tracing.py`) starts with the
+process and flushes what it buffered when the process ends."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from common.config import load_config
+from common.tracing import setup_tracing, shutdown_tracing
 
 C = TypeVar("C")
 
@@ -57,12 +59,19 @@ async def _watch_parent(done: asyncio.Future[str], parent: int) -> None:
 
 
 def run_service(
-    config_cls: type[C], serve: Callable[[C], Coroutine[Any, Any, None]], prog: str
+    config_cls: type[C],
+    serve: Callable[[C], Coroutine[Any, Any, None]],
+    prog: str,
+    trace_name: Callable[[C], str] | None = None,
 ) -> None:
-    """Parse the service's config (flags and TANDEM_* env) and run `serve` until a signal."""
+    """Parse the service's config (flags and TANDEM_* env) and run `serve` until a signal.
+    `trace_name`: the process's OpenTelemetry `service.name` (traced only when the OTEL_*
+    environment names an endpoint); spans still buffered are exported on the way out."""
     faulthandler.enable()  # a native crash (UCX, torch) leaves its stack in the log
     try:
         config = load_config(config_cls, prog=prog)
+        if trace_name is not None:
+            setup_tracing(trace_name(config))
     except ValueError as exc:
         print(f"{prog}: configuration error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -73,3 +82,5 @@ def run_service(
     except (ValueError, StartupError) as exc:  # e.g. a KV pool too small, a peer never up
         print(f"{prog}: startup error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    finally:
+        shutdown_tracing()

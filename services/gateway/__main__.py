@@ -120,7 +120,12 @@ def keep_torch_out() -> None:
 
 def main() -> None:
     keep_torch_out()
-    run_service(GatewayConfig, serve, prog="python -m services.gateway")
+    run_service(
+        GatewayConfig,
+        serve,
+        prog="python -m services.gateway",
+        trace_name=lambda _: "tandem-gateway",
+    )
 
 
 if __name__ == "__main__":

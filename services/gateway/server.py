@@ -24,11 +24,13 @@ from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, type
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
 from common.sampling import MAX_LOGPROBS, MAX_SAMPLES, SamplingParams
 from common.sampling_pb import ROLE_FROM_PB, sampling_to_pb
+from common.tracing import end_span
 from services.gateway.beam_check import check_beam_counts, validate_beam_search
 from services.gateway.lora_rpcs import LoraRpcs
 from services.gateway.metrics import GatewayMetrics, rejected
 from services.gateway.output import RequestOutput, SampleOutput
 from services.gateway.prompts import LARGE_INPUT_CHARS, PromptTokenizer
+from services.gateway.request_trace import GenerateTrace
 from services.gateway.scheduler_session import SchedulerError, SchedulerSession
 from services.gateway.structured_check import ConstraintChecker
 from services.gateway.validation import (
@@ -60,6 +62,16 @@ class PreparedRequest:
     stop_token_ids: frozenset[int]
     n: int
     submit: scheduler_pb2.SubmitRequest
+
+
+def _ended_by(exc: BaseException, context) -> str:
+    """What ended a Generate call, for its span: the status it was aborted with, or why."""
+    if isinstance(exc, grpc.aio.AbortError):
+        code = context.code()
+        return f"{getattr(code, 'name', code)}: {context.details()}"
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        return "cancelled (the client went away)"
+    return repr(exc)
 
 
 class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
@@ -139,7 +151,9 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
             return await asyncio.to_thread(self.prompts.render_chat, *args)
         return self.prompts.render_chat(*args)
 
-    async def _prepare(self, request: generate_pb2.GenerateRequest, request_id: str):
+    async def _prepare(
+        self, request: generate_pb2.GenerateRequest, request_id: str, trace: GenerateTrace
+    ):
         # Cheap checks first: a bad field fails before a large prompt is tokenized.
         check_prompt_field(request)
         sampling = validate_sampling(request.sampling, self.limits)
@@ -154,7 +168,11 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
             with contextlib.suppress(grpc.aio.AioRpcError):  # the scheduler answers below
                 await self.refresh_model()  # loaded since, through another gateway?
         lora_name = validate_lora_name(request.lora_name, list(self.model.lora_adapters))
-        prompt_ids = await self._prompt_ids(request)
+        tokenize = trace.tokenize_span()
+        try:
+            prompt_ids = await self._prompt_ids(request)
+        finally:
+            end_span(tokenize)
         max_tokens = resolve_max_tokens(request, len(prompt_ids), self.limits)
         stopping = validate_stopping(request.stopping, self.limits, max_tokens)
         sampling = replace(
@@ -183,6 +201,7 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
             submit.beam_search.CopyFrom(beam)
         if request.HasField("structured_output"):  # same message shape as the internal one
             submit.structured_output.ParseFromString(request.structured_output.SerializeToString())
+        trace.submitted(submit)
         return PreparedRequest(prompt_ids, stopping, frozenset(stop_ids), n, submit)
 
     def _output(self, request_id: str, prepared: PreparedRequest, arrival: float):
@@ -203,20 +222,26 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
         arrival = time.monotonic()
         if self.model is None or self.draining:
             rejected("UNAVAILABLE")
-        await self._ready(context)
+        model = await self._ready(context)
+        trace = GenerateTrace(context, request, model.name)
         self.num_open += 1
         try:
-            async for message in self._generate(request, context, arrival):
+            async for message in self._generate(request, context, arrival, trace):
                 yield message
+        except BaseException as exc:  # an abort, a client that went away
+            trace.end(error=_ended_by(exc, context))
+            raise
+        else:
+            trace.end()
         finally:
             self.num_open -= 1
 
-    async def _generate(self, request, context, arrival: float):
+    async def _generate(self, request, context, arrival: float, trace: GenerateTrace):
         # Server-made, opaque: never taken from the client, never parsed.
         request_id = uuid.uuid4().hex
         with bind_request(request_id):
             try:
-                prepared = await self._prepare(request, request_id)
+                prepared = await self._prepare(request, request_id, trace)
             except InvalidArgumentError as exc:
                 log.info("invalid_request", error=str(exc))
                 rejected("INVALID_ARGUMENT")
@@ -225,7 +250,7 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
                 log.info("unknown_lora_adapter", error=str(exc))
                 rejected("NOT_FOUND")
                 await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-            output = self._output(request_id, prepared, arrival)
+            output = trace.output = self._output(request_id, prepared, arrival)
             updates = await self.session.submit(prepared.submit)
             sent = False
             try:

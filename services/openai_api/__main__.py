@@ -115,7 +115,12 @@ async def serve(config: OpenAIApiConfig) -> None:
 
 
 def main() -> None:
-    run_service(OpenAIApiConfig, serve, prog="python -m services.openai_api")
+    run_service(
+        OpenAIApiConfig,
+        serve,
+        prog="python -m services.openai_api",
+        trace_name=lambda _: "tandem-http",
+    )
 
 
 if __name__ == "__main__":

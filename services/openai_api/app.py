@@ -4,7 +4,8 @@ answer back (`*_response.py`, `sse.py`). Every error leaves as OpenAI-shaped JSO
 
 The client's `Authorization` header goes to the gateway as call metadata; the gateway checks
 it (UNAUTHENTICATED becomes a 401). `/health`, `/metrics` (Prometheus), vLLM's `/ping`
-(GET or POST, the same answer) and `/version` need none."""
+(GET or POST, the same answer) and `/version` need none. With tracing on, each request is a
+span (`http_trace.py`) that the Generate calls carry to the gateway."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from starlette.routing import Route
 
 from common.log import get_logger
 from common.pb.tandem.v1 import generate_pb2
+from common.tracing import enabled, outgoing_metadata
 from services.openai_api.chat_request import ChatRequest, parse_chat
 from services.openai_api.chat_response import ChatChunks, chat_body
 from services.openai_api.collect import Collector, Meta
@@ -30,6 +32,7 @@ from services.openai_api.completion_request import CompletionRequest, parse_comp
 from services.openai_api.completion_response import CompletionChunks, Echo, completion_body
 from services.openai_api.errors import ApiError
 from services.openai_api.gateway_client import GatewayClient, GenerateStreams, Metadata
+from services.openai_api.http_trace import HttpTracing
 from services.openai_api.lora_routes import lora_routes
 from services.openai_api.metrics import HttpMetrics, metrics_endpoint
 from services.openai_api.request_body import credentials, read_json
@@ -141,7 +144,8 @@ def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
     started = int(time.time())
 
     async def open_streams(request: Request, requests) -> GenerateStreams:
-        streams = gateway.generate(requests, credentials(request))
+        # The HTTP span (when traced) goes to the gateway as the calls' traceparent.
+        streams = gateway.generate(requests, (*credentials(request), *outgoing_metadata()))
         await until_disconnect(request, streams.start())
         structlog.contextvars.bind_contextvars(request_id=streams.request_ids[0])
         return streams
@@ -258,7 +262,8 @@ def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
             *lora_routes(gateway),
             *vllm_routes(gateway, max_body_bytes),
         ],
-        middleware=[Middleware(HttpMetrics)],
+        middleware=[Middleware(HttpMetrics)]
+        + ([Middleware(HttpTracing)] if enabled() else []),
         exception_handlers={
             ApiError: on_api_error,
             ClientDisconnected: on_client_disconnected,

@@ -65,7 +65,12 @@ async def serve(config: SchedulerConfig) -> None:
 
 
 def main() -> None:
-    run_service(SchedulerConfig, serve, prog="python -m services.scheduler")
+    run_service(
+        SchedulerConfig,
+        serve,
+        prog="python -m services.scheduler",
+        trace_name=lambda _: "tandem-scheduler",
+    )
 
 
 if __name__ == "__main__":

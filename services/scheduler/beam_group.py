@@ -254,6 +254,8 @@ class BeamSteps:
         if self.on_finish is not None:  # metrics: the search's times, as one request
             self.on_finish(request, time.monotonic())
         self._handles.pop(request.request_id, None)
+        if handle.trace is not None:
+            handle.trace.sample_finished(request, None)
         cached = max(0, request.num_cached_tokens)
         for index, result in enumerate(results):
             handle.events.put_nowait(Tokens(index, list(result.tokens), cached_tokens=cached))

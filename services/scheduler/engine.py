@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from common.lifecycle import wait_until
 from common.log import bind_request, get_logger
+from common.tracing import enabled as tracing_enabled
 from services.scheduler.beam_group import BeamSteps
 from services.scheduler.grammar_gate import GrammarGate
 from services.scheduler.handle import Finished, RequestHandle, Stage, Tokens
@@ -39,6 +40,7 @@ from services.scheduler.pool_scheduler import PoolScheduler
 from services.scheduler.prefix_hash import root_hash
 from services.scheduler.recovery import Recovery
 from services.scheduler.request import FinishReason, Request
+from services.scheduler.request_trace import RequestTrace, note_scheduled
 from services.scheduler.worker_types import StepResult, WorkerInfo, WorkerUnavailableError
 
 log = get_logger(__name__)
@@ -153,12 +155,15 @@ class Engine(Recovery, BeamSteps):
     def _start_loop(self, pool: Pool) -> None:
         self._loops[id(pool)] = self._spawn(self._run_pool(pool), f"pool-{pool.info.worker_id}")
 
-    def submit(self, samples: Sequence[Request], events=None) -> list[RequestHandle]:
+    def submit(
+        self, samples: Sequence[Request], events=None, trace: RequestTrace | None = None
+    ) -> list[RequestHandle]:
         """Validate and queue the n samples of one client request (separate requests with
         the same prompt, queued together on one prefill pool so they share its cached
         prompt blocks); their events go to `events` (anything with `put_nowait`; default a
         new asyncio.Queue). Raises InvalidRequestError, OverloadedError (queue full) or
-        WorkerUnavailableError; LoraNotFoundError for an adapter that is not served."""
+        WorkerUnavailableError; LoraNotFoundError for an adapter that is not served.
+        `trace`: the client request's span (request_trace.py), None when not traced."""
         for request in samples:
             self._validate(request)
             request.hash_root = root_hash(
@@ -175,9 +180,11 @@ class Engine(Recovery, BeamSteps):
             raise WorkerUnavailableError("no healthy worker can run prompts")
         events = asyncio.Queue() if events is None else events
         self.grammars.hold(samples)  # a new constraint compiles on the workers first
+        if trace is not None:
+            trace.adopt(samples)
         handles = []
         for request in samples:
-            handle = RequestHandle(request=request, pool=pool, events=events)
+            handle = RequestHandle(request=request, pool=pool, events=events, trace=trace)
             self._handles[request.request_id] = handle
             pool.scheduler.add(request)
             handles.append(handle)
@@ -320,6 +327,8 @@ class Engine(Recovery, BeamSteps):
                 self._requeue(self._handles[victim.request_id])
             if not plan.is_empty:
                 step_id = await pool.client.send_step(plan)
+                if tracing_enabled():  # one check per step
+                    note_scheduled(plan, self._handles, pool.info.worker_id, step_id)
                 if not pool.scheduler.runs_decodes:  # prompt chunks: stream their KV
                     for item in plan.scheduled:
                         handle = self._handles[item.request.request_id]
@@ -454,6 +463,8 @@ class Engine(Recovery, BeamSteps):
                     num_accepted_tokens=request.num_accepted_tokens,
                 )
             )
+        if handle.trace is not None:
+            handle.trace.sample_finished(request, error)
         now = time.monotonic()
         if self.on_finish is not None:
             self.on_finish(request, now)

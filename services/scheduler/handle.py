@@ -16,9 +16,13 @@ from __future__ import annotations
 import asyncio
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from services.scheduler.pool import Pool
 from services.scheduler.request import FinishReason, Logprob, Request
+
+if TYPE_CHECKING:
+    from services.scheduler.request_trace import RequestTrace
 
 
 class Stage(enum.Enum):
@@ -134,6 +138,8 @@ class RequestHandle:
     # The pool and step that compute (or computed) the prompt's last chunk: its KV there
     # is final once that worker has run the step.
     prompt_step: tuple[Pool, int] | None = None
+    # The client request's span (None: not traced); stage changes are events on it.
+    trace: RequestTrace | None = None
 
     def ready_step_in(self, pool: Pool) -> int:
         """The step of `pool` after which the request's KV there is final (0: already)."""
@@ -151,6 +157,8 @@ class RequestHandle:
                 f"request {self.request.request_id}: no move {self.stage.name} -> {stage.name}"
             )
         self.stage = stage
+        if self.trace is not None:
+            self.trace.stage(self.request, stage.value)
 
     def queue_prompt(self, pool: Pool) -> None:
         """Queued in a prefill-capable pool (first time, preempted, or starting over)."""

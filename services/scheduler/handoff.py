@@ -39,6 +39,7 @@ from common.log import bind_request, get_logger
 from services.scheduler.handle import RequestHandle, Stage, Transfer, TransferPart
 from services.scheduler.placement import DecodeCandidate, choose_decode
 from services.scheduler.pool import Pool
+from services.scheduler.request_trace import transfer_span
 from services.scheduler.worker_types import KvPullRefusedError, KvPullSource, KvTransferResult
 
 log = get_logger(__name__)
@@ -234,16 +235,22 @@ class KvHandoff:
         started = time.perf_counter()
         num_blocks = num_bytes = 0
         lag_s = 0.0
+        span = transfer_span(handle.trace, handle.request, src.info.worker_id, dst.info.worker_id)
         try:
-            while True:
-                part = await parts.get()
-                if part.dst_blocks:
-                    result = await self._move(src, dst, tag, part, after_step)
-                    num_blocks += len(part.dst_blocks)
-                    num_bytes += result.num_bytes
-                    lag_s = result.source_lag_seconds
-                if part.last:
-                    break
+            with span as current:  # current while the calls run: they carry it to workers
+                while True:
+                    part = await parts.get()
+                    if part.dst_blocks:
+                        result = await self._move(src, dst, tag, part, after_step)
+                        num_blocks += len(part.dst_blocks)
+                        num_bytes += result.num_bytes
+                        lag_s = result.source_lag_seconds
+                    if part.last:
+                        break
+                if current is not None:
+                    current.set_attributes(
+                        {"tandem.kv.blocks": num_blocks, "tandem.kv.bytes": num_bytes}
+                    )
         except asyncio.CancelledError:
             raise
         except Exception as error:

@@ -69,6 +69,9 @@ class Request:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     finish_reason: FinishReason | None = None
+    # W3C (traceparent, tracestate) of the scheduler's span for it ("": not traced); the
+    # workers' spans for it are its children.
+    trace_context: tuple[str, str] = ("", "")
     arrival_time: float = field(default_factory=time.monotonic)
     # First admitted to run (metrics: queue time = this - arrival, prefill time = first
     # token - this).

@@ -20,6 +20,7 @@ from services.scheduler.lora_admin import LoraAdmin
 from services.scheduler.lora_registry import LoraConflictError, LoraEntry, LoraNotFoundError
 from services.scheduler.pool import Pool
 from services.scheduler.request import Request
+from services.scheduler.request_trace import RequestTrace
 from services.scheduler.session import SESSION_CLOSED, SessionState, updates_from_events
 from services.scheduler.step_codec import model_to_pb
 from services.scheduler.worker_types import (
@@ -76,28 +77,34 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     def _submit(self, engine: Engine, request, state: SessionState) -> None:
         """Admit one request on the session, or refuse it with the status it deserves."""
+        trace = RequestTrace.start(request, self.model.name if self.model else "")
+
+        def refuse(code: str, message: str) -> None:
+            state.refuse(request.request_id, code, message)
+            if trace is not None:
+                trace.refused(code, message)
+
         with bind_request(request.request_id):
             if self.draining:
-                state.refuse(request.request_id, "UNAVAILABLE", "scheduler is shutting down")
+                refuse("UNAVAILABLE", "scheduler is shutting down")
                 return
             if request.request_id in state.handles:
-                state.refuse(
-                    request.request_id,
+                refuse(
                     "INVALID_ARGUMENT",
                     f"request_id {request.request_id!r} is already running",
                 )
                 return
             try:
                 samples = samples_from_pb(request, engine.max_model_len)
-                handles = engine.submit(samples, events=state.sink(request.request_id))
+                handles = engine.submit(samples, events=state.sink(request.request_id), trace=trace)
             except (InvalidRequestError, ValueError) as exc:
-                state.refuse(request.request_id, "INVALID_ARGUMENT", str(exc))
+                refuse("INVALID_ARGUMENT", str(exc))
             except LoraNotFoundError as exc:
-                state.refuse(request.request_id, "NOT_FOUND", exc.args[0])
+                refuse("NOT_FOUND", exc.args[0])
             except OverloadedError as exc:
-                state.refuse(request.request_id, "RESOURCE_EXHAUSTED", str(exc))
+                refuse("RESOURCE_EXHAUSTED", str(exc))
             except WorkerUnavailableError as exc:
-                state.refuse(request.request_id, "UNAVAILABLE", str(exc))
+                refuse("UNAVAILABLE", str(exc))
             else:
                 state.opened(request.request_id, handles, max(len(handles), request.n))
 

@@ -56,6 +56,8 @@ def plan_to_pb(step_id: int, plan: PoolStepPlan) -> worker_pb2.StepRequest:
                     num_prompt_tokens=len(req.prompt_token_ids),
                     num_lookahead_tokens=item.num_lookahead_tokens,
                     lora_name=req.lora_name,
+                    traceparent=req.trace_context[0],
+                    tracestate=req.trace_context[1],
                 )
             )
             constraint_to_pb(req.structured, message.new_requests[-1].structured_output)

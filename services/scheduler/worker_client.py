@@ -17,6 +17,7 @@ from common.healthcheck import channel_health_status
 from common.kv_shared_memory import shared_memory_to_pb
 from common.pb.tandem.internal.v1 import worker_pb2, worker_pb2_grpc
 from common.structured_output import Constraint, constraint_to_pb
+from common.tracing import outgoing_metadata
 from services.scheduler.pool_scheduler import PoolStepPlan
 from services.scheduler.step_codec import plan_to_pb, step_result_from_pb, worker_info_from_pb
 from services.scheduler.worker_types import (
@@ -151,6 +152,7 @@ class WorkerClient:
                     peer_rank_ucx_addresses=list(peer.rank_ucx_addresses),
                 ),
                 timeout=timeout_s,
+                metadata=outgoing_metadata(),  # the transfer's span, when traced
             )
         except grpc.aio.AioRpcError as exc:
             raise WorkerUnavailableError(
@@ -190,7 +192,9 @@ class WorkerClient:
                 )
             )
         try:
-            response = await self._stub.ReceiveKv(request, timeout=timeout_s)
+            response = await self._stub.ReceiveKv(
+                request, timeout=timeout_s, metadata=outgoing_metadata()
+            )
         except grpc.aio.AioRpcError as exc:
             if exc.code() is grpc.StatusCode.FAILED_PRECONDITION and source is not None:
                 raise KvPullRefusedError(f"ReceiveKv on {self.address}: {exc.details()}") from exc

@@ -44,7 +44,12 @@ async def serve(config: WorkerConfig) -> None:
 
 
 def main() -> None:
-    run_service(WorkerConfig, serve, prog="python -m services.worker")
+    run_service(
+        WorkerConfig,
+        serve,
+        prog="python -m services.worker",
+        trace_name=lambda config: f"tandem-worker-{config.role}",
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""WorkerService servicer: translates protobuf to the Worker's domain calls and back."""
+"""WorkerService servicer: translates protobuf to the Worker's domain calls and back (and
+continues a traced request's trace: its span per step stream, `request_spans.py`, and a
+span per SendKv / ReceiveKv)."""
 
 from __future__ import annotations
 
@@ -14,10 +16,12 @@ from common.parallel_plan import Layout
 from common.pb.tandem.internal.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from common.sampling_pb import ROLE_TO_PB
 from common.structured_output import ConstraintError, constraint_from_pb
+from common.tracing import rpc_span
 from services.worker.batch import PlanError
 from services.worker.kv_pull import KvMapError, KvSource
 from services.worker.kv_transfer import KvTransferError
 from services.worker.metrics import WorkerMetrics
+from services.worker.request_spans import RequestSpans
 from services.worker.step_output_wire import step_response_pb
 from services.worker.step_wire import plan_from_pb
 from services.worker.worker import KV_LAYOUT, LoraDisabledError, Worker
@@ -36,6 +40,17 @@ def kv_source_from_pb(source: worker_pb2.KvSource) -> KvSource:
         pipeline_parallel_size=max(1, source.pipeline_parallel_size),
         rank_shared_memory=tuple(shared_memory_from_pb(m) for m in source.rank_shared_memory),
     )
+
+
+def _kv_attributes(request) -> dict:
+    """A SendKv / ReceiveKv span's attributes (the tag in hex: it is a uint64)."""
+    attributes = {
+        "tandem.kv.transfer_tag": f"{request.transfer_tag:016x}",
+        "tandem.kv.blocks": len(request.block_ids),
+    }
+    if isinstance(request, worker_pb2.ReceiveKvRequest):
+        attributes["tandem.kv.mode"] = "pull" if request.HasField("source") else "ucx"
+    return attributes
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -138,21 +153,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         worker.reset()  # a new stream means a new (or restarted) scheduler
         log.info("step_stream_opened", stream=stream_id)
         self._open_streams += 1
+        spans = RequestSpans(worker.worker_id, worker.role)
         try:
-            async for response in self._steps(worker, stream_id, request_iterator, context):
+            async for response in self._steps(worker, stream_id, spans, request_iterator, context):
                 yield response
         finally:
+            spans.close_all("the step stream ended")
             self._open_streams -= 1
             if stream_id == self._step_stream_id:  # the scheduler went away: free it all
                 worker.reset()
             log.info("step_stream_closed", stream=stream_id)
 
-    async def _steps(self, worker: Worker, stream_id: int, request_iterator, context):
+    async def _steps(
+        self, worker: Worker, stream_id: int, spans: RequestSpans, request_iterator, context
+    ):
         """Plans are queued on the tensor thread as soon as they arrive (a step follows the
         previous one without waiting for this loop); results go back in order."""
         submitted: asyncio.Queue = asyncio.Queue()
         reader = asyncio.ensure_future(
-            self._submit_plans(worker, stream_id, request_iterator, submitted)
+            self._submit_plans(worker, stream_id, spans, request_iterator, submitted)
         )
         try:
             while (item := await submitted.get()) is not None:
@@ -179,7 +198,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             reader.cancel()
 
     async def _submit_plans(
-        self, worker: Worker, stream_id: int, request_iterator, submitted: asyncio.Queue
+        self,
+        worker: Worker,
+        stream_id: int,
+        spans: RequestSpans,
+        request_iterator,
+        submitted: asyncio.Queue,
     ) -> None:
         try:
             async for plan in request_iterator:
@@ -187,6 +211,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     submitted.put_nowait("a newer Step stream took over")
                     return
                 step = plan_from_pb(plan)
+                spans.plan(plan)
                 worker.cancel_transfers(step.cancelled_transfer_tags)
                 future = worker.submit_step(
                     step.finished_ids, step.new, step.cached, step.moves, step.step_id, wire=plan
@@ -197,6 +222,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def SendKv(self, request, context):
         worker = await self._ready(context)
+        with rpc_span("kv_send", context, _kv_attributes(request)):
+            return await self._send_kv(worker, request, context)
+
+    async def _send_kv(self, worker: Worker, request, context):
         try:
             peer_layout = Layout(
                 max(1, request.peer_tensor_parallel_size),
@@ -220,6 +249,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def ReceiveKv(self, request, context):
         worker = await self._ready(context)
+        with rpc_span("kv_receive", context, _kv_attributes(request)):
+            return await self._receive_kv(worker, request, context)
+
+    async def _receive_kv(self, worker: Worker, request, context):
         direction = "pull" if request.HasField("source") else "receive"
         try:
             if request.HasField("source"):
