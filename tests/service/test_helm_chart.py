@@ -451,3 +451,6 @@ def test_pod_annotations_and_placement_reach_every_pod(key, rendered) -> None:
         assert template["metadata"].get("annotations", {}) == annotations
         assert container.pod.get("nodeSelector", {}) == values["nodeSelector"]
         assert container.pod.get("tolerations", []) == values["tolerations"]
+        # No Service links: under a release named "tandem" they would set
+        # TANDEM_GATEWAY_PORT=tcp://..., a Tandem setting's variable.
+        assert container.pod["enableServiceLinks"] is False

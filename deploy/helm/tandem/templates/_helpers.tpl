@@ -213,8 +213,12 @@ grpc:
 {{ toYaml .timing }}
 {{- end -}}
 
-{{/* nodeSelector, tolerations, affinity: the component's own, else the global ones. */}}
-{{- define "tandem.placement" -}}
+{{/* Pod settings every component shares: no Service environment variables (with a
+release named "tandem" Kubernetes would inject TANDEM_GATEWAY_PORT=tcp://..., which is a
+Tandem setting's name); nodeSelector, tolerations, affinity (the component's own, else the
+global ones); pull secrets; the pod security context. */}}
+{{- define "tandem.podCommon" -}}
+enableServiceLinks: false
 {{- with (.component.nodeSelector | default .root.Values.nodeSelector) }}
 nodeSelector:
   {{- toYaml . | nindent 2 }}
