@@ -12,6 +12,7 @@ updates).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import grpc
 
@@ -93,8 +94,13 @@ class RequestUpdates:
 
 
 class SchedulerSession:
-    def __init__(self, stub: scheduler_pb2_grpc.SchedulerServiceStub) -> None:
+    def __init__(
+        self,
+        stub: scheduler_pb2_grpc.SchedulerServiceStub,
+        on_broken: Callable[[SchedulerError], None] | None = None,
+    ) -> None:
         self._stub = stub
+        self._on_broken = on_broken  # told when the stream fails (a multi-scheduler gateway)
         self._call = None
         self._reader: asyncio.Task | None = None
         self._open: dict[str, RequestUpdates] = {}
@@ -162,6 +168,8 @@ class SchedulerSession:
         self._call = None
         call.cancel()
         log.warning("scheduler_session_broken", code=error.code.name, details=error.details)
+        if self._on_broken is not None:
+            self._on_broken(error)
         for updates in list(self._open.values()):
             updates._fail(error)
 

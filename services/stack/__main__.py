@@ -1,9 +1,10 @@
 """`python -m services.stack up|down|status`: run every Tandem service as a local process.
 
 `up` builds the embedded default model on first use (unless --model is given), starts the
-workers, scheduler, gateway and the OpenAI-compatible HTTP front (unless --no-http) on
-loopback, waits until every health check says SERVING, and prints how to call it. `down`
-stops what `up` started.
+workers, scheduler (`--schedulers N`: N schedulers, each with its own --prefill/--decode/
+--both workers, behind the one gateway), gateway and the OpenAI-compatible HTTP front
+(unless --no-http) on loopback, waits until every health check says SERVING, and prints
+how to call it. `down` stops what `up` started.
 """
 
 from __future__ import annotations
@@ -57,14 +58,16 @@ def cmd_up(args: argparse.Namespace) -> int:
 
         print(f"embedded default model: {DEFAULT_MODEL_DIR.relative_to(ROOT)}")
         model = str(build_default_model(DEFAULT_MODEL_DIR))
+    n = args.schedulers
     spec = StackSpec(
         model=str(Path(model).resolve()),
         host=args.host,
         gateway_port=args.gateway_port,
         scheduler_port=args.scheduler_port,
-        prefill_ports=_ports(args.prefill_port, args.prefill),
-        decode_ports=_ports(args.decode_port, args.decode),
-        both_ports=_ports(args.both_port, args.both),
+        more_scheduler_ports=_ports(args.scheduler_port + 1, n - 1),
+        prefill_ports=_ports(args.prefill_port, n * args.prefill),
+        decode_ports=_ports(args.decode_port, n * args.decode),
+        both_ports=_ports(args.both_port, n * args.both),
         log_level=args.log_level,
         http_port=None if args.no_http else args.http_port,
         extra_args=worker_args(args),
@@ -72,7 +75,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(
         "starting "
         + ", ".join([f"{args.prefill} prefill", f"{args.decode} decode", f"{args.both} both"])
-        + " worker(s), scheduler, gateway"
+        + " worker(s)"
+        + (f" for each of {n} schedulers, " if n > 1 else ", scheduler, ")
+        + "gateway"
         + ("" if args.no_http else ", HTTP front")
         + " ..."
     )
@@ -131,10 +136,20 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--gateway-port", type=int, default=50051)
     up.add_argument("--scheduler-port", type=int, default=50052)
-    up.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    up.add_argument("--decode", type=int, default=1, help="decode workers")
     up.add_argument(
-        "--both", type=int, default=0, help="both-role workers (instead of prefill/decode)"
+        "--schedulers",
+        type=int,
+        default=1,
+        help="schedulers behind the gateway, each with its own workers (ports from "
+        "--scheduler-port up)",
+    )
+    up.add_argument("--prefill", type=int, default=1, help="prefill workers (per scheduler)")
+    up.add_argument("--decode", type=int, default=1, help="decode workers (per scheduler)")
+    up.add_argument(
+        "--both",
+        type=int,
+        default=0,
+        help="both-role workers (instead of prefill/decode; per scheduler)",
     )
     for role in ("prefill", "decode", "both"):
         up.add_argument(
@@ -163,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "up" and args.both:
         args.prefill = args.decode = 0
+    if args.command == "up" and args.schedulers < 1:
+        print("error: --schedulers must be >= 1", file=sys.stderr)
+        return 2
     try:
         return {"up": cmd_up, "down": cmd_down, "status": cmd_status}[args.command](args)
     except ValueError as exc:

@@ -1,0 +1,206 @@
+"""One gateway in front of two schedulers, each with its own prefill and decode worker
+(every service a real process): answers stay HF-exact, a shared prefix keeps going to the
+scheduler that caches it, distinct prompts spread over both, and a scheduler SIGKILLed
+mid-load fails only its own streams (those that had not streamed a token yet are retried
+on the survivor), after which everything goes to the survivor and its pools are clean.
+
+One stack for the module; the kill test comes last.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from common.healthcheck import health_status
+from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
+from services.stack.launcher import Stack
+from tests.hf_reference import hf_greedy, hf_tokenizer
+from tests.service.test_e2e import WORKLOAD, expected, run_concurrently
+from tests.stack_client import (
+    SAMPLE_PROMPTS,
+    BackgroundStream,
+    generate,
+    greedy_request,
+    pool_stats,
+    wait_until_idle,
+)
+
+LONG_OUTPUT = 96
+PREFIX = list(range(3, 51))  # 48 token ids: three full 16-token blocks
+
+
+@pytest.fixture(scope="module")
+def stack(module_stacks):
+    return module_stacks(name="msched", schedulers=2, ready_timeout_s=240)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    """HF greedy ids of every sample prompt, LONG_OUTPUT tokens (shorter runs: prefixes)."""
+    tokenizer = hf_tokenizer(str(tiny_llama_dir))
+    return {p: hf_greedy(tiny_llama_dir, tokenizer.encode(p), LONG_OUTPUT) for p in SAMPLE_PROMPTS}
+
+
+def computed(stack: Stack) -> dict[str, int]:
+    """Prompt tokens each scheduler's pools computed so far (grows when it serves one)."""
+    return {
+        address: sum(p.prompt_tokens_computed for p in pool_stats(stack, address).pools)
+        for address in stack.spec.scheduler_addresses
+    }
+
+
+def prefix_hits(stack: Stack, address: str) -> int:
+    return sum(p.prefix_hit_tokens for p in pool_stats(stack, address).pools)
+
+
+def grew(before: dict[str, int], after: dict[str, int]) -> list[str]:
+    return [address for address in before if after[address] > before[address]]
+
+
+def wait_all_idle(stack: Stack, addresses: list[str] | None = None) -> None:
+    for address in addresses or stack.spec.scheduler_addresses:
+        wait_until_idle(stack, scheduler=address)
+
+
+def server_load(stack: Stack) -> generate_pb2.GetServerLoadResponse:
+    with grpc.insecure_channel(stack.spec.gateway_address) as channel:
+        return generate_pb2_grpc.GenerateServiceStub(channel).GetServerLoad(
+            generate_pb2.GetServerLoadRequest(), timeout=10
+        )
+
+
+def gateway_events(stack: Stack, event: str) -> int:
+    log = Path(stack.process("gateway").log).read_text(errors="replace")
+    lines = (json.loads(line) for line in log.splitlines() if line.startswith("{"))
+    return sum(1 for line in lines if line.get("event") == event)
+
+
+def prefixed(tail: list[int], max_tokens: int, model) -> tuple[list[int], list[int]]:
+    prompt = PREFIX + tail
+    return prompt, hf_greedy(model, prompt, max_tokens)
+
+
+def test_concurrent_mixed_workload_is_hf_exact_and_both_schedulers_take_part(stack, tiny_llama_dir):
+    assert stack.spec.num_schedulers == 2
+    load = server_load(stack)
+    assert len(load.workers) == 4  # the gateway sums both schedulers' pools
+    before = computed(stack)
+    results = run_concurrently(stack.spec.gateway_address, WORKLOAD)
+    for (prompt, max_tokens), got in zip(WORKLOAD, results, strict=True):
+        want_ids, want_text = expected(tiny_llama_dir, prompt, max_tokens)
+        assert got.token_ids == want_ids, prompt
+        assert got.text == want_text, prompt
+    assert sorted(grew(before, computed(stack))) == sorted(stack.spec.scheduler_addresses)
+    wait_all_idle(stack)
+
+
+def test_requests_sharing_a_prefix_land_on_the_scheduler_that_caches_it(stack, tiny_llama_dir):
+    before = computed(stack)
+    first_prompt, first_want = prefixed([7], 12, tiny_llama_dir)
+    assert generate(stack.spec.gateway_address, greedy_request(first_prompt, 12)).token_ids == (
+        first_want
+    )
+    (home,) = grew(before, computed(stack))
+    hits = prefix_hits(stack, home)
+    others = {a: n for a, n in computed(stack).items() if a != home}
+    for tail in ([8, 9], [10], [11, 12, 13]):
+        prompt, want = prefixed(tail, 12, tiny_llama_dir)
+        got = generate(stack.spec.gateway_address, greedy_request(prompt, 12))
+        assert got.token_ids == want
+        assert got.usage.cached_tokens >= len(PREFIX)  # served from the prefix cache
+    after = computed(stack)
+    assert {a: after[a] for a in others} == others  # the other scheduler saw none of them
+    assert prefix_hits(stack, home) >= hits + 3 * len(PREFIX)
+    wait_all_idle(stack)
+
+
+def test_distinct_prompts_spread_over_both_schedulers(stack, reference):
+    before = computed(stack)
+    prompts = [(p, 8) for p in SAMPLE_PROMPTS]
+    results = run_concurrently(stack.spec.gateway_address, prompts)
+    for (prompt, _), got in zip(prompts, results, strict=True):
+        assert got.token_ids == reference[prompt][:8], prompt
+    assert sorted(grew(before, computed(stack))) == sorted(stack.spec.scheduler_addresses)
+    # One at a time (no load difference), they still take turns.
+    before = computed(stack)
+    for prompt in SAMPLE_PROMPTS[:4]:
+        got = generate(stack.spec.gateway_address, greedy_request(prompt, 4))
+        assert got.token_ids == reference[prompt][:4]
+    assert len(grew(before, computed(stack))) == 2
+    wait_all_idle(stack)
+
+
+def test_scheduler_killed_mid_load_fails_only_its_streams_and_the_survivor_takes_over(
+    stack, tiny_llama_dir, reference
+):
+    address = stack.spec.gateway_address
+    # A prefix the router sends to one scheduler: that one will be killed.
+    before = computed(stack)
+    prompt, want = prefixed([20], 8, tiny_llama_dir)
+    assert generate(address, greedy_request(prompt, 8)).token_ids == want
+    (victim,) = grew(before, computed(stack))
+    (survivor,) = [a for a in stack.spec.scheduler_addresses if a != victim]
+    victim_name = stack.spec.scheduler_name(stack.spec.scheduler_addresses.index(victim))
+
+    streams = [
+        BackgroundStream(address, greedy_request(p, LONG_OUTPUT), timeout=60)
+        for p in SAMPLE_PROMPTS
+    ]
+    for stream in streams:
+        stream.wait_tokens(2)
+    on_victim = pool_stats(stack, victim).num_requests
+    assert on_victim >= 1
+    # Frozen, the victim takes requests that share its prefix but streams them nothing...
+    stack.signal(victim_name, signal.SIGSTOP)
+    retries_before = gateway_events(stack, "retrying_on_another_scheduler")
+    tails = ([21], [22, 23])
+    waiting = [
+        BackgroundStream(address, greedy_request(PREFIX + tail, 16), timeout=60) for tail in tails
+    ]
+    time.sleep(0.5)
+    # ... and then dies: those are retried on the survivor, streams it had begun fail.
+    stack.signal(victim_name, signal.SIGKILL)
+    killed_at = time.monotonic()
+    stack.wait_exit(victim_name)
+    for tail, stream in zip(tails, waiting, strict=True):
+        stream.result(timeout_s=60)
+        assert stream.code == grpc.StatusCode.OK, (stream.code, stream.details)
+        assert stream.token_ids == hf_greedy(tiny_llama_dir, PREFIX + tail, 16)
+    assert gateway_events(stack, "retrying_on_another_scheduler") >= retries_before + 2
+    failed = 0
+    for prompt, stream in zip(SAMPLE_PROMPTS, streams, strict=True):
+        stream.result(timeout_s=60)
+        if stream.code == grpc.StatusCode.OK:
+            assert stream.token_ids == reference[prompt], prompt
+        else:
+            assert stream.code == grpc.StatusCode.UNAVAILABLE, (stream.code, stream.details)
+            assert stream.ended_at - killed_at < 5  # failed at once, not hung
+            assert stream.token_ids == reference[prompt][: len(stream.token_ids)]
+            failed += 1
+    # Only the victim's streams failed (those it still ran), the survivor's all finished.
+    assert 1 <= failed <= on_victim
+
+    # Afterwards every request goes straight to the survivor and succeeds.
+    assert health_status(address) == "SERVING"
+    assert {w.worker_id for w in server_load(stack).workers} == {
+        p.worker_id for p in pool_stats(stack, survivor).pools
+    }
+    retries_before = gateway_events(stack, "retrying_on_another_scheduler")
+    survivor_before = computed_on(stack, survivor)
+    for prompt in SAMPLE_PROMPTS[:3]:
+        assert generate(address, greedy_request(prompt, 6)).token_ids == reference[prompt][:6]
+    prompt, want = prefixed([24], 6, tiny_llama_dir)
+    assert generate(address, greedy_request(prompt, 6)).token_ids == want
+    assert computed_on(stack, survivor) > survivor_before
+    assert gateway_events(stack, "retrying_on_another_scheduler") == retries_before
+    wait_all_idle(stack, [survivor])
+
+
+def computed_on(stack: Stack, address: str) -> int:
+    return sum(p.prompt_tokens_computed for p in pool_stats(stack, address).pools)
