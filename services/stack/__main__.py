@@ -46,6 +46,25 @@ def worker_args(args: argparse.Namespace) -> dict[str, list[str]]:
     return out
 
 
+def spec_from_args(args: argparse.Namespace, model: str) -> StackSpec:
+    """What `up` starts: `--schedulers` schedulers on consecutive ports from
+    `--scheduler-port`, each with `--prefill`/`--decode`/`--both` workers of its own."""
+    n = args.schedulers
+    return StackSpec(
+        model=str(Path(model).resolve()),
+        host=args.host,
+        gateway_port=args.gateway_port,
+        scheduler_port=args.scheduler_port,
+        more_scheduler_ports=_ports(args.scheduler_port + 1, n - 1),
+        prefill_ports=_ports(args.prefill_port, n * args.prefill),
+        decode_ports=_ports(args.decode_port, n * args.decode),
+        both_ports=_ports(args.both_port, n * args.both),
+        log_level=args.log_level,
+        http_port=None if args.no_http else args.http_port,
+        extra_args=worker_args(args),
+    )
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     existing = Stack.load(args.run_dir)
@@ -59,19 +78,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"embedded default model: {DEFAULT_MODEL_DIR.relative_to(ROOT)}")
         model = str(build_default_model(DEFAULT_MODEL_DIR))
     n = args.schedulers
-    spec = StackSpec(
-        model=str(Path(model).resolve()),
-        host=args.host,
-        gateway_port=args.gateway_port,
-        scheduler_port=args.scheduler_port,
-        more_scheduler_ports=_ports(args.scheduler_port + 1, n - 1),
-        prefill_ports=_ports(args.prefill_port, n * args.prefill),
-        decode_ports=_ports(args.decode_port, n * args.decode),
-        both_ports=_ports(args.both_port, n * args.both),
-        log_level=args.log_level,
-        http_port=None if args.no_http else args.http_port,
-        extra_args=worker_args(args),
-    )
+    spec = spec_from_args(args, model)
     print(
         "starting "
         + ", ".join([f"{args.prefill} prefill", f"{args.decode} decode", f"{args.both} both"])
@@ -127,7 +134,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0 if all(s == "SERVING" for _, s in statuses) else 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m services.stack", description=__doc__)
     parser.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -175,9 +182,18 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for SERVING")
     sub.add_parser("down", help="stop what `up` started")
     sub.add_parser("status", help="health of every service")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
     if args.command == "up" and args.both:
         args.prefill = args.decode = 0
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.command == "up" and args.schedulers < 1:
         print("error: --schedulers must be >= 1", file=sys.stderr)
         return 2
