@@ -1,6 +1,7 @@
 """One gateway in front of two schedulers, each with its own prefill and decode worker
 (every service a real process): answers stay HF-exact, a shared prefix keeps going to the
-scheduler that caches it, distinct prompts spread over both, and a scheduler SIGKILLed
+scheduler that caches it, distinct prompts spread over both, a LoRA adapter loaded through
+the gateway is loaded on (and served PEFT-exact by) both, and a scheduler SIGKILLed
 mid-load fails only its own streams (those that had not streamed a token yet are retried
 on the survivor), after which everything goes to the survivor and its pools are clean.
 
@@ -18,10 +19,12 @@ import grpc
 import pytest
 
 from common.healthcheck import health_status
+from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
 from services.stack.launcher import Stack
 from tests.hf_reference import hf_greedy, hf_tokenizer
 from tests.service.test_e2e import WORKLOAD, expected, run_concurrently
+from tests.service.test_e2e_lora import all_at_once
 from tests.stack_client import (
     SAMPLE_PROMPTS,
     BackgroundStream,
@@ -30,6 +33,7 @@ from tests.stack_client import (
     pool_stats,
     wait_until_idle,
 )
+from tests.unit.test_lora_batched import adapters, peft_merged_greedy  # noqa: F401  (fixture)
 
 LONG_OUTPUT = 96
 PREFIX = list(range(3, 51))  # 48 token ids: three full 16-token blocks
@@ -37,7 +41,13 @@ PREFIX = list(range(3, 51))  # 48 token ids: three full 16-token blocks
 
 @pytest.fixture(scope="module")
 def stack(module_stacks):
-    return module_stacks(name="msched", schedulers=2, ready_timeout_s=240)
+    lora = ["--enable-lora"]
+    return module_stacks(
+        name="msched",
+        schedulers=2,
+        ready_timeout_s=240,
+        extra_args={"prefill": lora, "decode": lora, "gateway": ["--allow-runtime-lora-updating"]},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +143,51 @@ def test_distinct_prompts_spread_over_both_schedulers(stack, reference):
         got = generate(stack.spec.gateway_address, greedy_request(prompt, 4))
         assert got.token_ids == reference[prompt][:4]
     assert len(grew(before, computed(stack))) == 2
+    wait_all_idle(stack)
+
+
+def gateway_call(stack: Stack, method: str, request):
+    with grpc.insecure_channel(stack.spec.gateway_address) as channel:
+        return getattr(generate_pb2_grpc.GenerateServiceStub(channel), method)(request, timeout=60)
+
+
+def scheduler_adapters(address: str) -> set[str]:
+    with grpc.insecure_channel(address) as channel:
+        reply = scheduler_pb2_grpc.SchedulerServiceStub(channel).ListLoraAdapters(
+            scheduler_pb2.ListLoraAdaptersRequest(), timeout=10
+        )
+    return {a.name for a in reply.adapters}
+
+
+def test_lora_adapter_loads_and_unloads_on_every_scheduler(
+    stack,
+    tiny_llama_dir,
+    adapters,  # noqa: F811
+):
+    load = generate_pb2.LoadLoraAdapterRequest(lora_name="rt", lora_path=str(adapters["mlp16"]))
+    assert gateway_call(stack, "LoadLoraAdapter", load).adapter.lora_name == "rt"
+    for address in stack.spec.scheduler_addresses:
+        assert scheduler_adapters(address) == {"rt"}
+    listed = gateway_call(stack, "ListLoraAdapters", generate_pb2.ListLoraAdaptersRequest())
+    assert [a.lora_name for a in listed.adapters] == ["rt"]  # one entry, not one per scheduler
+    prompts = [PREFIX[:20], PREFIX[20:][::-1]]
+    want = [peft_merged_greedy(tiny_llama_dir, adapters["mlp16"], p, 10) for p in prompts]
+    assert want[0] != hf_greedy(tiny_llama_dir, prompts[0], 10)  # the adapter matters
+    before = computed(stack)
+    requests = []
+    for prompt in prompts:
+        requests.append(greedy_request(prompt, 10))
+        requests[-1].lora_name = "rt"
+    results = all_at_once(stack.spec.gateway_address, requests)
+    assert [r.token_ids for r in results] == want
+    assert len(grew(before, computed(stack))) == 2  # each scheduler served one
+    unload = generate_pb2.UnloadLoraAdapterRequest(lora_name="rt")
+    gateway_call(stack, "UnloadLoraAdapter", unload)
+    for address in stack.spec.scheduler_addresses:
+        assert scheduler_adapters(address) == set()
+    with pytest.raises(grpc.RpcError) as gone:
+        generate(stack.spec.gateway_address, requests[0])
+    assert gone.value.code() == grpc.StatusCode.NOT_FOUND
     wait_all_idle(stack)
 
 
