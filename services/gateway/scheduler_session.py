@@ -15,6 +15,7 @@ import asyncio
 from collections.abc import Callable
 
 import grpc
+import structlog
 
 from common.log import get_logger
 from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
@@ -98,8 +99,10 @@ class SchedulerSession:
         self,
         stub: scheduler_pb2_grpc.SchedulerServiceStub,
         on_broken: Callable[[SchedulerError], None] | None = None,
+        address: str = "",
     ) -> None:
         self._stub = stub
+        self._address = address  # for the log
         self._on_broken = on_broken  # told when the stream fails (a multi-scheduler gateway)
         self._call = None
         self._reader: asyncio.Task | None = None
@@ -147,6 +150,8 @@ class SchedulerSession:
         return self._call
 
     async def _read(self, call) -> None:
+        # The task was started inside the first submit's request context; it serves all.
+        structlog.contextvars.unbind_contextvars("request_id")
         try:
             async for response in call:
                 for update in response.updates:
@@ -167,7 +172,12 @@ class SchedulerSession:
             return
         self._call = None
         call.cancel()
-        log.warning("scheduler_session_broken", code=error.code.name, details=error.details)
+        log.warning(
+            "scheduler_session_broken",
+            scheduler=self._address,
+            code=error.code.name,
+            details=error.details,
+        )
         if self._on_broken is not None:
             self._on_broken(error)
         for updates in list(self._open.values()):

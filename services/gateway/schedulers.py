@@ -94,7 +94,7 @@ class Schedulers:
             channel = open_channel(address, tls)
             backend = Backend(address, channel, scheduler_pb2_grpc.SchedulerServiceStub(channel))
             backend.session = SchedulerSession(
-                backend.stub, on_broken=lambda error, b=backend: self._broken(b, error)
+                backend.stub, lambda error, b=backend: self._broken(b, error), address
             )
             self.backends.append(backend)
         self.router = SchedulerRouter(router) if len(self.backends) > 1 else None
