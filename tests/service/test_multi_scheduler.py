@@ -203,43 +203,62 @@ def test_scheduler_killed_mid_load_fails_only_its_streams_and_the_survivor_takes
     (survivor,) = [a for a in stack.spec.scheduler_addresses if a != victim]
     victim_name = stack.spec.scheduler_name(stack.spec.scheduler_addresses.index(victim))
 
-    streams = [
-        BackgroundStream(address, greedy_request(p, LONG_OUTPUT), timeout=60)
-        for p in SAMPLE_PROMPTS
-    ]
-    for stream in streams:
-        stream.wait_tokens(2)
-    on_victim = pool_stats(stack, victim).num_requests
-    assert on_victim >= 1
-    # Frozen, the victim takes requests that share its prefix but streams them nothing...
+    # And one the router sends to the other (the survivor): each group below is routed by
+    # its prefix, whatever the timing.
+    for first in (60, 120, 180):
+        survivor_prefix = list(range(first, first + len(PREFIX)))
+        before = computed(stack)
+        generate(address, greedy_request(survivor_prefix + [1], 2))
+        if grew(before, computed(stack)) == [survivor]:
+            break
+    else:
+        raise AssertionError("no prefix went to the survivor")
+
+    def streams(prompts, max_tokens):
+        return [
+            BackgroundStream(address, greedy_request(p, max_tokens), timeout=60) for p in prompts
+        ]
+
+    victim_prompts = [PREFIX + tail for tail in ([30], [31, 32], [33])]
+    survivor_prompts = [survivor_prefix + tail for tail in ([30], [31, 32], [33])]
+    retried_prompts = [PREFIX + tail for tail in ([21], [22, 23])]
+    on_victim = streams(victim_prompts, LONG_OUTPUT)
+    wait_for(lambda: any(len(s.token_ids) >= 2 for s in on_victim), "a token from the victim")
     stack.signal(victim_name, signal.SIGSTOP)
+    # Frozen, the victim still gets requests that share its prefix, and streams them nothing.
     retries_before = gateway_events(stack, "retrying_on_another_scheduler")
-    tails = ([21], [22, 23])
-    waiting = [
-        BackgroundStream(address, greedy_request(PREFIX + tail, 16), timeout=60) for tail in tails
-    ]
-    time.sleep(0.5)
-    # ... and then dies: those are retried on the survivor, streams it had begun fail.
+    retried = streams(retried_prompts, 16)
+    on_survivor = streams(survivor_prompts, LONG_OUTPUT)
+    for stream in on_survivor:
+        stream.wait_tokens(2)  # the survivor streams meanwhile
+    time.sleep(0.2)
     stack.signal(victim_name, signal.SIGKILL)
     killed_at = time.monotonic()
     stack.wait_exit(victim_name)
-    for tail, stream in zip(tails, waiting, strict=True):
+    # What the victim had not streamed anything of is retried on the survivor; what it had
+    # begun fails; the survivor's streams are untouched.
+    for prompt, stream in zip(retried_prompts, retried, strict=True):
         stream.result(timeout_s=60)
         assert stream.code == grpc.StatusCode.OK, (stream.code, stream.details)
-        assert stream.token_ids == hf_greedy(tiny_llama_dir, PREFIX + tail, 16)
+        assert stream.token_ids == hf_greedy(tiny_llama_dir, prompt, 16)
     assert gateway_events(stack, "retrying_on_another_scheduler") >= retries_before + 2
-    failed = 0
-    for prompt, stream in zip(SAMPLE_PROMPTS, streams, strict=True):
+    for prompt, stream in zip(survivor_prompts, on_survivor, strict=True):
         stream.result(timeout_s=60)
-        if stream.code == grpc.StatusCode.OK:
-            assert stream.token_ids == reference[prompt], prompt
-        else:
-            assert stream.code == grpc.StatusCode.UNAVAILABLE, (stream.code, stream.details)
-            assert stream.ended_at - killed_at < 5  # failed at once, not hung
-            assert stream.token_ids == reference[prompt][: len(stream.token_ids)]
-            failed += 1
-    # Only the victim's streams failed (those it still ran), the survivor's all finished.
-    assert 1 <= failed <= on_victim
+        assert stream.code == grpc.StatusCode.OK, (stream.code, stream.details)
+        assert stream.token_ids == hf_greedy(tiny_llama_dir, prompt, LONG_OUTPUT)
+    failed = 0
+    for prompt, stream in zip(victim_prompts, on_victim, strict=True):
+        stream.result(timeout_s=60)
+        want = hf_greedy(tiny_llama_dir, prompt, LONG_OUTPUT)
+        if stream.code == grpc.StatusCode.OK:  # nothing streamed before the freeze: retried
+            assert stream.token_ids == want
+            continue
+        assert stream.code == grpc.StatusCode.UNAVAILABLE, (stream.code, stream.details)
+        assert stream.ended_at - killed_at < 5  # failed at once, not hung
+        assert 1 <= len(stream.token_ids) < len(want)  # it had streamed some
+        assert stream.token_ids == want[: len(stream.token_ids)]  # HF's tokens so far
+        failed += 1
+    assert failed >= 1
 
     # Afterwards every request goes straight to the survivor and succeeds.
     assert health_status(address) == "SERVING"
@@ -255,6 +274,13 @@ def test_scheduler_killed_mid_load_fails_only_its_streams_and_the_survivor_takes
     assert computed_on(stack, survivor) > survivor_before
     assert gateway_events(stack, "retrying_on_another_scheduler") == retries_before
     wait_all_idle(stack, [survivor])
+
+
+def wait_for(predicate, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what}: not after {timeout_s}s"
+        time.sleep(0.005)
 
 
 def computed_on(stack: Stack, address: str) -> int:
