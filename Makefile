@@ -10,7 +10,8 @@ BUF    := .tools/node_modules/.bin/buf
 export BUF_CACHE_DIR := $(CURDIR)/.tools/buf-cache
 
 # make up knobs: MODEL=<HF folder>, GATEWAY_PORT, HTTP_PORT (the OpenAI-compatible API;
-# HTTP=0 leaves it off), PREFILL/DECODE worker counts, BOTH>0 for single-device (no
+# HTTP=0 leaves it off), SCHEDULERS=N schedulers behind the gateway (each with its own
+# workers), PREFILL/DECODE worker counts (per scheduler), BOTH>0 for single-device (no
 # disaggregation) workers, SPEC='<JSON>' for speculative decoding on the decode workers
 # (vLLM's --speculative-config, e.g. SPEC='{"method": "ngram", "num_speculative_tokens": 4}'),
 # SERVED_MODEL_NAME='name [name...]' the model's names for clients (vLLM's --served-model-name),
@@ -24,6 +25,7 @@ MODEL        ?=
 GATEWAY_PORT ?= 50051
 HTTP_PORT    ?= 8000
 HTTP         ?= 1
+SCHEDULERS   ?= 1
 PREFILL      ?= 1
 DECODE       ?= 1
 BOTH         ?= 0
@@ -43,6 +45,7 @@ PYTEST_ARGS  ?=
 help:
 	@echo "make up      start gateway, scheduler, prefill + decode workers and the OpenAI-compatible"
 	@echo "             HTTP API on 127.0.0.1:$(HTTP_PORT) (MODEL=<folder> to serve another, HTTP=0 without HTTP)"
+	@echo "             (SCHEDULERS=2: two schedulers, each with its own workers, behind the gateway)"
 	@echo "make down    stop them"
 	@echo "make status  health of every service"
 	@echo "make test    contracts, lint and the whole test suite"
@@ -85,7 +88,7 @@ unit: $(STAMP)
 up: $(STAMP)
 	$(PY) -m services.stack up $(if $(MODEL),--model "$(MODEL)") --gateway-port $(GATEWAY_PORT) \
 		$(if $(filter 0,$(HTTP)),--no-http,--http-port $(HTTP_PORT)) \
-		--prefill $(PREFILL) --decode $(DECODE) --both $(BOTH) \
+		--schedulers $(SCHEDULERS) --prefill $(PREFILL) --decode $(DECODE) --both $(BOTH) \
 		--prefill-tp $(PREFILL_TP) --decode-tp $(DECODE_TP) --both-tp $(BOTH_TP) \
 		--prefill-pp $(PREFILL_PP) --decode-pp $(DECODE_PP) --both-pp $(BOTH_PP) \
 		$(if $(SPEC),--speculative-config '$(SPEC)') \

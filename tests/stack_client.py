@@ -64,9 +64,10 @@ def greedy_request(prompt: str | list[int], max_tokens: int | None) -> generate_
     return request
 
 
-def pool_stats(stack: Stack) -> scheduler_pb2.GetPoolStatsResponse:
-    """Every pool's counters; fails on any invariant violation the scheduler reports."""
-    with grpc.insecure_channel(stack.spec.scheduler_address) as channel:
+def pool_stats(stack: Stack, scheduler: str | None = None) -> scheduler_pb2.GetPoolStatsResponse:
+    """Every pool's counters; fails on any invariant violation the scheduler reports
+    (`scheduler`: that scheduler's address; default the stack's first)."""
+    with grpc.insecure_channel(scheduler or stack.spec.scheduler_address) as channel:
         stats = scheduler_pb2_grpc.SchedulerServiceStub(channel).GetPoolStats(
             scheduler_pb2.GetPoolStatsRequest(check_integrity=True), timeout=10
         )
@@ -91,13 +92,14 @@ def worker_active_requests(stack: Stack, skip: tuple[str, ...] = ()) -> dict[str
 
 
 def wait_until_idle(
-    stack: Stack, timeout_s: float = 20.0, skip: tuple[str, ...] = ()
+    stack: Stack, timeout_s: float = 20.0, skip: tuple[str, ...] = (), scheduler: str | None = None
 ) -> scheduler_pb2.GetPoolStatsResponse:
-    """Wait until every pool is back to all-free and no worker holds a request (workers
-    named in `skip`, e.g. killed ones, are not asked)."""
+    """Wait until every pool (of `scheduler`, default the stack's first) is back to
+    all-free and no worker holds a request (workers named in `skip`, e.g. killed ones, are
+    not asked)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        stats = pool_stats(stack)
+        stats = pool_stats(stack, scheduler)
         idle = stats.num_requests == 0 and all(
             p.num_free_blocks == p.num_blocks and p.num_requests == 0 for p in stats.pools
         )

@@ -5,41 +5,22 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-import time
-
-import grpc
 
 from common.auth import BearerTokenInterceptor
 from common.config import parse_size
-from common.grpc_server import ServiceHost, open_channel
-from common.healthcheck import channel_health_status
+from common.grpc_server import ServiceHost
 from common.hf_checkpoint_reader import load_tokenizer
-from common.lifecycle import StartupError, run_service, wait_for_shutdown_signal
+from common.lifecycle import run_service, wait_for_shutdown_signal
 from common.log import get_logger, setup_logging
 from common.metrics import start_metrics_server
-from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import rejected
+from services.gateway.schedulers import Schedulers
 from services.gateway.server import GenerateServicer
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
 log = get_logger("services.gateway")
-
-
-async def fetch_model(stub: scheduler_pb2_grpc.SchedulerServiceStub, timeout_s: float):
-    """Ask the scheduler for the model until it answers (it waits for its workers)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            reply = await stub.GetModelInfo(scheduler_pb2.GetModelInfoRequest(), timeout=5.0)
-            return reply.model
-        except grpc.aio.AioRpcError as exc:
-            if time.monotonic() > deadline:
-                raise StartupError(
-                    f"scheduler not ready after {timeout_s:.0f}s: {exc.code().name} {exc.details()}"
-                ) from exc
-            await asyncio.sleep(0.25)
 
 
 async def serve(config: GatewayConfig) -> None:
@@ -56,10 +37,9 @@ async def serve(config: GatewayConfig) -> None:
         interceptors=interceptors,
         max_receive_bytes=parse_size(config.max_request_bytes),
     )
-    channel = open_channel(config.scheduler, host.tls)
-    stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+    schedulers = Schedulers(config.scheduler, host.tls, config.router_config)
     servicer = GenerateServicer(
-        tokenizer, stub, config.default_max_tokens, config.allow_runtime_lora_updating
+        tokenizer, schedulers, config.default_max_tokens, config.allow_runtime_lora_updating
     )
     servicer.served_model_names = config.served_model_name
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, host.server)
@@ -67,15 +47,17 @@ async def serve(config: GatewayConfig) -> None:
     try:
         async with host.running(config.host, config.port, log, grace=5.0):
             metrics = start_metrics_server(config.host, config.metrics_port)
-            servicer.set_model(await fetch_model(stub, config.scheduler_ready_timeout_s))
+            servicer.set_model(await schedulers.wait_models(config.scheduler_ready_timeout_s))
             await host.set_serving(True)
+            # The gateway can serve only while a scheduler can: NOT_SERVING also when
+            # every scheduler is down or does not answer.
             watcher = asyncio.create_task(
-                mirror_scheduler_health(channel, host, config.scheduler_health_interval_s)
+                schedulers.watch_health(host.set_serving, config.scheduler_health_interval_s)
             )
             log.info(
                 "serving",
                 model=servicer.model.name,
-                scheduler=config.scheduler,
+                scheduler=",".join(config.scheduler),
                 auth="bearer" if api_key else "off",
                 metrics=f"{config.host}:{metrics.port}" if metrics else "off",
             )
@@ -91,21 +73,7 @@ async def serve(config: GatewayConfig) -> None:
             watcher.cancel()
         if metrics is not None:
             metrics.close()
-        await servicer.session.close()
-        await channel.close()
-
-
-async def mirror_scheduler_health(channel, host: ServiceHost, interval_s: float) -> None:
-    """The gateway can serve only while the scheduler can: report what the scheduler's
-    health says (NOT_SERVING also when it is down or does not answer)."""
-    serving = True
-    while True:
-        await asyncio.sleep(interval_s)
-        ok = await channel_health_status(channel, timeout_s=interval_s * 2) == "SERVING"
-        if ok != serving:
-            serving = ok
-            log.warning("scheduler_serving" if ok else "scheduler_not_serving")
-            await host.set_serving(ok)
+        await schedulers.close()
 
 
 def keep_torch_out() -> None:

@@ -13,6 +13,7 @@ from common.config import (
     port_setting,
     setting,
 )
+from services.gateway.scheduler_router import RouterConfig
 
 
 def _secret_setting(help: str, env: str):
@@ -63,8 +64,28 @@ class GatewayConfig(ServiceConfig):
         env="TANDEM_SERVED_MODEL_NAME",
     )
     metrics_port: int = metrics_port_setting("TANDEM_GATEWAY_METRICS_PORT")
-    scheduler: str = setting(
-        "127.0.0.1:50052", "scheduler address host:port", env="TANDEM_GATEWAY_SCHEDULER"
+    scheduler: tuple[str, ...] = setting(
+        ("127.0.0.1:50052",),
+        "scheduler address host:port, or several comma-separated (each request goes to one, "
+        "chosen by prefix-cache overlap and load; docs/architecture.md)",
+        env="TANDEM_GATEWAY_SCHEDULER",
+    )
+    router_balance_abs_threshold: int = setting(
+        32,
+        "several schedulers: the longest prefix overlap wins unless its scheduler has more "
+        "than this many requests in flight beyond the least-loaded one's (and the relative "
+        "threshold is exceeded too)",
+        env="TANDEM_ROUTER_BALANCE_ABS_THRESHOLD",
+    )
+    router_balance_rel_threshold: float = setting(
+        1.5,
+        "several schedulers: ... and more than this many times the least-loaded one's load",
+        env="TANDEM_ROUTER_BALANCE_REL_THRESHOLD",
+    )
+    router_max_tracked_blocks: int = setting(
+        32768,
+        "several schedulers: prompt block hashes remembered per scheduler (an LRU)",
+        env="TANDEM_ROUTER_MAX_TRACKED_BLOCKS",
     )
     default_max_tokens: int = setting(
         4096,
@@ -109,7 +130,15 @@ class GatewayConfig(ServiceConfig):
         self._check_service()
         if not self.model:
             raise ValueError("model is required: --model FOLDER or TANDEM_MODEL")
-        self._address("scheduler", self.scheduler)
+        if not self.scheduler:
+            raise self._invalid("scheduler", "needs at least one host:port")
+        for address in self.scheduler:
+            self._address("scheduler", address)
+        if len(set(self.scheduler)) != len(self.scheduler):
+            raise self._invalid("scheduler", f"lists an address twice: {', '.join(self.scheduler)}")
+        self._at_least(0, "router_balance_abs_threshold")
+        self._at_least(1.0, "router_balance_rel_threshold")
+        self._at_least(1, "router_max_tracked_blocks")
         self._model_names("served_model_name")
         self._require(
             1024 <= self._size("max_request_bytes") <= 1 << 30,
@@ -124,6 +153,14 @@ class GatewayConfig(ServiceConfig):
             _check_key(self.api_key, "api_key")
         if self.api_key_file:
             _check_key(read_key_file(self.api_key_file), f"the key in {self.api_key_file!r}")
+
+    @property
+    def router_config(self) -> RouterConfig:
+        return RouterConfig(
+            balance_abs_threshold=self.router_balance_abs_threshold,
+            balance_rel_threshold=self.router_balance_rel_threshold,
+            max_tracked_blocks=self.router_max_tracked_blocks,
+        )
 
     @property
     def resolved_api_key(self) -> str:

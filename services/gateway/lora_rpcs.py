@@ -2,8 +2,10 @@
 --allow-runtime-lora-updating, as vLLM guards its endpoints with
 VLLM_ALLOW_RUNTIME_LORA_UPDATING: they read folders on the workers' hosts) and
 ListLoraAdapters. Fields are checked here; the scheduler carries the change out on every
-worker. A mixin of `GenerateServicer` (it uses the servicer's scheduler stub, `_ready` and
-cached model description, which it refreshes after each change)."""
+worker. With several schedulers a load or unload goes to every healthy one (a load that
+fails on one is undone on the others) and the list is their union. A mixin of
+`GenerateServicer` (it uses the servicer's `schedulers`, `_ready` and cached model
+description, which it refreshes after each change)."""
 
 from __future__ import annotations
 
@@ -12,12 +14,12 @@ import grpc
 from common.log import get_logger
 from common.pb.tandem.internal.v1 import scheduler_pb2
 from common.pb.tandem.v1 import generate_pb2
+from services.gateway.schedulers import abort_with, answers, failures
 from services.gateway.validation import InvalidArgumentError
 
 log = get_logger(__name__)
 MAX_LORA_NAME_CHARS = 128
 MAX_LORA_PATH_CHARS = 4096
-MODEL_INFO_TIMEOUT_S = 10.0
 
 
 def validate_lora_load(
@@ -53,11 +55,8 @@ class LoraRpcs:
     served_model_names: tuple[str, ...] = ()  # --served-model-name (empty: the folder's name)
 
     async def refresh_model(self) -> None:
-        """Take the scheduler's current adapters (another gateway may have changed them)."""
-        reply = await self.scheduler.GetModelInfo(
-            scheduler_pb2.GetModelInfoRequest(), timeout=MODEL_INFO_TIMEOUT_S
-        )
-        self.model = reply.model
+        """Take the schedulers' current adapters (another gateway may have changed them)."""
+        self.model = await self.schedulers.refresh_models()
 
     async def _check_updating_allowed(self, context) -> None:
         if not self.allow_runtime_lora_updating:
@@ -74,16 +73,22 @@ class LoraRpcs:
             validate_lora_load(request, self.served_model_names or (model.name,))
         except InvalidArgumentError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        try:
-            reply = await self.scheduler.LoadLoraAdapter(
-                scheduler_pb2.LoadLoraAdapterRequest(
-                    lora_name=request.lora_name, lora_path=request.lora_path
-                ),
-                timeout=context.time_remaining(),
-            )
-        except grpc.aio.AioRpcError as exc:
-            log.info("lora_load_failed", lora_name=request.lora_name, error=exc.details())
-            await context.abort(exc.code(), exc.details() or "scheduler error")
+        load = scheduler_pb2.LoadLoraAdapterRequest(
+            lora_name=request.lora_name, lora_path=request.lora_path
+        )
+        timeout = context.time_remaining()
+        replies = await self.schedulers.call_all(
+            lambda b: b.stub.LoadLoraAdapter(load, timeout=timeout)
+        )
+        errors = failures(replies)
+        if errors or not replies:
+            loaded = [b for b, r in replies if not isinstance(r, grpc.aio.AioRpcError)]
+            if loaded:
+                await self._unload(loaded, request.lora_name, timeout)  # all or none
+            exc = errors[0] if errors else None
+            log.info("lora_load_failed", lora_name=request.lora_name, error=str(exc))
+            await abort_with(context, exc)
+        reply = replies[0][1]
         await self.refresh_model()
         log.info("lora_loaded", lora_name=request.lora_name, lora_path=request.lora_path)
         return generate_pb2.LoadLoraAdapterResponse(adapter=adapter_info(reply.adapter))
@@ -91,25 +96,37 @@ class LoraRpcs:
     async def UnloadLoraAdapter(self, request, context):
         await self._ready(context)
         await self._check_updating_allowed(context)
-        try:
-            await self.scheduler.UnloadLoraAdapter(
-                scheduler_pb2.UnloadLoraAdapterRequest(lora_name=request.lora_name),
-                timeout=context.time_remaining(),
-            )
-        except grpc.aio.AioRpcError as exc:
-            await context.abort(exc.code(), exc.details() or "scheduler error")
+        replies = await self._unload(None, request.lora_name, context.time_remaining())
+        errors = failures(replies)
+        # NOT_FOUND on some schedulers is fine when others had it (a failed load's leftovers).
+        serious = [e for e in errors if e.code() != grpc.StatusCode.NOT_FOUND]
+        if serious or len(errors) == len(replies):
+            await abort_with(context, (serious or errors or [None])[0])
         await self.refresh_model()
         log.info("lora_unloaded", lora_name=request.lora_name)
         return generate_pb2.UnloadLoraAdapterResponse()
 
+    async def _unload(self, targets, lora_name: str, timeout: float | None):
+        unload = scheduler_pb2.UnloadLoraAdapterRequest(lora_name=lora_name)
+        return await self.schedulers.call_all(
+            lambda b: b.stub.UnloadLoraAdapter(unload, timeout=timeout), targets
+        )
+
     async def ListLoraAdapters(self, request, context):
         await self._ready(context)
-        try:
-            reply = await self.scheduler.ListLoraAdapters(
-                scheduler_pb2.ListLoraAdaptersRequest(), timeout=context.time_remaining() or 10.0
+        timeout = context.time_remaining() or 10.0
+        replies = await self.schedulers.call_all(
+            lambda b: b.stub.ListLoraAdapters(
+                scheduler_pb2.ListLoraAdaptersRequest(), timeout=timeout
             )
-        except grpc.aio.AioRpcError as exc:
-            await context.abort(exc.code(), exc.details() or "scheduler error")
+        )
+        answered = answers(replies)
+        if not answered:
+            await abort_with(context, replies[0][1] if replies else None)
+        adapters = {}
+        for reply in answered:
+            for adapter in reply.adapters:
+                adapters.setdefault(adapter.name, adapter)
         return generate_pb2.ListLoraAdaptersResponse(
-            adapters=[adapter_info(a) for a in reply.adapters]
+            adapters=[adapter_info(a) for a in adapters.values()]
         )

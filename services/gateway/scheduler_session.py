@@ -12,8 +12,10 @@ updates).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import grpc
+import structlog
 
 from common.log import get_logger
 from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
@@ -93,8 +95,15 @@ class RequestUpdates:
 
 
 class SchedulerSession:
-    def __init__(self, stub: scheduler_pb2_grpc.SchedulerServiceStub) -> None:
+    def __init__(
+        self,
+        stub: scheduler_pb2_grpc.SchedulerServiceStub,
+        on_broken: Callable[[SchedulerError], None] | None = None,
+        address: str = "",
+    ) -> None:
         self._stub = stub
+        self._address = address  # for the log
+        self._on_broken = on_broken  # told when the stream fails (a multi-scheduler gateway)
         self._call = None
         self._reader: asyncio.Task | None = None
         self._open: dict[str, RequestUpdates] = {}
@@ -141,6 +150,8 @@ class SchedulerSession:
         return self._call
 
     async def _read(self, call) -> None:
+        # The task was started inside the first submit's request context; it serves all.
+        structlog.contextvars.unbind_contextvars("request_id")
         try:
             async for response in call:
                 for update in response.updates:
@@ -161,7 +172,14 @@ class SchedulerSession:
             return
         self._call = None
         call.cancel()
-        log.warning("scheduler_session_broken", code=error.code.name, details=error.details)
+        log.warning(
+            "scheduler_session_broken",
+            scheduler=self._address,
+            code=error.code.name,
+            details=error.details,
+        )
+        if self._on_broken is not None:
+            self._on_broken(error)
         for updates in list(self._open.values()):
             updates._fail(error)
 

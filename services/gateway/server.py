@@ -5,7 +5,9 @@ Bad input fails with INVALID_ARGUMENT before the scheduler sees it; scheduler er
 back with their own status code; a client that goes away (or whose deadline passes) aborts
 the request in the scheduler, which frees its blocks. A sample that ends on a stop string
 (found here) is aborted in the scheduler at once. Every request travels on the gateway's
-one session stream to the scheduler (`scheduler_session.py`).
+one session stream to its scheduler (`scheduler_session.py`); with several schedulers,
+`schedulers.py` picks one per request, and a request that fails with UNAVAILABLE before
+anything reached its client is sent once more, to another healthy scheduler.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import grpc
 
 from common.lifecycle import wait_until
 from common.log import bind_request, get_logger
-from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
+from common.pb.tandem.internal.v1 import scheduler_pb2, types_pb2
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
 from common.sampling import MAX_LOGPROBS, MAX_SAMPLES, SamplingParams
 from common.sampling_pb import ROLE_FROM_PB, sampling_to_pb
@@ -31,7 +33,8 @@ from services.gateway.metrics import GatewayMetrics, rejected
 from services.gateway.output import RequestOutput, SampleOutput
 from services.gateway.prompts import LARGE_INPUT_CHARS, PromptTokenizer
 from services.gateway.request_trace import GenerateTrace
-from services.gateway.scheduler_session import SchedulerError, SchedulerSession
+from services.gateway.scheduler_session import SchedulerError
+from services.gateway.schedulers import Schedulers, abort_with, answers
 from services.gateway.structured_check import ConstraintChecker
 from services.gateway.validation import (
     MAX_DETOKENIZE_IDS,
@@ -78,15 +81,14 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
     def __init__(
         self,
         tokenizer,
-        scheduler: scheduler_pb2_grpc.SchedulerServiceStub,
+        schedulers: Schedulers,
         default_max_tokens: int,
         allow_runtime_lora_updating: bool = False,
     ) -> None:
         self.allow_runtime_lora_updating = allow_runtime_lora_updating
         self.tokenizer = tokenizer
         self.prompts = PromptTokenizer(tokenizer)
-        self.scheduler = scheduler
-        self.session = SchedulerSession(scheduler)
+        self.schedulers = schedulers
         self.default_max_tokens = default_max_tokens
         self.model: types_pb2.ModelDescription | None = None
         self.limits: ModelLimits | None = None
@@ -250,32 +252,51 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
                 log.info("unknown_lora_adapter", error=str(exc))
                 rejected("NOT_FOUND")
                 await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-            output = trace.output = self._output(request_id, prepared, arrival)
-            updates = await self.session.submit(prepared.submit)
-            sent = False
-            try:
-                async for update in updates:
-                    times = output.samples[update.index].times
-                    previous_last = times.last
-                    message = output.consume(update, self.prompts.token_text)
-                    if message is None:
-                        continue  # a sample that already ended on a stop string
-                    self.metrics.message(times, previous_last)
-                    if output.done:
-                        self.metrics.finished(output, message)
-                    sent = True
-                    yield message
-                    if output.done:
-                        break
-                    if message.HasField("stop_string"):  # the other samples go on
-                        await updates.abort(message.index)
-            except SchedulerError as exc:
-                log.warning("scheduler_error", code=exc.code.name, details=exc.details)
-                if not sent:  # refused (queue full, unknown adapter, ...), not failed midway
-                    rejected(exc.code.name)
-                await context.abort(exc.code, exc.details)
-            finally:
-                updates.close()  # no-op when finished; aborts the request if the client left
+            backend, tried = self.schedulers.pick(prepared.submit), ()
+            while True:
+                if backend is None:
+                    rejected("UNAVAILABLE")
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "no scheduler available")
+                tried += (backend,)
+                output = trace.output = self._output(request_id, prepared, arrival)
+                updates = await backend.session.submit(prepared.submit)
+                sent = False
+                try:
+                    async for update in updates:
+                        times = output.samples[update.index].times
+                        previous_last = times.last
+                        message = output.consume(update, self.prompts.token_text)
+                        if message is None:
+                            continue  # a sample that already ended on a stop string
+                        self.metrics.message(times, previous_last)
+                        if output.done:
+                            self.metrics.finished(output, message)
+                        sent = True
+                        yield message
+                        if output.done:
+                            break
+                        if message.HasField("stop_string"):  # the other samples go on
+                            await updates.abort(message.index)
+                except SchedulerError as exc:
+                    retry = None
+                    if exc.code == grpc.StatusCode.UNAVAILABLE and not sent:
+                        retry = self.schedulers.pick(prepared.submit, exclude=tried)
+                    if retry is None:
+                        log.warning("scheduler_error", code=exc.code.name, details=exc.details)
+                        if not sent:  # refused (queue full, unknown adapter, ...), not midway
+                            rejected(exc.code.name)
+                        await context.abort(exc.code, exc.details)
+                    log.warning(
+                        "retrying_on_another_scheduler",
+                        failed=backend.address,
+                        retry=retry.address,
+                        details=exc.details,
+                    )
+                    backend = retry
+                    continue
+                finally:
+                    updates.close()  # no-op when finished; aborts it if the client left
+                break
             if not output.done:
                 await context.abort(grpc.StatusCode.INTERNAL, "the scheduler stream ended early")
 
@@ -343,17 +364,20 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
         )
 
     async def GetServerLoad(self, request, context):
+        """Summed over the schedulers that answer (one scheduler: its error if it fails)."""
         await self._ready(context)
-        try:
-            stats = await self.scheduler.GetPoolStats(
-                scheduler_pb2.GetPoolStatsRequest(), timeout=context.time_remaining() or 10.0
-            )
-        except grpc.aio.AioRpcError as exc:
-            await context.abort(exc.code(), exc.details() or "scheduler error")
-        total = sum(p.num_blocks for p in stats.pools)
-        used = sum(p.num_blocks - p.num_free_blocks for p in stats.pools)
+        timeout = context.time_remaining() or 10.0
+        replies = await self.schedulers.call_all(
+            lambda b: b.stub.GetPoolStats(scheduler_pb2.GetPoolStatsRequest(), timeout=timeout)
+        )
+        answered = answers(replies)
+        if not answered:
+            await abort_with(context, replies[0][1] if replies else None)
+        pools = [p for stats in answered for p in stats.pools]
+        total = sum(p.num_blocks for p in pools)
+        used = sum(p.num_blocks - p.num_free_blocks for p in pools)
         return generate_pb2.GetServerLoadResponse(
-            num_requests=stats.num_requests,
+            num_requests=sum(stats.num_requests for stats in answered),
             kv_cache_usage=used / total if total else 0.0,
             workers=[
                 generate_pb2.WorkerLoad(
@@ -363,6 +387,6 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
                     num_blocks=p.num_blocks,
                     num_free_blocks=p.num_free_blocks,
                 )
-                for p in stats.pools
+                for p in pools
             ],
         )

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
-from services.scheduler.prefix_hash import BlockHash
+from common.prefix_hash import BlockHash
 
 
 class NoFreeBlocksError(RuntimeError):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from common.lifecycle import wait_until
 from common.log import bind_request, get_logger
+from common.prefix_hash import root_hash
 from common.tracing import enabled as tracing_enabled
 from services.scheduler.beam_group import BeamSteps
 from services.scheduler.grammar_gate import GrammarGate
@@ -37,7 +38,6 @@ from services.scheduler.placement import PrefillCandidate, choose_prefill
 from services.scheduler.pool import Pool
 from services.scheduler.pool_monitor import PoolMonitor
 from services.scheduler.pool_scheduler import PoolScheduler
-from services.scheduler.prefix_hash import root_hash
 from services.scheduler.recovery import Recovery
 from services.scheduler.request import FinishReason, Request
 from services.scheduler.request_trace import RequestTrace, note_scheduled

@@ -12,9 +12,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from common.prefix_hash import BlockHash, extend_block_hashes
 from common.sampling import Logprob, SamplingParams
 from common.structured_output import Constraint
-from services.scheduler.prefix_hash import BlockHash, extend_block_hashes
 
 if TYPE_CHECKING:
     from services.scheduler.beam_group import BeamGroup

@@ -111,7 +111,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def GetModelInfo(self, request, context):
         engine = await self._ready(context)
         model = dataclasses.replace(self.model, lora_adapters=engine.loras.names)
-        return scheduler_pb2.GetModelInfoResponse(model=model_to_pb(model))
+        return scheduler_pb2.GetModelInfoResponse(
+            model=model_to_pb(model), kv_block_size=engine.pools[0].blocks.block_size
+        )
 
     async def LoadLoraAdapter(self, request, context):
         engine = await self._ready(context)

@@ -1,9 +1,10 @@
 """`python -m services.stack up|down|status`: run every Tandem service as a local process.
 
 `up` builds the embedded default model on first use (unless --model is given), starts the
-workers, scheduler, gateway and the OpenAI-compatible HTTP front (unless --no-http) on
-loopback, waits until every health check says SERVING, and prints how to call it. `down`
-stops what `up` started.
+workers, scheduler (`--schedulers N`: N schedulers, each with its own --prefill/--decode/
+--both workers, behind the one gateway), gateway and the OpenAI-compatible HTTP front
+(unless --no-http) on loopback, waits until every health check says SERVING, and prints
+how to call it. `down` stops what `up` started.
 """
 
 from __future__ import annotations
@@ -53,16 +54,38 @@ def served_names_args(args: argparse.Namespace) -> dict[str, list[str]]:
 
 
 def metrics_ports(args: argparse.Namespace) -> tuple[int, ...]:
-    """--metrics-port-base N: the gateway's metrics on N, the scheduler's on N+1, the
-    workers' on N+2... (0: off)."""
+    """--metrics-port-base N: the gateway's metrics on N, the schedulers' on N+1..., the
+    workers' after them (0: off)."""
     if not args.metrics_port_base:
         return ()
-    if not 1024 <= args.metrics_port_base <= 65535 - 2 - args.prefill - args.decode - args.both:
+    n = args.schedulers
+    count = 1 + n * (1 + args.prefill + args.decode + args.both)
+    if not 1024 <= args.metrics_port_base <= 65536 - count:
         raise ValueError(
             f"--metrics-port-base must leave room for every service's port in 1024..65535, "
             f"got {args.metrics_port_base}"
         )
-    return _ports(args.metrics_port_base, 2 + args.prefill + args.decode + args.both)
+    return _ports(args.metrics_port_base, count)
+
+
+def spec_from_args(args: argparse.Namespace, model: str) -> StackSpec:
+    """What `up` starts: `--schedulers` schedulers on consecutive ports from
+    `--scheduler-port`, each with `--prefill`/`--decode`/`--both` workers of its own."""
+    n = args.schedulers
+    return StackSpec(
+        model=str(Path(model).resolve()),
+        host=args.host,
+        gateway_port=args.gateway_port,
+        scheduler_port=args.scheduler_port,
+        more_scheduler_ports=_ports(args.scheduler_port + 1, n - 1),
+        prefill_ports=_ports(args.prefill_port, n * args.prefill),
+        decode_ports=_ports(args.decode_port, n * args.decode),
+        both_ports=_ports(args.both_port, n * args.both),
+        log_level=args.log_level,
+        http_port=None if args.no_http else args.http_port,
+        extra_args=worker_args(args) | served_names_args(args),
+        metrics_ports=metrics_ports(args),
+    )
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -77,23 +100,14 @@ def cmd_up(args: argparse.Namespace) -> int:
 
         print(f"embedded default model: {DEFAULT_MODEL_DIR.relative_to(ROOT)}")
         model = str(build_default_model(DEFAULT_MODEL_DIR))
-    spec = StackSpec(
-        model=str(Path(model).resolve()),
-        host=args.host,
-        gateway_port=args.gateway_port,
-        scheduler_port=args.scheduler_port,
-        prefill_ports=_ports(args.prefill_port, args.prefill),
-        decode_ports=_ports(args.decode_port, args.decode),
-        both_ports=_ports(args.both_port, args.both),
-        log_level=args.log_level,
-        http_port=None if args.no_http else args.http_port,
-        extra_args=worker_args(args) | served_names_args(args),
-        metrics_ports=metrics_ports(args),
-    )
+    n = args.schedulers
+    spec = spec_from_args(args, model)
     print(
         "starting "
         + ", ".join([f"{args.prefill} prefill", f"{args.decode} decode", f"{args.both} both"])
-        + " worker(s), scheduler, gateway"
+        + " worker(s)"
+        + (f" for each of {n} schedulers, " if n > 1 else ", scheduler, ")
+        + "gateway"
         + ("" if args.no_http else ", HTTP front")
         + " ..."
     )
@@ -148,7 +162,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0 if all(s == "SERVING" for _, s in statuses) else 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m services.stack", description=__doc__)
     parser.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -157,10 +171,20 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--gateway-port", type=int, default=50051)
     up.add_argument("--scheduler-port", type=int, default=50052)
-    up.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    up.add_argument("--decode", type=int, default=1, help="decode workers")
     up.add_argument(
-        "--both", type=int, default=0, help="both-role workers (instead of prefill/decode)"
+        "--schedulers",
+        type=int,
+        default=1,
+        help="schedulers behind the gateway, each with its own workers (ports from "
+        "--scheduler-port up)",
+    )
+    up.add_argument("--prefill", type=int, default=1, help="prefill workers (per scheduler)")
+    up.add_argument("--decode", type=int, default=1, help="decode workers (per scheduler)")
+    up.add_argument(
+        "--both",
+        type=int,
+        default=0,
+        help="both-role workers (instead of prefill/decode; per scheduler)",
     )
     for role in ("prefill", "decode", "both"):
         up.add_argument(
@@ -192,16 +216,28 @@ def main(argv: list[str] | None = None) -> int:
         "--metrics-port-base",
         type=int,
         default=0,
-        help="serve Prometheus metrics: gateway on this port, scheduler on +1, workers on +2... "
-        "(the HTTP front always serves GET /metrics on its own port; 0 = off)",
+        help="serve Prometheus metrics: gateway on this port, the schedulers from +1, then "
+        "the workers (the HTTP front always serves GET /metrics on its own port; 0 = off)",
     )
     up.add_argument("--log-level", default="info")
     up.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for SERVING")
     sub.add_parser("down", help="stop what `up` started")
     sub.add_parser("status", help="health of every service")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
     if args.command == "up" and args.both:
         args.prefill = args.decode = 0
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.command == "up" and args.schedulers < 1:
+        print("error: --schedulers must be >= 1", file=sys.stderr)
+        return 2
     try:
         return {"up": cmd_up, "down": cmd_down, "status": cmd_status}[args.command](args)
     except ValueError as exc:

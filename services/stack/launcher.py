@@ -1,5 +1,7 @@
-"""Start and stop a whole Tandem deployment as local processes: workers, scheduler, gateway
-and, when asked for, the OpenAI-compatible HTTP front.
+"""Start and stop a whole Tandem deployment as local processes: workers, scheduler(s),
+gateway and, when asked for, the OpenAI-compatible HTTP front. With several schedulers
+(`more_scheduler_ports`), the workers are split among them in order (each gets the same
+number of each role) and the gateway fronts them all.
 
 `make up` / `make down` use it through `python -m services.stack`, and the end-to-end tests
 use `Stack` directly on free loopback ports. Each service is a real process
@@ -39,6 +41,8 @@ class StackSpec:
     host: str = "127.0.0.1"
     gateway_port: int = 50051
     scheduler_port: int = 50052
+    # Further schedulers (each with its own share of the workers); the gateway fronts all.
+    more_scheduler_ports: tuple[int, ...] = ()
     prefill_ports: tuple[int, ...] = (50061,)
     decode_ports: tuple[int, ...] = (50071,)
     both_ports: tuple[int, ...] = ()
@@ -49,7 +53,7 @@ class StackSpec:
     # The OpenAI-compatible HTTP front's port (python -m services.openai_api); None = none.
     http_port: int | None = None
     # Prometheus endpoints (--metrics-port) of the gRPC services, in the order gateway,
-    # scheduler, then the workers (prefill, decode, both); () = off. The HTTP front serves
+    # schedulers, then the workers (prefill, decode, both); () = off. The HTTP front serves
     # GET /metrics on its own port.
     metrics_ports: tuple[int, ...] = ()
 
@@ -58,13 +62,24 @@ class StackSpec:
             raise ValueError("use either both-role workers or prefill + decode workers")
         if not self.both_ports and not (self.prefill_ports and self.decode_ports):
             raise ValueError("a disaggregated stack needs >= 1 prefill and >= 1 decode worker")
-        ports = [self.gateway_port, self.scheduler_port, *self.worker_ports]
+        for role, count in (
+            ("prefill", len(self.prefill_ports)),
+            ("decode", len(self.decode_ports)),
+            ("both", len(self.both_ports)),
+        ):
+            if count % self.num_schedulers:
+                raise ValueError(
+                    f"{count} {role} workers cannot be split evenly among "
+                    f"{self.num_schedulers} schedulers"
+                )
+        ports = [self.gateway_port, *self.scheduler_ports, *self.worker_ports]
         if self.http_port is not None:
             ports.append(self.http_port)
-        if self.metrics_ports and len(self.metrics_ports) != 2 + len(self.worker_ports):
+        num_grpc = 1 + self.num_schedulers + len(self.worker_ports)
+        if self.metrics_ports and len(self.metrics_ports) != num_grpc:
             raise ValueError(
-                f"metrics_ports needs {2 + len(self.worker_ports)} ports (gateway, scheduler, "
-                f"each worker), got {len(self.metrics_ports)}"
+                f"metrics_ports needs {num_grpc} ports (gateway, each scheduler, each worker), "
+                f"got {len(self.metrics_ports)}"
             )
         ports += self.metrics_ports
         if len(set(ports)) != len(ports):
@@ -87,7 +102,8 @@ class StackSpec:
             )
             for p in ports
         ]
-        names = ["gateway", "scheduler", *workers]
+        schedulers = [self.scheduler_name(i) for i in range(self.num_schedulers)]
+        names = ["gateway", *schedulers, *workers]
         return dict(zip(names, self.metrics_ports, strict=True)).get(name)
 
     @property
@@ -96,7 +112,32 @@ class StackSpec:
 
     @property
     def scheduler_address(self) -> str:
+        """The (first) scheduler's address."""
         return f"{self.host}:{self.scheduler_port}"
+
+    @property
+    def scheduler_ports(self) -> tuple[int, ...]:
+        return (self.scheduler_port, *self.more_scheduler_ports)
+
+    @property
+    def num_schedulers(self) -> int:
+        return 1 + len(self.more_scheduler_ports)
+
+    @property
+    def scheduler_addresses(self) -> list[str]:
+        return [f"{self.host}:{port}" for port in self.scheduler_ports]
+
+    def scheduler_name(self, index: int) -> str:
+        """ "scheduler" when there is one, else "scheduler-0", "scheduler-1", ..."""
+        return "scheduler" if self.num_schedulers == 1 else f"scheduler-{index}"
+
+    def scheduler_worker_ports(self, index: int) -> list[int]:
+        """The worker ports of scheduler `index`: its share of each role, in order."""
+        out = []
+        for ports in (self.prefill_ports, self.decode_ports, self.both_ports):
+            share = len(ports) // self.num_schedulers
+            out += ports[index * share : (index + 1) * share]
+        return out
 
     @property
     def http_address(self) -> str | None:
@@ -110,20 +151,24 @@ class StackSpec:
         decode: int = 1,
         both: int = 0,
         http: bool = False,
+        schedulers: int = 1,
         metrics: bool = False,
         **kwargs,
     ) -> StackSpec:
         """Every service on a free loopback port; `http` adds the HTTP front on one too,
-        `metrics` a metrics port for each gRPC service."""
-        num_grpc = 2 + prefill + decode + both
+        `metrics` a metrics port for each gRPC service. The worker counts are per
+        scheduler."""
+        n = schedulers
+        num_grpc = 1 + n * (1 + prefill + decode + both)
         ports = iter(_distinct_free_ports(num_grpc * (1 + int(metrics)) + int(http)))
         return cls(
             model=model,
             gateway_port=next(ports),
             scheduler_port=next(ports),
-            prefill_ports=tuple(next(ports) for _ in range(prefill)),
-            decode_ports=tuple(next(ports) for _ in range(decode)),
-            both_ports=tuple(next(ports) for _ in range(both)),
+            more_scheduler_ports=tuple(next(ports) for _ in range(n - 1)),
+            prefill_ports=tuple(next(ports) for _ in range(n * prefill)),
+            decode_ports=tuple(next(ports) for _ in range(n * decode)),
+            both_ports=tuple(next(ports) for _ in range(n * both)),
             http_port=next(ports) if http else None,
             metrics_ports=tuple(next(ports) for _ in range(num_grpc)) if metrics else (),
             **kwargs,
@@ -187,26 +232,22 @@ def _commands(spec: StackSpec) -> list[tuple[str, str, list[str]]]:
             *own,
         ]
         out.append((f"{role}-{port}", f"{spec.host}:{port}", argv))
-    workers = ",".join(f"{spec.host}:{p}" for p in spec.worker_ports)
-    out.append(
-        (
-            "scheduler",
-            spec.scheduler_address,
-            [
-                *py,
-                "services.scheduler",
-                "--workers",
-                workers,
-                "--host",
-                spec.host,
-                "--port",
-                str(spec.scheduler_port),
-                "--log-level",
-                spec.log_level,
-                *spec.extra_args.get("scheduler", ()),
-            ],
-        )
-    )
+    for index, port in enumerate(spec.scheduler_ports):
+        workers = ",".join(f"{spec.host}:{p}" for p in spec.scheduler_worker_ports(index))
+        argv = [
+            *py,
+            "services.scheduler",
+            "--workers",
+            workers,
+            "--host",
+            spec.host,
+            "--port",
+            str(port),
+            "--log-level",
+            spec.log_level,
+            *spec.extra_args.get("scheduler", ()),
+        ]
+        out.append((spec.scheduler_name(index), f"{spec.host}:{port}", argv))
     out.append(
         (
             "gateway",
@@ -220,7 +261,7 @@ def _commands(spec: StackSpec) -> list[tuple[str, str, list[str]]]:
                 "--port",
                 str(spec.gateway_port),
                 "--scheduler",
-                spec.scheduler_address,
+                ",".join(spec.scheduler_addresses),
                 *spec.extra_args.get("gateway", ()),
             ],
         )
@@ -369,7 +410,13 @@ class Stack:
             return None
         state = json.loads(path.read_text())
         spec = state["spec"]
-        for key in ("prefill_ports", "decode_ports", "both_ports", "metrics_ports"):
+        for key in (
+            "prefill_ports",
+            "decode_ports",
+            "both_ports",
+            "more_scheduler_ports",
+            "metrics_ports",
+        ):
             spec[key] = tuple(spec.get(key, ()))
         return cls(StackSpec(**spec), Path(run_dir), [Process(**p) for p in state["processes"]])
 

@@ -3,8 +3,8 @@ copy-on-write, and the integrity check."""
 
 import pytest
 
+from common.prefix_hash import extend_block_hashes, root_hash
 from services.scheduler.block_manager import BlockManager, BlockPool, NoFreeBlocksError
-from services.scheduler.prefix_hash import extend_block_hashes, root_hash
 
 ROOT = root_hash(b"test-salt")
 

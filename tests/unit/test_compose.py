@@ -65,7 +65,7 @@ def test_every_command_is_accepted_by_its_config_parser(compose):
     _, http = parsed(services["openai-api"])
     assert (prefill.role, decode.role) == ("prefill", "decode")
     assert set(scheduler.workers) == {f"prefill-0:{prefill.port}", f"decode-0:{decode.port}"}
-    assert gateway.scheduler == f"scheduler:{scheduler.port}"
+    assert gateway.scheduler == (f"scheduler:{scheduler.port}",)
     assert http.gateway == f"gateway:{gateway.port}" and http.host == "0.0.0.0"
     assert services["openai-api"]["depends_on"] == {"gateway": {"condition": "service_healthy"}}
     assert prefill.model == decode.model == gateway.model == "/models/tandem-tiny-llama"

@@ -52,6 +52,24 @@ def test_tuple_and_bool_fields_parse_from_strings():
         (SchedulerConfig, ["--workers", "a:1", "--drain-timeout-s", "-1"], "drain_timeout_s"),
         (WorkerConfig, ["--model", "m", "--drain-timeout-s", "-2"], "drain_timeout_s"),
         (GatewayConfig, ["--model", "m", "--scheduler", "nope"], "scheduler must be host:port"),
+        (GatewayConfig, ["--model", "m", "--scheduler", "a:1,b:0"], "scheduler must be host:port"),
+        (GatewayConfig, ["--model", "m", "--scheduler", "a:1,a:1"], "scheduler lists an address"),
+        (GatewayConfig, ["--model", "m", "--scheduler", ","], "scheduler needs at least one"),
+        (
+            GatewayConfig,
+            ["--model", "m", "--router-balance-rel-threshold", "0.9"],
+            "router_balance_rel_threshold must be >= 1.0",
+        ),
+        (
+            GatewayConfig,
+            ["--model", "m", "--router-balance-abs-threshold", "-1"],
+            "router_balance_abs_threshold must be >= 0",
+        ),
+        (
+            GatewayConfig,
+            ["--model", "m", "--router-max-tracked-blocks", "0"],
+            "router_max_tracked_blocks must be >= 1",
+        ),
         (GatewayConfig, ["--model", "m", "--default-max-tokens", "0"], "default_max_tokens"),
     ],
 )
@@ -214,3 +232,13 @@ def test_help_lists_every_flag_with_its_env(cls, capsys):
     for field in dataclasses.fields(cls):
         assert "--" + field.name.replace("_", "-") in text
     assert "env TANDEM_LOG_LEVEL" in text
+
+
+def test_gateway_takes_one_or_several_schedulers():
+    one = load_config(GatewayConfig, ["--model", "m"], env={})
+    assert one.scheduler == ("127.0.0.1:50052",)
+    several = load_config(
+        GatewayConfig, ["--model", "m"], env={"TANDEM_GATEWAY_SCHEDULER": "a:1, b:2"}
+    )
+    assert several.scheduler == ("a:1", "b:2")
+    assert several.router_config.balance_abs_threshold == 32

@@ -2,9 +2,9 @@
 hits, preemption (recompute and swap), async placeholders, drops, a draining pool's
 requests leaving with their KV."""
 
+from common.prefix_hash import root_hash
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.pool_scheduler import PoolScheduler
-from services.scheduler.prefix_hash import root_hash
 from services.scheduler.request import FinishReason, Logprob, Request, SamplingParams
 from services.scheduler.worker_types import StepResult
 

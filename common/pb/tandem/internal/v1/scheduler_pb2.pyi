@@ -98,10 +98,12 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model",)
+    __slots__ = ("model", "kv_block_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: _types_pb2.ModelDescription
-    def __init__(self, model: _Optional[_Union[_types_pb2.ModelDescription, _Mapping]] = ...) -> None: ...
+    kv_block_size: int
+    def __init__(self, model: _Optional[_Union[_types_pb2.ModelDescription, _Mapping]] = ..., kv_block_size: _Optional[int] = ...) -> None: ...
 
 class GetPoolStatsRequest(_message.Message):
     __slots__ = ("check_integrity",)
