@@ -90,12 +90,19 @@ def test_stack_gives_each_grpc_service_its_metrics_port():
     assert StackSpec(model="m").metrics_port("gateway") is None
 
 
+def stack_args(base: int, prefill: int = 1, decode: int = 1, schedulers: int = 1):
+    return argparse.Namespace(
+        metrics_port_base=base, prefill=prefill, decode=decode, both=0, schedulers=schedulers
+    )
+
+
 def test_stack_cli_metrics_port_base():
-    args = argparse.Namespace(metrics_port_base=9100, prefill=1, decode=2, both=0)
-    assert metrics_ports(args) == (9100, 9101, 9102, 9103, 9104)
-    assert metrics_ports(argparse.Namespace(metrics_port_base=0, prefill=1, decode=1, both=0)) == ()
+    assert metrics_ports(stack_args(9100, decode=2)) == (9100, 9101, 9102, 9103, 9104)
+    # two schedulers, each with 1 prefill + 1 decode: gateway, 2 schedulers, 4 workers
+    assert metrics_ports(stack_args(9100, schedulers=2)) == tuple(range(9100, 9107))
+    assert metrics_ports(stack_args(0)) == ()
     with pytest.raises(ValueError, match="--metrics-port-base must leave room"):
-        metrics_ports(argparse.Namespace(metrics_port_base=65534, prefill=1, decode=1, both=0))
+        metrics_ports(stack_args(65534))
 
 
 def test_endpoint_serves_the_text_format_until_closed():

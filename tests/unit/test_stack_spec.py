@@ -65,3 +65,20 @@ def test_status_lists_every_scheduler_and_its_workers(tmp_path, capsys):
     for name, address, _ in _commands(spec):
         assert f"{name:<14} {address:<22} UNREACHABLE" in out
     assert "scheduler-0" in out and "scheduler-1" in out
+
+
+def test_metrics_ports_and_served_names_reach_every_scheduler_and_worker():
+    spec, argvs = commands(
+        ["--schedulers", "2", "--metrics-port-base", "9100", "--served-model-name", "a", "b"]
+    )
+    ports = {name: flag(argv, "--metrics-port") for name, argv in argvs.items() if name != "http"}
+    assert ports == {
+        "gateway": "9100", "scheduler-0": "9101", "scheduler-1": "9102",
+        "prefill-50061": "9103", "prefill-50062": "9104",
+        "decode-50071": "9105", "decode-50072": "9106",
+    }  # fmt: skip
+    assert "--metrics-port" not in argvs["http"]  # it serves GET /metrics on its own port
+    assert argvs["gateway"][argvs["gateway"].index("--served-model-name") :][1:3] == ["a", "b"]
+    free = StackSpec.on_free_ports("/models/m", schedulers=2, metrics=True, http=True)
+    assert len(free.metrics_ports) == 1 + 2 + 4
+    assert free.metrics_port("scheduler-1") == free.metrics_ports[2]
