@@ -129,7 +129,8 @@ Call it:
   grpcurl -plaintext -d '{{"text": "Hello", "max_tokens": 16}}' \\
       {spec.gateway_address} tandem.v1.GenerateService/Generate""")
     if spec.http_address is not None:
-        print(_curl_example(spec.http_address, Path(spec.model).name))
+        name = args.served_model_name[0] if args.served_model_name else Path(spec.model).name
+        print(_curl_example(spec.http_address, name))
     print(f"Logs: {_short(Path(args.run_dir))}/logs    Stop: make down")
     return 0
 
