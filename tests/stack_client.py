@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
+from subprocess import Popen
 
 import grpc
 
@@ -177,3 +184,41 @@ def start_stack(model, run_dir, *, ready_timeout_s: float = 180, env=None, **spe
     return Stack.start(
         spec, run_dir, env=env, ready_timeout_s=ready_timeout_s, exit_with_parent=True
     )
+
+
+@contextmanager
+def http_front(gateway_address: str, log_path: Path, *extra: str) -> Iterator[tuple[str, Popen]]:
+    """`python -m services.openai_api` (with `extra` flags) on a free port in front of a
+    running gateway; ("host:port", the process) once its /health answers 200."""
+    import urllib.error
+    import urllib.request
+
+    from services.stack.launcher import ROOT, free_port
+
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TANDEM_EXIT_WITH_PARENT": "1"}
+    argv = [sys.executable, "-m", "services.openai_api", "--host", "127.0.0.1",
+            "--port", str(port), "--gateway", gateway_address, *extra]  # fmt: skip
+    with open(log_path, "wb") as log:
+        process = Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    address = f"127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://{address}/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        break
+            except (OSError, urllib.error.URLError):
+                pass
+            assert process.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, "the HTTP front did not start"
+            time.sleep(0.1)
+        yield address, process
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

@@ -24,10 +24,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -44,10 +41,9 @@ from hypothesis import strategies as st
 from common.config import parse_size
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
 from services.gateway.config import GatewayConfig
-from services.stack.launcher import free_port
 from tests.hf_reference import hf_generate, hf_tokenizer
 from tests.service.test_api_validation import documented_messages
-from tests.stack_client import generate, greedy_request, wait_until_idle
+from tests.stack_client import generate, greedy_request, http_front, wait_until_idle
 
 ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 20.0
@@ -1060,34 +1056,9 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 @pytest.fixture(scope="module")
 def http_address(api_stack, tmp_path_factory):
     """`python -m services.openai_api` in front of the shared stack's gateway."""
-    port = free_port()
     log_path = tmp_path_factory.mktemp("fuzz-http") / "http.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TANDEM_EXIT_WITH_PARENT": "1"}
-    argv = [
-        sys.executable, "-m", "services.openai_api", "--host", "127.0.0.1", "--port", str(port),
-        "--gateway", api_stack.spec.gateway_address,
-    ]  # fmt: skip
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    address = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://{address}/health", timeout=2) as reply:
-                if reply.status == 200:
-                    break
-        except (OSError, urllib.error.URLError):
-            pass
-        assert process.poll() is None, log_path.read_text()
-        assert time.monotonic() < deadline, "the HTTP front did not start"
-        time.sleep(0.1)
-    yield address, process, log_path
-    process.terminate()
-    try:
-        process.wait(10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    with http_front(api_stack.spec.gateway_address, log_path) as (address, process):
+        yield address, process, log_path
 
 
 json_scalars = st.one_of(

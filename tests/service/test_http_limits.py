@@ -12,10 +12,7 @@ front in front of the shared stack's gateway, started with short timeouts:
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -23,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from services.stack.launcher import free_port
 from tests.service.test_api_fuzz import new_log_errors
+from tests.stack_client import http_front
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADER_TIMEOUT_S = 2.0
@@ -37,30 +34,12 @@ DEPTH_ERROR = "request body nests deeper than 128 levels of arrays/objects"
 @pytest.fixture(scope="module")
 def front(api_stack, tmp_path_factory):
     """`python -m services.openai_api` with short limits, in front of the shared stack."""
-    port = free_port()
     log_path = tmp_path_factory.mktemp("http-limits") / "http.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TANDEM_EXIT_WITH_PARENT": "1"}
-    argv = [
-        sys.executable, "-m", "services.openai_api", "--host", "127.0.0.1", "--port", str(port),
-        "--gateway", api_stack.spec.gateway_address,
-        "--header-timeout-s", str(HEADER_TIMEOUT_S), "--body-timeout-s", str(BODY_TIMEOUT_S),
-        "--max-connections", str(MAX_CONNECTIONS),
-    ]  # fmt: skip
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    address = ("127.0.0.1", port)
-    deadline = time.monotonic() + 60
-    while request(address, "GET", "/health")[0] != 200:
-        assert process.poll() is None, log_path.read_text()
-        assert time.monotonic() < deadline, "the HTTP front did not start"
-        time.sleep(0.1)
-    yield address, log_path
-    process.terminate()
-    try:
-        process.wait(10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    limits = ["--header-timeout-s", str(HEADER_TIMEOUT_S), "--body-timeout-s",
+              str(BODY_TIMEOUT_S), "--max-connections", str(MAX_CONNECTIONS)]  # fmt: skip
+    with http_front(api_stack.spec.gateway_address, log_path, *limits) as (address, _):
+        host, port = address.rsplit(":", 1)
+        yield (host, int(port)), log_path
 
 
 def request(address, method: str, path: str, body: bytes | None = None, headers=None):
