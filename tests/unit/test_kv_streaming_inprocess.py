@@ -214,7 +214,13 @@ def test_a_worker_killed_mid_stream_restarts_the_request_elsewhere(victim):
                 w.release_steps()
             assert_exact(await collect(handle.events), p, 6)
             assert c.engine.num_worker_failures == 1
-            assert c.engine.num_restarted_requests == 1
+            if victim == "prefill":  # its KV is gone: the prompt is computed again
+                assert c.engine.num_restarted_requests == 1
+            else:
+                # Whichever the engine notices first: the failed stream (the decode side
+                # is dropped while the prompt still runs, and the finished prompt is handed
+                # to the other decode worker: no restart) or the dead worker (restart).
+                assert c.engine.num_restarted_requests in (0, 1)
             await assert_clean(c)
 
     run(scenario())
