@@ -357,6 +357,10 @@ def step_section(
 
             seconds = timed(decode_step, device, repeat=2 if device.type == "cpu" else 30)
             row[f"{mode}_ms"] = round(seconds * 1e3, 3)
+            graph = runner.graphs.graph_for(batch) if runner.graphs is not None else None
+            if graph is not None:  # the forward alone, as replayed: the rest of the step is
+                # host work (batch bookkeeping, input copies), LM head, sampling, read-back
+                row["graph_replay_ms"] = round(timed(graph.replay, device, repeat=30) * 1e3, 3)
             del runner, persistent
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -132,3 +132,9 @@ class DecodeGraphs:
     @property
     def num_graphs(self) -> int:
         return len(self._graphs)
+
+    def graph_for(self, num_seqs: int) -> torch.cuda.CUDAGraph | None:
+        """The captured graph a step of `num_seqs` rows replays (None: runs eagerly);
+        `bench.gpu` times its replay alone to split a step's time."""
+        entry = self._graphs.get(self.bucket_for(num_seqs))
+        return None if entry is None else entry[0]
