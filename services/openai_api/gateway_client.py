@@ -226,16 +226,9 @@ class GatewayClient:
         """A prompt's first token as (id, text), its text written as logprob tokens are
         (the token alone, decoded with special tokens kept); a text prompt is tokenized as
         Generate tokenizes it."""
-        try:
-            if isinstance(prompt, str):
-                reply = await self.stub.Tokenize(
-                    generate_pb2.TokenizeRequest(text=prompt),
-                    timeout=UNARY_TIMEOUT_S,
-                    metadata=metadata,
-                )
-                prompt = reply.token_ids
-        except grpc.aio.AioRpcError as exc:
-            raise api_error(exc) from None
+        if isinstance(prompt, str):
+            request = generate_pb2.TokenizeRequest(text=prompt)
+            prompt = (await self.tokenize(request, metadata)).token_ids
         if not prompt:
             raise ApiError("prompt: echo with logprobs needs at least one prompt token", 400)
         return int(prompt[0]), await self.detokenize([prompt[0]], metadata)

@@ -18,12 +18,13 @@ import grpc
 import pytest
 
 from common.config import load_config
-from common.healthcheck import health_status, http_health_status
+from common.healthcheck import health_status
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
 from services.gateway.config import GatewayConfig
 from services.openai_api.config import OpenAIApiConfig
 from services.stack.launcher import free_port
 from tests.hf_reference import hf_greedy, hf_tokenizer
+from tests.stack_client import http_front
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = ("tandem-tiny", "acme/Tiny-Llama-Chat")
@@ -49,33 +50,29 @@ def wait(check, process: subprocess.Popen, log_path: Path) -> None:
 def fronts(api_stack, tiny_llama_dir, tmp_path_factory):
     """(gateway address, HTTP address over it, HTTP address with its own names)."""
     logs = tmp_path_factory.mktemp("served-names")
-    gateway_port, http_port, alias_port = free_port(), free_port(), free_port()
+    gateway_port = free_port()
     gateway = spawn(
         ["services.gateway", "--model", str(tiny_llama_dir), "--port", str(gateway_port),
          "--scheduler", api_stack.spec.scheduler_address, "--served-model-name", *NAMES],
         logs / "gateway.log",
     )  # fmt: skip
-    processes = [gateway]
     try:
         gateway_address = f"127.0.0.1:{gateway_port}"
         wait(lambda: health_status(gateway_address), gateway, logs / "gateway.log")
-        for port, extra in ((http_port, []), (alias_port, ["--served-model-name", "my-model"])):
-            log_path = logs / f"http-{port}.log"
-            front = spawn(
-                ["services.openai_api", "--port", str(port), "--gateway", gateway_address, *extra],
-                log_path,
-            )
-            processes.append(front)
-            wait(lambda port=port: http_health_status(f"127.0.0.1:{port}"), front, log_path)
-        yield gateway_address, f"127.0.0.1:{http_port}", f"127.0.0.1:{alias_port}"
+        with (
+            http_front(gateway_address, logs / "http.log") as (address, _),
+            http_front(gateway_address, logs / "alias.log", "--served-model-name", "my-model") as (
+                alias_address,
+                _,
+            ),
+        ):
+            yield gateway_address, address, alias_address
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        gateway.terminate()
+        try:
+            gateway.wait(10)
+        except subprocess.TimeoutExpired:
+            gateway.kill()
 
 
 def http(address: str, path: str, body: dict | None = None) -> tuple[int, dict]:
