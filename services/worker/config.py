@@ -16,6 +16,7 @@ from common.config import (
 from common.parallel_plan import Layout
 from common.speculative_config import SpeculativeConfig, parse_speculative_config
 from services.worker.models.attention_backend import BACKENDS
+from services.worker.models.gemm_plan import CHOICES as GEMM_CHOICES
 from services.worker.models.quantized_weights import MATMUL_CHOICES
 
 ROLES = ("prefill", "decode", "both")
@@ -113,11 +114,19 @@ class WorkerConfig(ServiceConfig):
     )
     cpu_packed_weights: str = setting(
         "auto",
-        "also keep MKL-packed float32 weights for decode-sized batches (up to 30% faster "
-        "decode steps, ~2.6x the weights' memory): auto (decode and both workers on CPU when "
-        "they fit in half the available memory), on, off",
+        "also keep packed float32 weights for decode-sized batches (30-50% faster decode "
+        "steps; oneDNN's copy takes the weights' memory again, MKL's ~2.6x): auto (decode and "
+        "both workers on CPU when they fit in half the available memory), on, off",
         choices=PACKED_WEIGHTS,
         env="TANDEM_CPU_PACKED_WEIGHTS",
+    )
+    cpu_gemm: str = setting(
+        "auto",
+        "which packed GEMM those weights use: auto (time MKL's and oneDNN's on the model's "
+        "weights at load, keep the faster and the batch sizes where it beats torch.mm), "
+        "mkl, onednn",
+        choices=GEMM_CHOICES,
+        env="TANDEM_CPU_GEMM",
     )
     cpu_compute_lock: str = setting(
         "auto",
@@ -213,6 +222,7 @@ class WorkerConfig(ServiceConfig):
             ("quantized_matmul", MATMUL_CHOICES),
             ("attention_backend", BACKENDS),
             ("cpu_packed_weights", PACKED_WEIGHTS),
+            ("cpu_gemm", GEMM_CHOICES),
         ):
             self._require(
                 getattr(self, name) in choices, name, f"must be one of {', '.join(choices)}"

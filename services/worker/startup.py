@@ -135,12 +135,13 @@ def measure_graph_bytes(model, geometry: dict, buckets, max_model_len: int, devi
     return max(0, used)
 
 
-# MKL's packed copy of a float32 weight takes about this many times the weight's bytes.
+# MKL's packed copy of a float32 weight takes about this many times the weight's bytes (the
+# largest of the formats `cpu_gemm` may pick; oneDNN's takes the weight's bytes).
 PACKED_WEIGHT_FACTOR = 2.6
 
 
 def wants_packed_weights(config: WorkerConfig, model: torch.nn.Module, device) -> bool:
-    """Whether this worker keeps MKL-packed weights for small batches (`cpu_packed_weights`):
+    """Whether this worker keeps packed weights for small batches (`cpu_packed_weights`):
     only CPU float32 models; `auto` = workers that decode, when the copies fit in half the
     memory available now."""
     setting = config.cpu_packed_weights
@@ -193,9 +194,14 @@ def load_worker(
         model_config.max_position_embeddings,
     )
     draft = load_draft(config.speculative, model_config, max_model_len, dtype, device, backend)
-    packed_bytes = 0
+    packed_bytes, gemm = 0, {}
     if wants_packed_weights(config, model, device):
-        packed_bytes = model.pack_weights() + (draft.model.pack_weights() if draft else 0)
+        packed_bytes, plan = model.pack_weights(config.cpu_gemm)
+        gemm = plan.summary()
+        if draft:
+            packed_bytes += draft.model.pack_weights(config.cpu_gemm)[0]
+        if plan.timings_us:
+            log.info("cpu_gemm_measured", worker_id=worker_id, **gemm, us=plan.timings_us)
     lora = load_lora(config, model, model_config.num_hidden_layers)
     geometry = dict(
         block_size=config.block_size,
@@ -290,6 +296,7 @@ def load_worker(
         attention=backend.name,
         cuda_graphs=graphs.num_graphs if graphs else 0,
         packed_weights_mib=round(packed_bytes / 2**20, 1),
+        **gemm,
         num_blocks=num_blocks,
         kv_pool_mib=round(num_blocks * kv_cache.block_bytes / 2**20, 1),
         draft_layers=draft.config.num_hidden_layers if draft else 0,

@@ -1,6 +1,7 @@
 """MergedLinear: one matrix product computes what the merged Hugging Face layers compute,
-on every path (transposed weight, MKL-packed weight for decode-sized batches, with and
-without bias), and a merged model gives the unmerged model's logits."""
+on every path (transposed weight; MKL's and oneDNN's packed weights for decode-sized
+batches, with and without bias; the plan `auto` measures), and a packed model gives the
+unpacked model's logits."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from services.worker.models.linear import PACKED_ROWS, MergedLinear
+from services.worker.models import cpu_gemm
+from services.worker.models.gemm_plan import STATIC_ROWS, GemmPlan
+from services.worker.models.linear import MergedLinear
 
 
 def _layers(bias: bool) -> list[nn.Linear]:
@@ -31,21 +34,58 @@ def test_merged_equals_separate_layers(bias, rows):
         torch.testing.assert_close(part, want, atol=1e-5, rtol=1e-5)
 
 
+def test_this_torch_offers_both_packed_formats():
+    assert cpu_gemm.available_formats() == ("mkl", "onednn")
+
+
+@pytest.mark.parametrize("fmt", ["mkl", "onednn"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_weights_give_the_same_products(bias):
+def test_packed_weights_give_the_same_products(fmt, bias):
     merged = MergedLinear.merge(_layers(bias))
     plain = {}
     with torch.no_grad():
-        inputs = {rows: torch.randn(rows, 48) for rows in (1, 2, 7, 16, 32, 33, 64)}
+        inputs = {rows: torch.randn(rows, 48) for rows in (1, 2, 7, 16, 32, 33, 64, 65, 200)}
         for rows, x in inputs.items():
             plain[rows] = merged(x)
-        packed_bytes = merged.pack()
-        if not packed_bytes:
-            pytest.fail("MKL packing is unavailable in this torch build")
-        assert merged.packed is not None
+        plan = cpu_gemm.plan_for(fmt, [merged.weight])
+        assert plan.packed_format == fmt and plan.packed_rows == frozenset(STATIC_ROWS[fmt])
+        assert merged.pack(plan) >= merged.weight.numel() * 4
+        assert merged.packed is not None and merged.packed_format == fmt
         for rows, x in inputs.items():
             torch.testing.assert_close(merged(x), plain[rows], atol=1e-5, rtol=1e-5)
-    assert 2 in PACKED_ROWS and 32 in PACKED_ROWS and 1 not in PACKED_ROWS
+
+
+def test_every_row_count_of_a_plan_takes_its_packed_product(monkeypatch):
+    merged = MergedLinear.merge(_layers(False))
+    merged.pack(GemmPlan("onednn", frozenset({3})))
+    calls = []
+    real = cpu_gemm.packed_product
+    monkeypatch.setattr(
+        cpu_gemm, "packed_product", lambda *a: calls.append(a[0].shape[0]) or real(*a)
+    )
+    with torch.no_grad():
+        for rows in (1, 2, 3, 4):
+            merged(torch.randn(rows, 48))
+    assert calls == [3]
+
+
+def test_auto_measures_every_format_and_keeps_a_consistent_plan():
+    torch.manual_seed(0)
+    weights = [torch.randn(256, 512), torch.randn(512, 256)]
+    timings = cpu_gemm.measure(weights, ("mkl", "onednn"), rows=(1, 4, 16), repeats=1)
+    assert set(timings) == {"plain", "mkl", "onednn"}
+    assert all(set(t) == {1, 4, 16} and min(t.values()) > 0 for t in timings.values())
+    plan = cpu_gemm.plan_for("auto", weights)
+    assert plan.timings_us is not None and set(plan.timings_us) == {"plain", "mkl", "onednn"}
+    if plan.packed_format is not None:
+        assert plan.packed_rows and max(plan.packed_rows) <= 128
+
+
+def test_a_plan_without_packing_packs_nothing():
+    merged = MergedLinear.merge(_layers(False))
+    assert merged.pack(cpu_gemm.PLAIN) == 0 and merged.packed is None
+    with pytest.raises(ValueError, match="cpu_gemm"):
+        cpu_gemm.plan_for("blas", [merged.weight])
 
 
 def test_three_dimensional_inputs_keep_their_shape():
@@ -68,10 +108,10 @@ def test_packed_model_gives_the_unpacked_logits(tiny_llama_dir):
     from services.worker.models.weight_loader import load_model
 
     outputs = []
-    for pack in (False, True):
+    for pack in (None, "mkl", "onednn"):
         model, config = load_model(tiny_llama_dir, torch.float32)
         if pack:
-            assert model.pack_weights() > 0
+            assert model.pack_weights(pack)[0] > 0
         cache = KvCache(
             16,
             4,
@@ -89,5 +129,6 @@ def test_packed_model_gives_the_unpacked_logits(tiny_llama_dir):
             ids = torch.arange(3, 3 + meta.num_tokens)
             logits.append(model.compute_logits(model(ids, positions, cache, meta)))
         outputs.append(logits)
-    for unpacked, packed in zip(*outputs, strict=True):
-        torch.testing.assert_close(packed, unpacked, atol=1e-4, rtol=1e-4)
+    for unpacked, *packed in zip(*outputs, strict=True):
+        for logits in packed:
+            torch.testing.assert_close(logits, unpacked, atol=1e-4, rtol=1e-4)

@@ -7,7 +7,9 @@ weights load unchanged); `MergedLinear.merge` then takes their weights once, aft
 On CPU the merged weight is kept transposed (`[in, out]`, contiguous): MKL multiplies
 `x @ W` markedly faster than `x @ W.T` at decode batch sizes (2x at 16 rows); on
 accelerators it stays `[out, in]` for `F.linear`. Every output column is the same dot
-product either way, so merging does not change results beyond float rounding.
+product either way, so merging does not change results beyond float rounding. For
+decode-sized batches a CPU float32 layer can also keep a packed copy (MKL's or oneDNN's,
+whichever `cpu_gemm` measured faster on this CPU) and use it at the row counts its plan names.
 """
 
 from __future__ import annotations
@@ -18,9 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Rows for which MKL's packed weights beat a plain matrix product (measured on the model's
-# whole weight set: up to 30% faster at 2..16 rows, even at 32, slower from 64 and at 1).
-PACKED_ROWS = range(2, 33)
+from services.worker.models import cpu_gemm
+from services.worker.models.gemm_plan import GemmPlan
 
 
 class MergedLinear(nn.Module):
@@ -35,17 +36,22 @@ class MergedLinear(nn.Module):
         self.sizes = tuple(sizes)
         self.out_features = sum(self.sizes)
         self.packed: torch.Tensor | None = None
+        self.packed_format: str | None = None
+        self.packed_rows: frozenset[int] = frozenset()
 
-    def pack(self) -> int:
-        """Also keep MKL's packed copy of the weight (CPU, float32) for decode-sized batches;
-        returns its bytes (0 when packing does not apply)."""
-        if not self.transposed or self.weight.dtype != torch.float32 or not _has_mkl_packing():
+    @property
+    def packable(self) -> bool:
+        return self.transposed and self.weight.dtype == torch.float32
+
+    def pack(self, plan: GemmPlan) -> int:
+        """Also keep the plan's packed copy of the weight (CPU, float32) for the row counts it
+        serves; returns its bytes (0 when packing does not apply)."""
+        if not self.packable or plan.packed_format is None:
             return 0
         with torch.no_grad():
-            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(
-                self.weight.t().contiguous(), max(PACKED_ROWS)
-            )
-        return self.packed.numel() * self.packed.element_size()
+            self.packed = cpu_gemm.pack(self.weight, plan.packed_format)
+        self.packed_format, self.packed_rows = plan.packed_format, plan.packed_rows
+        return cpu_gemm.packed_bytes(self.packed, self.weight, plan.packed_format)
 
     @classmethod
     def merge(cls, layers: Sequence[nn.Linear]) -> MergedLinear:
@@ -63,20 +69,12 @@ class MergedLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         if x.dim() != 2:  # the model's activations are flat [tokens, features] already
             return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
-        rows = x.shape[0]
-        if self.packed is not None and rows in PACKED_ROWS:
-            # The packed layout does not depend on the row count it was made for.
-            return torch.ops.mkl._mkl_linear(x, self.packed, self.weight.t(), self.bias, rows)
-        return (
-            torch.mm(x, self.weight)
-            if self.bias is None
-            else torch.addmm(self.bias, x, self.weight)
-        )
+        if self.packed is not None and x.shape[0] in self.packed_rows:
+            return cpu_gemm.packed_product(
+                x, self.packed_format, self.packed, self.weight, self.bias
+            )
+        return cpu_gemm.plain_product(x, self.weight, self.bias)
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The merged output as one view per original layer."""
         return self(x).split(self.sizes, dim=-1)
-
-
-def _has_mkl_packing() -> bool:
-    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")

@@ -36,6 +36,8 @@ from common.model_config import ModelConfig
 from services.worker.kv_cache import KvCache
 from services.worker.models.attention_backend import AttentionBackend, CpuAttention
 from services.worker.models.attention_metadata import AttentionMetadata
+from services.worker.models.cpu_gemm import plan_for
+from services.worker.models.gemm_plan import GemmPlan
 from services.worker.models.linear import MergedLinear
 from services.worker.models.rope import RotaryEmbedding, rotate
 from services.worker.parallel.pipeline_stage import PipelineStage
@@ -299,11 +301,14 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = MergedLinear.merge([self.lm_head])
         self.merged = True
 
-    def pack_weights(self) -> int:
-        """Add MKL-packed copies of the merged weights for decode-sized batches (CPU,
-        float32; see `linear.py`); returns the bytes they take."""
+    def pack_weights(self, cpu_gemm: str = "auto") -> tuple[int, GemmPlan]:
+        """Add packed copies of the merged weights for decode-sized batches (CPU, float32;
+        see `linear.py`): the format and row counts `cpu_gemm` names or, for `auto`,
+        measures on these weights. Returns the bytes the copies take and the plan."""
         self.merge_projections()
-        return sum(m.pack() for m in self.modules() if isinstance(m, MergedLinear))
+        layers = [m for m in self.modules() if isinstance(m, MergedLinear) and m.packable]
+        plan = plan_for(cpu_gemm, [m.weight for m in layers])
+        return sum(m.pack(plan) for m in layers), plan
 
     def forward(
         self,
