@@ -56,8 +56,9 @@ WORKLOAD = [
 
 
 @pytest.fixture(scope="module")
-def stack(module_stacks):
-    return module_stacks()
+def stack(api_stack):
+    """The session's shared disaggregated stack (its HTTP front is no gRPC service)."""
+    return api_stack
 
 
 def expected(model_dir: Path, prompt: str | list[int], max_tokens: int) -> tuple[list[int], str]:
@@ -174,7 +175,7 @@ def test_client_cancel_mid_stream_frees_every_block(stack):
 
 
 def test_every_service_serves_health_and_reflection(stack):
-    for process in stack.processes:
+    for process in (p for p in stack.processes if p.probe == "grpc"):
         with grpc.insecure_channel(process.address) as channel:
             health = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=5

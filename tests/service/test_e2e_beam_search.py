@@ -126,11 +126,15 @@ def check_all(address: str, folder) -> None:
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def arch(request, tmp_path_factory):
+    """(checkpoint, its stacks by topology, tmp): the split stack on llama is the session's
+    `api_stack` (the same shape: default prefill + decode worker with the HTTP front)."""
     folder = request.getfixturevalue(f"tiny_{request.param}_dir")
-    stacks = {}
+    shared = {"split": request.getfixturevalue("api_stack")} if request.param == "llama" else {}
+    stacks = dict(shared)
     yield folder, stacks, tmp_path_factory
-    for stack in stacks.values():
-        stack.stop()
+    for topology, stack in stacks.items():
+        if topology not in shared:
+            stack.stop()
 
 
 def stack_for(arch, topology: str):

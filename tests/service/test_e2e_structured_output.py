@@ -68,8 +68,8 @@ def valid(kind: str, text: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def stack(module_stacks):
-    return module_stacks(name="structured", http=True)
+def stack(api_stack):
+    return api_stack
 
 
 def test_constrained_outputs_are_complete_and_valid_beside_free_ones(stack, tiny_llama_dir):
