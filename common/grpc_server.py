@@ -34,9 +34,18 @@ SERVER_OPTIONS = (
     ("grpc.so_reuseport", 0),
 )
 
+# Reconnect backoff: gRPC's default starts at 1 s and grows 1.6x to 120 s, so a peer that
+# comes up (or back) while its caller keeps retrying was noticed seconds late: a scheduler
+# polling workers that are still importing, a gateway whose scheduler was restarted. On a
+# loopback or cluster network a retry every second at most costs nothing.
+RECONNECT_INITIAL_BACKOFF_MS = 100
+RECONNECT_MAX_BACKOFF_MS = 1000
+
 CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.initial_reconnect_backoff_ms", RECONNECT_INITIAL_BACKOFF_MS),
+    ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_BACKOFF_MS),
 )
 
 

@@ -6,6 +6,7 @@
 Each test gets the marker of its folder (`-m unit`, `-m service`, `-m gpu`).
 
 Stacks: `api_stack` (one per session, shared by the generation-API modules),
+`small_pools_stack` (one per session and preemption mode, for chunking and preemption),
 `module_stacks` (started by a module, stopped when it ends) and `launch_stack` (stopped
 when the test ends). Shared helper modules beside this file: `stack_client` (calls and
 waits on a stack), `hf_reference` (the `transformers` reference), `fake_worker` (an
@@ -27,7 +28,7 @@ if not torch.cuda.is_available():
 import pytest
 
 from devtools.checkpoint_builder import build_checkpoint
-from tests.stack_client import start_stack
+from tests.stack_client import SMALL_POOLS, start_stack
 
 TESTS = Path(__file__).resolve().parent
 KINDS = ("unit", "service", "gpu")
@@ -96,6 +97,28 @@ def api_stack(tiny_llama_dir, tmp_path_factory):
     front, shared by the generation-API test modules."""
     launcher = StackLauncher(tiny_llama_dir, tmp_path_factory)
     yield launcher(name="api-stack", http=True)
+    launcher.stop_all()
+
+
+@pytest.fixture(scope="session")
+def small_pools_stack(tiny_llama_dir, tmp_path_factory):
+    """`small_pools_stack(preemption="recompute" | "swap")`: the session's stack on the tiny
+    llama with `SMALL_POOLS` and that preemption mode (one per mode, started on first use),
+    shared by the tests that need chunking and preemption on one prefill and one decode
+    worker. Its counters and logs are cumulative: tests compare before and after
+    (`log_size` / `log_lines_since` for the logs) and leave it idle."""
+    launcher = StackLauncher(tiny_llama_dir, tmp_path_factory)
+    stacks = {}
+
+    def get(preemption: str = "recompute"):
+        if preemption not in stacks:
+            scheduler = [*SMALL_POOLS["scheduler"], "--preemption-mode", preemption]
+            stacks[preemption] = launcher(
+                name=f"small-pools-{preemption}", extra_args={**SMALL_POOLS, "scheduler": scheduler}
+            )
+        return stacks[preemption]
+
+    yield get
     launcher.stop_all()
 
 

@@ -22,10 +22,19 @@ def hf_tokenizer(folder: str):
     return AutoTokenizer.from_pretrained(folder)
 
 
-@torch.inference_mode()
 def hf_greedy(folder: str | os.PathLike, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """New token ids of `generate(do_sample=False)` (stops at the checkpoint's EOS)."""
-    model = hf_model(str(folder))
+    """New token ids of `generate(do_sample=False)` (stops at the checkpoint's EOS).
+
+    Remembered per (checkpoint folder, prompt, length) for the session, as `hf_model` is:
+    many modules check the same workloads against HF, and a checkpoint folder is never
+    rewritten in place."""
+    return list(_hf_greedy(str(folder), tuple(prompt_ids), max_new_tokens))
+
+
+@functools.lru_cache(maxsize=4096)
+@torch.inference_mode()
+def _hf_greedy(folder: str, prompt_ids: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+    model = hf_model(folder)
     input_ids = torch.tensor([prompt_ids])
     out = model.generate(
         input_ids,
@@ -34,7 +43,7 @@ def hf_greedy(folder: str | os.PathLike, prompt_ids: list[int], max_new_tokens: 
         max_new_tokens=max_new_tokens,
         pad_token_id=model.generation_config.eos_token_id,
     )
-    return out[0, len(prompt_ids) :].tolist()
+    return tuple(out[0, len(prompt_ids) :].tolist())
 
 
 @torch.inference_mode()
@@ -57,7 +66,6 @@ def hf_log_softmax(folder: str | os.PathLike, token_ids: list[int]) -> torch.Ten
     return torch.log_softmax(logits, dim=-1)
 
 
-@torch.inference_mode()
 def hf_beam_search(
     folder: str | os.PathLike,
     prompt_ids: list[int],
@@ -70,8 +78,27 @@ def hf_beam_search(
     early_stopping: bool | str = False,
 ) -> list[tuple[list[int], float]]:
     """`generate(num_beams=k, do_sample=False)`'s returned hypotheses, best first: (new token
-    ids without HF's trailing padding, sequences_scores)."""
-    model = hf_model(str(folder))
+    ids without HF's trailing padding, sequences_scores). Remembered like `hf_greedy`."""
+    hyps = _hf_beam_search(
+        str(folder), tuple(prompt_ids), num_beams, max_new_tokens, tuple(eos_token_ids),
+        num_return_sequences, length_penalty, early_stopping,
+    )  # fmt: skip
+    return [(list(tokens), score) for tokens, score in hyps]
+
+
+@functools.lru_cache(maxsize=1024)
+@torch.inference_mode()
+def _hf_beam_search(
+    folder: str,
+    prompt_ids: tuple[int, ...],
+    num_beams: int,
+    max_new_tokens: int,
+    eos_token_ids: tuple[int, ...],
+    num_return_sequences: int,
+    length_penalty: float,
+    early_stopping: bool | str,
+) -> tuple[tuple[tuple[int, ...], float], ...]:
+    model = hf_model(folder)
     input_ids = torch.tensor([prompt_ids])
     out = model.generate(
         input_ids,
@@ -89,7 +116,7 @@ def hf_beam_search(
     )
     lengths = (out.beam_indices != -1).sum(dim=1).tolist()  # generated tokens, EOS included
     seqs = out.sequences[:, len(prompt_ids) :]
-    return [
-        (row[:n].tolist(), score)
+    return tuple(
+        (tuple(row[:n].tolist()), score)
         for row, n, score in zip(seqs, lengths, out.sequences_scores.tolist(), strict=True)
-    ]
+    )

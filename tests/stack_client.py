@@ -24,6 +24,15 @@ from common.pb.tandem.internal.v1 import (
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
 from services.stack.launcher import Stack, StackSpec
 
+# Small pools on the tiny llama (context 96 = 6 blocks; 12 prefill and 10 decode blocks, a
+# 24-token step budget): a handful of concurrent requests forces chunked prompts and
+# preemption. The `small_pools_stack` fixture (tests/conftest.py) serves these flags.
+SMALL_POOLS = {
+    "prefill": ["--max-model-len", "96", "--num-blocks", "12"],
+    "decode": ["--max-model-len", "96", "--num-blocks", "10"],
+    "scheduler": ["--max-num-batched-tokens", "24"],
+}
+
 # Short prompts of mixed scripts that the stack tests send (HF references are per prompt).
 SAMPLE_PROMPTS = [
     "Once upon a time",
@@ -118,6 +127,19 @@ def wait_until_idle(
                 f"workers={worker_active_requests(stack, skip)}"
             )
         time.sleep(0.1)
+
+
+def log_size(stack: Stack, name: str = "scheduler") -> int:
+    """Bytes in service `name`'s log now: `log_lines_since` reads what comes after."""
+    return (stack.run_dir / "logs" / f"{name}.log").stat().st_size
+
+
+def log_lines_since(stack: Stack, offset: int, name: str = "scheduler") -> list[str]:
+    """Lines service `name` logged after `offset` (a `log_size`): on a shared stack, what
+    one test caused."""
+    with open(stack.run_dir / "logs" / f"{name}.log", "rb") as log:
+        log.seek(offset)
+        return log.read().decode(errors="replace").splitlines()
 
 
 @dataclass

@@ -352,15 +352,21 @@ class Stack:
 
     def restart(self, name: str, ready_timeout_s: float = 120.0) -> Process:
         """Start a stopped or killed service again with its original command line."""
-        old = self.process(name)
-        if self.alive(old):
-            raise RuntimeError(f"{name} is still running (pid {old.pid})")
-        argv = next(argv for n, _, argv in _commands(self.spec) if n == name)
-        new = self._launch(name, old.address, argv)
-        self.processes[self.processes.index(old)] = new
+        return self.restart_all([name], ready_timeout_s)[0]
+
+    def restart_all(self, names: list[str], ready_timeout_s: float = 120.0) -> list[Process]:
+        """`restart` several services at once: all are started, then all waited for."""
+        olds = [self.process(name) for name in names]
+        for old in olds:
+            if self.alive(old):
+                raise RuntimeError(f"{old.name} is still running (pid {old.pid})")
+        argvs = {n: argv for n, _, argv in _commands(self.spec)}
+        news = [self._launch(old.name, old.address, argvs[old.name]) for old in olds]
+        for old, new in zip(olds, news, strict=True):
+            self.processes[self.processes.index(old)] = new
         self.save()
-        self.wait_serving(ready_timeout_s, [new])
-        return new
+        self.wait_serving(ready_timeout_s, news)
+        return news
 
     @classmethod
     def start(

@@ -30,11 +30,13 @@ from tests.stack_client import (
     wait_until_idle,
 )
 
-PROMPTS = [*SAMPLE_PROMPTS, "A decode worker drains", "Tokens keep streaming"]
-# Long outputs (the tiny model's context is 512), two running per pool at a time: the
-# generation left when the drain begins takes several times as long as the worker's
-# exit (health check, its 1 s idle settle, the gRPC grace period).
-MAX_TOKENS = 440
+# Six requests, two running per decode pool at a time: when the drain begins two run on
+# each pool and two wait for room, so the drained worker holds some and more may reach it.
+PROMPTS = SAMPLE_PROMPTS[:6]
+# Long outputs: the generation left when the drain begins (three rounds of two on the
+# remaining pool, about 950 steps) takes several times as long as the worker's exit
+# (health check, its 1 s idle settle, the gRPC grace period).
+MAX_TOKENS = 320
 MAX_NUM_SEQS = "2"
 DECODE = types_pb2.WORKER_ROLE_DECODE
 PREFILL = types_pb2.WORKER_ROLE_PREFILL

@@ -24,6 +24,8 @@ from tests.hf_reference import hf_greedy, hf_tokenizer
 from tests.stack_client import (
     generate,
     greedy_request,
+    log_lines_since,
+    log_size,
     pool_stats,
     start_stack,
     wait_until_idle,
@@ -56,8 +58,9 @@ WORKLOAD = [
 
 
 @pytest.fixture(scope="module")
-def stack(module_stacks):
-    return module_stacks()
+def stack(api_stack):
+    """The session's shared disaggregated stack (its HTTP front is no gRPC service)."""
+    return api_stack
 
 
 def expected(model_dir: Path, prompt: str | list[int], max_tokens: int) -> tuple[list[int], str]:
@@ -174,7 +177,7 @@ def test_client_cancel_mid_stream_frees_every_block(stack):
 
 
 def test_every_service_serves_health_and_reflection(stack):
-    for process in stack.processes:
+    for process in (p for p in stack.processes if p.probe == "grpc"):
         with grpc.insecure_channel(process.address) as channel:
             health = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=5
@@ -239,35 +242,28 @@ def test_both_role_worker_stops_at_eos_exactly_like_hf(tiny_llama_dir, tmp_path)
         stack.stop()
 
 
-def test_small_pools_force_chunking_and_preemption_yet_outputs_equal_hf(tiny_llama_dir, tmp_path):
+def test_small_pools_force_chunking_and_preemption_yet_outputs_equal_hf(
+    tiny_llama_dir, small_pools_stack
+):
     # Context 96 tokens = 6 blocks; the decode pool holds 10 blocks, so 8 concurrent
     # requests that each grow to 3-6 blocks cannot all fit: some are preempted and
     # recomputed on the prefill worker. A 24-token budget chunks every longer prompt.
-    stack = start_stack(
-        tiny_llama_dir,
-        tmp_path / "run",
-        extra_args={
-            "prefill": ["--max-model-len", "96", "--num-blocks", "12"],
-            "decode": ["--max-model-len", "96", "--num-blocks", "10"],
-            "scheduler": ["--max-num-batched-tokens", "24"],
-        },
-    )
+    # (The session's small-pools stack: SMALL_POOLS are these flags; its log is shared,
+    # so only the lines this test caused are read.)
+    stack = small_pools_stack()
+    mark = log_size(stack)
     tokenizer = hf_tokenizer(str(tiny_llama_dir))
     workload = [(p, min(48, 96 - len(tokenizer.encode(p)))) for p, _ in WORKLOAD[:8]]
-    try:
-        results = run_concurrently(stack.spec.gateway_address, workload)
-        for (prompt, max_tokens), got in zip(workload, results, strict=True):
-            assert got.token_ids == expected(tiny_llama_dir, prompt, max_tokens)[0], prompt
-        wait_until_idle(stack)
-        log = (Path(stack.run_dir) / "logs" / "scheduler.log").read_text()
-        preemptions = [
-            json.loads(line).get("preemptions", 0)
-            for line in log.splitlines()
-            if '"request_finished"' in line
-        ]
-        assert sum(preemptions) > 0, "the small decode pool should have forced preemption"
-    finally:
-        stack.stop()
+    results = run_concurrently(stack.spec.gateway_address, workload)
+    for (prompt, max_tokens), got in zip(workload, results, strict=True):
+        assert got.token_ids == expected(tiny_llama_dir, prompt, max_tokens)[0], prompt
+    wait_until_idle(stack)
+    preemptions = [
+        json.loads(line).get("preemptions", 0)
+        for line in log_lines_since(stack, mark)
+        if '"request_finished"' in line
+    ]
+    assert sum(preemptions) > 0, "the small decode pool should have forced preemption"
 
 
 def grpcurl(*args: str) -> str:

@@ -22,6 +22,9 @@ from tests.stack_client import (
     BackgroundStream,
     generate,
     greedy_request,
+    log_lines_since,
+    log_size,
+    pool_stats,
     start_stack,
     wait_until_idle,
 )
@@ -126,11 +129,15 @@ def check_all(address: str, folder) -> None:
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def arch(request, tmp_path_factory):
+    """(checkpoint, its stacks by topology, tmp): the split stack on llama is the session's
+    `api_stack` (the same shape: default prefill + decode worker with the HTTP front)."""
     folder = request.getfixturevalue(f"tiny_{request.param}_dir")
-    stacks = {}
+    shared = {"split": request.getfixturevalue("api_stack")} if request.param == "llama" else {}
+    stacks = dict(shared)
     yield folder, stacks, tmp_path_factory
-    for stack in stacks.values():
-        stack.stop()
+    for topology, stack in stacks.items():
+        if topology not in shared:
+            stack.stop()
 
 
 def stack_for(arch, topology: str):
@@ -301,52 +308,42 @@ def test_http_use_beam_search_gives_the_same_hypotheses(arch):
     assert answer["usage"]["completion_tokens"] == sum(len(h["tokens"]) for h in grpc_out.values())
 
 
-SMALL_POOLS = {
-    "prefill": ["--max-model-len", "96", "--num-blocks", "12"],
-    "decode": ["--max-model-len", "96", "--num-blocks", "10"],
-    "scheduler": ["--max-num-batched-tokens", "24"],
-}
-
-
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preempted_beams_restart_the_search_and_stay_exact(tiny_llama_dir, tmp_path, mode):
-    """A decode pool of 10 blocks, long greedy requests beside two beam searches: with
-    recompute the beams (the newest requests) are preempted and their searches start over
-    from the prompt; with swap someone is swapped out. Every output is still HF's; every
-    block comes back."""
-    args = {**SMALL_POOLS, "scheduler": [*SMALL_POOLS["scheduler"], "--preemption-mode", mode]}
-    stack = start_stack(tiny_llama_dir, tmp_path / "run", extra_args=args)
-    try:
-        address = stack.spec.gateway_address
-        long_prompts = [[(7 * i + j) % 1000 + 3 for j in range(40)] for i in range(3)]
-        cases = [(4, 1.0, False, 2, 1, False), (8, 1.0, "never", 2, 0, False)]
-        refs = [expected(tiny_llama_dir, case) for case in cases]
-        free = [BackgroundStream(address, greedy_request(p, 40)) for p in long_prompts]
-        for stream in free:  # decoding (holding blocks) before the searches come
-            stream.wait_tokens(2)
-        with ThreadPoolExecutor(2) as pool:
-            futures = [
-                pool.submit(run_beam, address, beam_request(prompt, *case[:4], stop_ids=eos))
-                for case, (prompt, eos, _) in zip(cases, refs, strict=True)
-            ]
-            results = [f.result() for f in futures]
-        for stream in free:
-            stream.result()
-        for case, (_, _, hyps), got in zip(cases, refs, results, strict=True):
-            assert [got[i]["tokens"] for i in range(case[3])] == [h[0] for h in hyps], case
-        for prompt, stream in zip(long_prompts, free, strict=True):
-            assert stream.code == grpc.StatusCode.OK, stream.details
-            assert stream.token_ids == hf_greedy(tiny_llama_dir, prompt, 40)
-        stats = wait_until_idle(stack)
-        assert all(p.num_free_blocks == p.num_blocks for p in stats.pools)
-        assert sum(p.preemptions for p in stats.pools) > 0
-        log = (stack.run_dir / "logs" / "scheduler.log").read_text()
-        if mode == "recompute":  # the searches' beams are the newest: they go first
-            assert "beam_search_restarted" in log
-        else:  # whether a beam (or a greedy request) is the one swapped out is timing
-            assert sum(p.swap_outs for p in stats.pools) > 0
-    finally:
-        stack.stop()
+def test_preempted_beams_restart_the_search_and_stay_exact(tiny_llama_dir, small_pools_stack, mode):
+    """A decode pool of 10 blocks (the session's small-pools stack of that preemption
+    mode), long greedy requests beside two beam searches: with recompute the beams (the
+    newest requests) are preempted and their searches start over from the prompt; with
+    swap someone is swapped out. Every output is still HF's; every block comes back."""
+    stack = small_pools_stack(mode)  # shared: counters and log compared with before
+    before, mark = pool_stats(stack).pools, log_size(stack)
+    address = stack.spec.gateway_address
+    long_prompts = [[(7 * i + j) % 1000 + 3 for j in range(40)] for i in range(3)]
+    cases = [(4, 1.0, False, 2, 1, False), (8, 1.0, "never", 2, 0, False)]
+    refs = [expected(tiny_llama_dir, case) for case in cases]
+    free = [BackgroundStream(address, greedy_request(p, 40)) for p in long_prompts]
+    for stream in free:  # decoding (holding blocks) before the searches come
+        stream.wait_tokens(2)
+    with ThreadPoolExecutor(2) as pool:
+        futures = [
+            pool.submit(run_beam, address, beam_request(prompt, *case[:4], stop_ids=eos))
+            for case, (prompt, eos, _) in zip(cases, refs, strict=True)
+        ]
+        results = [f.result() for f in futures]
+    for stream in free:
+        stream.result()
+    for case, (_, _, hyps), got in zip(cases, refs, results, strict=True):
+        assert [got[i]["tokens"] for i in range(case[3])] == [h[0] for h in hyps], case
+    for prompt, stream in zip(long_prompts, free, strict=True):
+        assert stream.code == grpc.StatusCode.OK, stream.details
+        assert stream.token_ids == hf_greedy(tiny_llama_dir, prompt, 40)
+    stats = wait_until_idle(stack)
+    assert all(p.num_free_blocks == p.num_blocks for p in stats.pools)
+    assert sum(p.preemptions for p in stats.pools) > sum(p.preemptions for p in before)
+    log = "\n".join(log_lines_since(stack, mark))
+    if mode == "recompute":  # the searches' beams are the newest: they go first
+        assert "beam_search_restarted" in log
+    else:  # whether a beam (or a greedy request) is the one swapped out is timing
+        assert sum(p.swap_outs for p in stats.pools) > sum(p.swap_outs for p in before)
 
 
 def test_width_one_is_a_one_beam_search(arch):

@@ -15,13 +15,17 @@ import pytest
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
 from tests.hf_reference import hf_greedy, hf_tokenizer
 from tests.service.test_e2e import run_concurrently
-from tests.stack_client import generate, greedy_request, start_stack, wait_until_idle
+from tests.stack_client import (
+    SMALL_POOLS,
+    generate,
+    greedy_request,
+    log_lines_since,
+    log_size,
+    pool_stats,
+    start_stack,
+    wait_until_idle,
+)
 
-SMALL_POOLS = {
-    "prefill": ["--max-model-len", "96", "--num-blocks", "12"],
-    "decode": ["--max-model-len", "96", "--num-blocks", "10"],
-    "scheduler": ["--max-num-batched-tokens", "24"],
-}
 SHARED = "Paged attention keeps keys and values in blocks; a block table maps positions."
 
 
@@ -40,9 +44,9 @@ def check_against_hf(model: Path, work, results) -> None:
         assert got.token_ids == hf_greedy(model, prompt, max_tokens), prompt
 
 
-def finished_lines(stack) -> list[dict]:
-    log = (Path(stack.run_dir) / "logs" / "scheduler.log").read_text()
-    return [json.loads(x) for x in log.splitlines() if '"request_finished"' in x]
+def finished_lines(stack, since: int = 0) -> list[dict]:
+    """The scheduler's request_finished lines (logged after byte `since`)."""
+    return [json.loads(x) for x in log_lines_since(stack, since) if '"request_finished"' in x]
 
 
 def test_two_prefill_two_decode_with_prefix_hits_chunking_and_preemption(tiny_llama_dir, tmp_path):
@@ -104,19 +108,17 @@ def test_repeated_prompt_reports_cached_tokens_and_sends_only_missing_blocks(
     wait_until_idle(stack)
 
 
-def test_swap_preemption_keeps_outputs_exact(tiny_llama_dir, tmp_path):
-    args = {**SMALL_POOLS, "scheduler": [*SMALL_POOLS["scheduler"], "--preemption-mode", "swap"]}
-    stack = start_stack(tiny_llama_dir, tmp_path / "run", extra_args=args)
-    try:
-        work = workload(hf_tokenizer(str(tiny_llama_dir)))
-        check_against_hf(tiny_llama_dir, work, run_concurrently(stack.spec.gateway_address, work))
-        stats = wait_until_idle(stack)
-        decode = next(p for p in stats.pools if p.role == 2)
-        assert decode.preemptions > 0 and decode.swap_outs > 0
-        assert decode.num_swap_blocks > 0 and decode.num_free_swap_blocks == decode.num_swap_blocks
-        assert any(line["preemptions"] for line in finished_lines(stack))
-    finally:
-        stack.stop()
+def test_swap_preemption_keeps_outputs_exact(tiny_llama_dir, small_pools_stack):
+    stack = small_pools_stack("swap")  # shared: counters and log compared with before
+    was = next(p for p in pool_stats(stack).pools if p.role == 2)
+    mark = log_size(stack)
+    work = workload(hf_tokenizer(str(tiny_llama_dir)))
+    check_against_hf(tiny_llama_dir, work, run_concurrently(stack.spec.gateway_address, work))
+    stats = wait_until_idle(stack)
+    decode = next(p for p in stats.pools if p.role == 2)
+    assert decode.preemptions > was.preemptions and decode.swap_outs > was.swap_outs
+    assert decode.num_swap_blocks > 0 and decode.num_free_swap_blocks == decode.num_swap_blocks
+    assert any(line["preemptions"] for line in finished_lines(stack, since=mark))
 
 
 @pytest.mark.parametrize("async_scheduling", ["true", "false"])

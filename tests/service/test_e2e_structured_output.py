@@ -15,7 +15,7 @@ import pytest
 
 from common.pb.tandem.v1 import generate_pb2
 from tests.hf_reference import hf_greedy, hf_tokenizer
-from tests.stack_client import generate, greedy_request, start_stack, wait_until_idle
+from tests.stack_client import generate, greedy_request, pool_stats, wait_until_idle
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -27,11 +27,6 @@ SCHEMA = {
     "additionalProperties": False,
 }
 CHOICES = ["red", "green", "blue sky"]
-SMALL_POOLS = {
-    "prefill": ["--max-model-len", "96", "--num-blocks", "12"],
-    "decode": ["--max-model-len", "96", "--num-blocks", "10"],
-    "scheduler": ["--max-num-batched-tokens", "24"],
-}
 
 
 @contextlib.contextmanager
@@ -68,8 +63,8 @@ def valid(kind: str, text: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def stack(module_stacks):
-    return module_stacks(name="structured", http=True)
+def stack(api_stack):
+    return api_stack
 
 
 def test_constrained_outputs_are_complete_and_valid_beside_free_ones(stack, tiny_llama_dir):
@@ -195,27 +190,26 @@ def test_n_samples_stop_strings_and_length_cuts(stack):
     wait_until_idle(stack)
 
 
-def test_preempted_and_recomputed_requests_stay_valid(tiny_llama_dir, tmp_path):
-    """Small pools: the constrained requests are preempted (recompute) and their matchers
-    rebuilt by replaying their tokens; every output still full-matches."""
-    stack = start_stack(tiny_llama_dir, tmp_path / "run", extra_args=SMALL_POOLS)
-    try:
-        address = stack.spec.gateway_address
-        regex = "[a-z ]{60}[.]"
-        requests = []
-        for i in range(6):
-            request = greedy_request(f"Story {i}: once upon a time", 80)
-            request.sampling.temperature = 1.0
-            request.sampling.seed = 11 + i
-            request.structured_output.regex = regex
-            requests.append(request)
-        with ThreadPoolExecutor(len(requests)) as pool:
-            results = list(pool.map(lambda r: generate(address, r), requests))
-        for out in results:
-            assert out.finish_reason == generate_pb2.FINISH_REASON_STOP, out.text
-            assert re.fullmatch(regex, out.text), out.text
-        stats = wait_until_idle(stack)
-        assert sum(p.preemptions for p in stats.pools) > 0, "small pools must preempt"
-        assert all(p.num_free_blocks == p.num_blocks for p in stats.pools)
-    finally:
-        stack.stop()
+def test_preempted_and_recomputed_requests_stay_valid(small_pools_stack):
+    """Small pools (the session's shared stack; recompute): the constrained requests are
+    preempted and their matchers rebuilt by replaying their tokens; every output still
+    full-matches."""
+    stack = small_pools_stack()
+    before = sum(p.preemptions for p in pool_stats(stack).pools)
+    address = stack.spec.gateway_address
+    regex = "[a-z ]{60}[.]"
+    requests = []
+    for i in range(6):
+        request = greedy_request(f"Story {i}: once upon a time", 80)
+        request.sampling.temperature = 1.0
+        request.sampling.seed = 11 + i
+        request.structured_output.regex = regex
+        requests.append(request)
+    with ThreadPoolExecutor(len(requests)) as pool:
+        results = list(pool.map(lambda r: generate(address, r), requests))
+    for out in results:
+        assert out.finish_reason == generate_pb2.FINISH_REASON_STOP, out.text
+        assert re.fullmatch(regex, out.text), out.text
+    stats = wait_until_idle(stack)
+    assert sum(p.preemptions for p in stats.pools) > before, "small pools must preempt"
+    assert all(p.num_free_blocks == p.num_blocks for p in stats.pools)

@@ -13,6 +13,7 @@ exactly on the other."""
 from __future__ import annotations
 
 import signal
+import time
 
 import grpc
 import psutil
@@ -27,6 +28,7 @@ from tests.stack_client import (
     SAMPLE_PROMPTS,
     BackgroundStream,
     greedy_request,
+    pool_stats,
     start_stack,
     wait_until_idle,
 )
@@ -161,33 +163,51 @@ def refuse_impossible_layouts(stack, workers: list[str]) -> None:
         assert field in refused.value.details() and "3" in refused.value.details()
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
-def test_a_killed_rank_fails_its_worker_and_requests_finish_on_the_other(
-    layout, tiny_llama_dir, tmp_path
-):
-    """pp2: the killed rank is the last stage, the one that samples."""
-    args = {"both": layout_flags(layout), "scheduler": ["--max-num-batched-tokens", "32"]}
+def kill_a_rank_mid_stream(stack, victim: str, reference: dict) -> None:
+    """Streams on every worker; `victim`'s rank 1 is SIGKILLed: rank 0 stops the whole
+    worker and every stream still ends with exactly HF's tokens (on the other worker)."""
+    streams = [
+        BackgroundStream(stack.spec.gateway_address, greedy_request(p, 48), 120)
+        for p in SAMPLE_PROMPTS
+    ]
+    for stream in streams:
+        stream.wait_tokens(2)
+    (rank1,) = peer_ranks(stack, victim)
+    rank1.send_signal(signal.SIGKILL)
+    assert stack.wait_exit(victim) is not None  # rank 0 stops the whole worker
+    for prompt, stream in zip(SAMPLE_PROMPTS, streams, strict=True):
+        stream.result()
+        assert stream.code == grpc.StatusCode.OK, (stream.code, stream.details)
+        assert stream.token_ids == reference[prompt], prompt
+    assert "rank_exited" in stack.log_tail(stack.process(victim), lines=200)
+
+
+def test_a_killed_rank_fails_its_worker_and_requests_finish_on_the_other(tiny_llama_dir, tmp_path):
+    """Two both-role workers, one TP=2 and one PP=2, each losing a rank in turn: first
+    the TP worker (restarted after), then the PP worker's last stage, the one that
+    samples. One stack serves both layouts' cases (each layout's rank is killed exactly as
+    when each had a stack of its own); the restart also shows a 2-rank worker rejoining."""
+    args = {
+        "both.0": layout_flags("tp2"),
+        "both.1": layout_flags("pp2"),
+        "scheduler": ["--max-num-batched-tokens", "32"],
+    }
     stack = start_stack(
         tiny_llama_dir, tmp_path / "run", prefill=0, decode=0, both=2, extra_args=args
     )
     try:
         tokenizer = hf_tokenizer(str(tiny_llama_dir))
         reference = {p: hf_greedy(tiny_llama_dir, tokenizer.encode(p), 48) for p in SAMPLE_PROMPTS}
-        streams = [
-            BackgroundStream(stack.spec.gateway_address, greedy_request(p, 48), 120)
-            for p in SAMPLE_PROMPTS
-        ]
-        for stream in streams:
-            stream.wait_tokens(2)
-        victim = next(p.name for p in stack.processes if p.name.startswith("both-"))
-        (rank1,) = peer_ranks(stack, victim)
-        rank1.send_signal(signal.SIGKILL)
-        assert stack.wait_exit(victim) is not None  # rank 0 stops the whole worker
-        for prompt, stream in zip(SAMPLE_PROMPTS, streams, strict=True):
-            stream.result()
-            assert stream.code == grpc.StatusCode.OK, (stream.code, stream.details)
-            assert stream.token_ids == reference[prompt], prompt
-        assert "rank_exited" in stack.log_tail(stack.process(victim), lines=200)
-        wait_until_idle(stack, skip=(victim,))
+        tp_worker, pp_worker = [p.name for p in stack.processes if p.name.startswith("both-")]
+        assert [len(peer_ranks(stack, w)) for w in (tp_worker, pp_worker)] == [1, 1]
+        kill_a_rank_mid_stream(stack, tp_worker, reference)
+        wait_until_idle(stack, skip=(tp_worker,))
+        stack.restart(tp_worker)
+        deadline = time.monotonic() + 30
+        while not all(p.healthy for p in pool_stats(stack).pools):
+            assert time.monotonic() < deadline, "the restarted TP worker did not rejoin"
+            time.sleep(0.05)
+        kill_a_rank_mid_stream(stack, pp_worker, reference)
+        wait_until_idle(stack, skip=(pp_worker,))
     finally:
         stack.stop()

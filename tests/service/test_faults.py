@@ -180,8 +180,7 @@ def test_decode_worker_killed_mid_generation_requests_finish_exactly_elsewhere(s
     assert "decode" in refused.value.details()
 
     # Restarted, both rejoin with empty pools and serve exactly again.
-    for name in (victim, survivor):
-        stack.restart(name)
+    stack.restart_all([victim, survivor])
     wait_healthy_pools(stack)
     completion = generate(stack.spec.gateway_address, greedy_request(PROMPTS[1], 24))
     assert completion.token_ids == reference[PROMPTS[1]][:24]
