@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from services.worker.models import cpu_gemm
-from services.worker.models.gemm_plan import STATIC_ROWS, GemmPlan
+from services.worker.models.gemm_plan import MEASURED_ROWS, STATIC_ROWS, GemmPlan
 from services.worker.models.linear import MergedLinear
 
 
@@ -78,7 +78,7 @@ def test_auto_measures_every_format_and_keeps_a_consistent_plan():
     plan = cpu_gemm.plan_for("auto", weights)
     assert plan.timings_us is not None and set(plan.timings_us) == {"plain", "mkl", "onednn"}
     if plan.packed_format is not None:
-        assert plan.packed_rows and max(plan.packed_rows) <= 128
+        assert plan.packed_rows and max(plan.packed_rows) <= max(MEASURED_ROWS)
 
 
 def test_a_plan_without_packing_packs_nothing():

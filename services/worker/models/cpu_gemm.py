@@ -75,11 +75,16 @@ def measure(
     weights_t: Sequence[torch.Tensor],
     formats: Sequence[str],
     rows: Sequence[int] = MEASURED_ROWS,
-    repeats: int = 3,
+    repeats: int = 5,
     budget_bytes: int = MEASURE_BYTES,
 ) -> dict[str, dict[int, float]]:
     """Microseconds for one pass over the first weights (up to `budget_bytes`) at each row
-    count: plain and each packed format; the best of `repeats` after a warm-up pass."""
+    count: plain and each packed format; the best of `repeats` after a warm-up pass.
+
+    The repeats go round-robin over every (row count, format) cell rather than one cell at
+    a time: a worker measures while its neighbours start (another worker loading its
+    weights takes a core for a second or more), and a burst of that must not land on every
+    repeat of one cell (it once made oneDNN look 2x slower than plain at one row)."""
     chosen, total = [], 0
     for weight in weights_t:
         if chosen and total >= budget_bytes:
@@ -88,28 +93,30 @@ def measure(
         total += weight.numel() * weight.element_size()
     copies = {"plain": [None] * len(chosen)}
     copies.update({fmt: [pack(w, fmt) for w in chosen] for fmt in formats})
-    timings: dict[str, dict[int, float]] = {name: {} for name in copies}
+    inputs = {count: {w.shape[0]: torch.randn(count, w.shape[0]) for w in chosen} for count in rows}
+
+    def run(name: str, count: int) -> float:
+        start = time.perf_counter()
+        for weight, packed in zip(chosen, copies[name], strict=True):
+            x = inputs[count][weight.shape[0]]
+            if packed is None:
+                plain_product(x, weight, None)
+            else:
+                packed_product(x, name, packed, weight, None)
+        return time.perf_counter() - start
+
+    best = {name: dict.fromkeys(rows, math.inf) for name in copies}
     with torch.inference_mode():
-        for count in rows:
-            inputs = {w.shape[0]: torch.randn(count, w.shape[0]) for w in chosen}
-            for name, packs in copies.items():
-
-                def run(name=name, packs=packs, inputs=inputs):
-                    for weight, packed in zip(chosen, packs, strict=True):
-                        x = inputs[weight.shape[0]]
-                        if packed is None:
-                            plain_product(x, weight, None)
-                        else:
-                            packed_product(x, name, packed, weight, None)
-
-                run()
-                best = math.inf
-                for _ in range(repeats):
-                    start = time.perf_counter()
-                    run()
-                    best = min(best, time.perf_counter() - start)
-                timings[name][count] = round(best * 1e6, 1)
-    return timings
+        for round_ in range(repeats + 1):  # round 0 warms up (oneDNN builds its kernels)
+            for count in rows:
+                for name in copies:
+                    seconds = run(name, count)
+                    if round_:
+                        best[name][count] = min(best[name][count], seconds)
+    return {
+        name: {count: round(s * 1e6, 1) for count, s in cells.items()}
+        for name, cells in best.items()
+    }
 
 
 def plan_for(setting: str, weights_t: Sequence[torch.Tensor]) -> GemmPlan:
