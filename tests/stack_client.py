@@ -238,9 +238,14 @@ def http_front(gateway_address: str, log_path: Path, *extra: str) -> Iterator[tu
             time.sleep(0.1)
         yield address, process
     finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
+
+
+def stop_process(process: Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL after `grace_s`; returns once the process is reaped."""
+    process.terminate()
+    try:
+        process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

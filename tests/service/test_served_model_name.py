@@ -24,7 +24,7 @@ from services.gateway.config import GatewayConfig
 from services.openai_api.config import OpenAIApiConfig
 from services.stack.launcher import free_port
 from tests.hf_reference import hf_greedy, hf_tokenizer
-from tests.stack_client import http_front
+from tests.stack_client import http_front, stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = ("tandem-tiny", "acme/Tiny-Llama-Chat")
@@ -68,11 +68,7 @@ def fronts(api_stack, tiny_llama_dir, tmp_path_factory):
         ):
             yield gateway_address, address, alias_address
     finally:
-        gateway.terminate()
-        try:
-            gateway.wait(10)
-        except subprocess.TimeoutExpired:
-            gateway.kill()
+        stop_process(gateway)
 
 
 def http(address: str, path: str, body: dict | None = None) -> tuple[int, dict]:
