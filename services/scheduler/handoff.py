@@ -16,7 +16,8 @@ Streamed (`stream`): when a step computing a chunk of a prompt is sent and a sam
 decode pool would take the whole prompt now, the transfer starts at once (every decode
 block of the prompt allocated) and moves in parts, one per chunk: the blocks a chunk
 completes, final once its step has run, pulled layer by layer as the prefill worker writes
-them (the prompt's last part takes its partial last block). The request moves on when both
+them (the prompt's last part takes its partial last block); not for a request whose first
+token ends it by length (`max_tokens=1`). The request moves on when both
 the transfer and the prompt's result are in. A streamed transfer that fails before the
 result only drops its decode side: the prompt is then handed off as usual.
 
@@ -151,6 +152,8 @@ class KvHandoff:
             if not self.streaming or self.queue:
                 return
             request = handle.request
+            if _ends_at_its_next_token(request):  # no decode step would ever use the KV
+                return
             # The whole prompt: every known token (not the one its last step samples).
             choice = self._choose(request, request.num_known_tokens)
             if choice is None:
@@ -332,3 +335,12 @@ class KvHandoff:
         dst.wakeup.set()
         if self._arrived is not None:
             self._arrived(handle)
+
+
+def _ends_at_its_next_token(request) -> bool:
+    """The token the prompt's last step samples reaches `max_tokens` or the model length
+    (a stop token may still end it sooner: that transfer is cancelled)."""
+    if len(request.output_token_ids) + 1 >= request.max_tokens:
+        return True
+    limit = request.max_model_len
+    return limit is not None and request.num_known_tokens + 1 >= limit

@@ -28,7 +28,12 @@ from common.kv_rank_messages import (
     slices_to_wire,
 )
 from common.parallel_plan import Layout, kv_transfer_plan
-from services.worker.kv_transfer import KvTransferError, UcxTransport, all_or_cancel
+from services.worker.kv_transfer import (
+    KvTransferCancelled,
+    KvTransferError,
+    UcxTransport,
+    all_or_cancel,
+)
 from services.worker.parallel.kv_message_io import gather_message, new_buffer, scatter_message
 from services.worker.parallel.kv_ranks import KvGeometry
 from services.worker.parallel.peer_ranks import PeerRanks, RankTransferError
@@ -184,7 +189,7 @@ class LayoutTransfers:
             await wait_for_step()
             # Checked and queued in one go (no await between), as a one-process receive.
             if is_cancelled(tag):
-                raise KvTransferError(f"transfer {tag:#x} was cancelled")
+                raise KvTransferCancelled(f"transfer {tag:#x} was cancelled")
             await self._on_tensor_thread(self._scatter, tag, block_ids, parts, list(others))
         except RankTransferError as exc:
             self._drop(tag, others)

@@ -25,7 +25,7 @@ from common.parallel_plan import Layout
 from services.worker.kv_cache import KvCache
 from services.worker.kv_progress_watch import ProgressWatch
 from services.worker.kv_shared import PeerPool, block_runs
-from services.worker.kv_transfer import KvTransferError
+from services.worker.kv_transfer import KvTransferCancelled, KvTransferError
 from services.worker.parallel.kv_ranks import RankPools
 
 log = get_logger(__name__)
@@ -177,7 +177,7 @@ class KvPuller:
                     f"for {self.timeout_s}s"
                 )
             if self._is_cancelled(tag):
-                raise KvTransferError(f"transfer {tag:#x} was cancelled")
+                raise KvTransferCancelled(f"transfer {tag:#x} was cancelled")
             await watch.changed(timeout_s=1.0)
         lag = 0.0
         if source.ready_step_id:
@@ -195,7 +195,7 @@ class KvPuller:
         blocks (the scheduler sends the tag with the step that frees them). Each of this
         worker's ranks gets its KV heads from the source ranks that hold them."""
         if self._is_cancelled(tag):
-            raise KvTransferError(f"transfer {tag:#x} was cancelled")
+            raise KvTransferCancelled(f"transfer {tag:#x} was cancelled")
         self._rank_pools().copy(src, sources, runs, first_layer, end_layer)
 
     def close(self) -> None:

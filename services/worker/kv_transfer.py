@@ -48,6 +48,11 @@ class KvTransferError(RuntimeError):
     """A transfer failed or timed out; the caller decides whether to retry or fail."""
 
 
+class KvTransferCancelled(KvTransferError):
+    """The scheduler gave the transfer up (its request ended, e.g. on its first token):
+    not a failure."""
+
+
 # UCX's progress thread wakes at least this often (ms). ucxx's own 1 ms woke each worker
 # ~870 times a second even when idle, preempting the model's OpenMP threads; on the
 # TCP/RDMA transports that peer-failure handling uses, traffic wakes it through its event

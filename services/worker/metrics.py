@@ -1,6 +1,6 @@
-"""The worker's Prometheus metrics: KV moved (bytes, seconds, failures, per direction) and
-model step time, labelled `model_name`, `worker_id`, `role`. One observation per transfer
-or per step, none per token.
+"""The worker's Prometheus metrics: KV moved (bytes, seconds, failures, cancellations, per
+direction) and model step time, labelled `model_name`, `worker_id`, `role`. One
+observation per transfer or per step, none per token.
 
 Directions: `send` (SendKv, UCX), `receive` (ReceiveKv over UCX), `pull` (ReceiveKv copying
 from a same-host worker's shared pool).
@@ -25,6 +25,11 @@ KV_SECONDS = Histogram(
 KV_FAILURES = Counter(
     name("kv_transfer_failures"), "KV transfers that failed", [*LABELS, "direction"]
 )
+KV_CANCELLATIONS = Counter(
+    name("kv_transfer_cancellations"),
+    "KV transfers the scheduler gave up because their request ended (not failures)",
+    [*LABELS, "direction"],
+)
 STEP_SECONDS = Histogram(
     name("worker_step_execute_seconds"),
     "time the worker spent executing one step (forward pass and sampling)",
@@ -41,6 +46,7 @@ class WorkerMetrics:
         self._bytes = {d: KV_BYTES.labels(*labels, d) for d in DIRECTIONS}
         self._seconds = {d: KV_SECONDS.labels(*labels, d) for d in DIRECTIONS}
         self._failures = {d: KV_FAILURES.labels(*labels, d) for d in DIRECTIONS}
+        self._cancellations = {d: KV_CANCELLATIONS.labels(*labels, d) for d in DIRECTIONS}
         self._step = STEP_SECONDS.labels(*labels)
 
     def transfer(self, direction: str, num_bytes: int, seconds: float) -> None:
@@ -49,6 +55,9 @@ class WorkerMetrics:
 
     def transfer_failed(self, direction: str) -> None:
         self._failures[direction].inc()
+
+    def transfer_cancelled(self, direction: str) -> None:
+        self._cancellations[direction].inc()
 
     def step(self, seconds: float) -> None:
         self._step.observe(seconds)

@@ -19,7 +19,7 @@ from common.structured_output import ConstraintError, constraint_from_pb
 from common.tracing import rpc_span
 from services.worker.batch import PlanError
 from services.worker.kv_pull import KvMapError, KvSource
-from services.worker.kv_transfer import KvTransferError
+from services.worker.kv_transfer import KvTransferCancelled, KvTransferError
 from services.worker.metrics import WorkerMetrics
 from services.worker.request_spans import RequestSpans
 from services.worker.step_output_wire import step_response_pb
@@ -241,6 +241,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             )
         except ValueError as exc:  # a layout this model cannot have
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"peer layout: {exc}")
+        except KvTransferCancelled as exc:
+            self.metrics.transfer_cancelled("send")
+            await context.abort(grpc.StatusCode.CANCELLED, str(exc))
         except KvTransferError as exc:
             self.metrics.transfer_failed("send")
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
@@ -282,6 +285,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sender layout: {exc}")
         except KvMapError as exc:  # this pair of workers must use UCX
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except KvTransferCancelled as exc:
+            self.metrics.transfer_cancelled(direction)
+            await context.abort(grpc.StatusCode.CANCELLED, str(exc))
         except KvTransferError as exc:
             self.metrics.transfer_failed(direction)
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))

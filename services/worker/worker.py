@@ -38,7 +38,7 @@ from services.worker.kv_cache import KvCache
 from services.worker.kv_layout_transfer import LayoutTransfers
 from services.worker.kv_pull import KvPuller, KvSource, PullResult
 from services.worker.kv_shared import PeerPool
-from services.worker.kv_transfer import KvTransferError, UcxTransport
+from services.worker.kv_transfer import KvTransferCancelled, KvTransferError, UcxTransport
 from services.worker.parallel.kv_ranks import KvGeometry, RankPools
 from services.worker.parallel.peer_ranks import PeerRanks, start_peer_ranks
 from services.worker.parallel.rank_context import RankContext
@@ -393,7 +393,7 @@ class Worker:
         started = time.perf_counter()
         self._check_blocks(block_ids)
         if tag in self._cancelled_tags:
-            raise KvTransferError(f"transfer {tag:#x} was cancelled")
+            raise KvTransferCancelled(f"transfer {tag:#x} was cancelled")
         if self.layout != Layout() or sender_layout != Layout():
             self._receives[tag] = asyncio.current_task()
             try:
@@ -416,7 +416,7 @@ class Worker:
         # Checked and queued in one go (no await between): a cancel that reaches this
         # worker later comes with a step queued behind this scatter on the tensor thread.
         if tag in self._cancelled_tags:
-            raise KvTransferError(f"transfer {tag:#x} was cancelled")
+            raise KvTransferCancelled(f"transfer {tag:#x} was cancelled")
         await self._on_tensor_thread(self._scatter, list(block_ids), buffer)
         self.staging.release(buffer)
         return TransferResult(nbytes, time.perf_counter() - started)
@@ -437,7 +437,7 @@ class Worker:
             raise KvTransferError("a parallel worker without shared pools cannot pull KV")
         self._check_blocks(block_ids)
         if tag in self._cancelled_tags:
-            raise KvTransferError(f"transfer {tag:#x} was cancelled")
+            raise KvTransferCancelled(f"transfer {tag:#x} was cancelled")
         self._receives[tag] = asyncio.current_task()
         try:
             return await self.puller.pull(

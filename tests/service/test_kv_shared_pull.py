@@ -20,7 +20,7 @@ from common.kv_shared_memory import SharedMemoryInfo
 from services.worker.kv_cache import KvCache
 from services.worker.kv_pull import KvPuller, KvSource
 from services.worker.kv_shared import SharedPool
-from services.worker.kv_transfer import KvTransferError
+from services.worker.kv_transfer import KvTransferCancelled, KvTransferError
 
 GEOMETRY = dict(block_size=4, num_layers=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 OWNER_BLOCKS = 24
@@ -187,7 +187,7 @@ def test_a_cancelled_pull_stops_and_writes_nothing_more():
         task = asyncio.create_task(receiver.pull(owner.info, SRC, DST, tag=5))
         await asyncio.sleep(0.05)
         receiver.cancelled.add(5)
-        with pytest.raises(KvTransferError, match="cancelled"):
+        with pytest.raises(KvTransferCancelled, match="cancelled"):
             await asyncio.wait_for(task, 5)
         owner.command("done")  # the owner finishes later: the cancelled pull copies nothing
 

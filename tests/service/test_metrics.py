@@ -197,6 +197,9 @@ def test_worker_metrics_count_steps_and_kv_moved(stack, sent):
     received = total(scraped[decode], "tandem:kv_transfer_bytes_total")
     assert received > 0 and stats[decode].kv_blocks_received > 0
     assert total(scraped[decode], "tandem:kv_transfer_failures_total") == 0
+    # A transfer given up because its request ended is counted apart, never as a failure.
+    cancelled = by_label(scraped[decode], "tandem:kv_transfer_cancellations_total", "direction")
+    assert set(cancelled) == {"send", "receive", "pull"}
 
 
 def test_http_front_serves_metrics_on_its_own_port(stack, sent):

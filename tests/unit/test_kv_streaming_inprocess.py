@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from services.scheduler.handle import Stage
-from tests.fake_worker import worker_info
+from tests.fake_worker import expected_tokens, worker_info
 from tests.unit.test_engine_inprocess import (
     assert_aborted,
     assert_clean,
@@ -136,14 +136,31 @@ def test_prompts_of_whole_blocks_stream_without_a_failed_part(chunk):
     run(scenario())
 
 
+def test_a_request_of_one_token_is_not_streamed():
+    async def scenario():
+        async with cluster(shared("p0", "prefill"), shared("d0", "decode")) as c:
+            p0, d0 = c.worker("p0"), c.worker("d0")
+            p0.step_delay_s = 0.05
+            p = prompt(2, 9)
+            assert_exact(await collect(submit(c, "one", p, 1).events), p, 1)
+            assert d0.receive_tags == []  # max_tokens=1: no decode step would use its KV
+            assert_exact(await collect(submit(c, "two", p, 2).events), p, 2)
+            assert len(d0.receive_tags) == 1
+            await assert_clean(c)
+
+    run(scenario())
+
+
 def test_a_first_token_that_ends_the_request_cancels_its_streamed_transfer():
     async def scenario():
         async with cluster(shared("p0", "prefill"), shared("d0", "decode")) as c:
             p0, d0 = c.worker("p0"), c.worker("d0")
             p0.step_delay_s = 0.05
             p = prompt(2, 9)
-            stream = await collect(submit(c, "one", p, 1).events)
-            assert_exact(stream, p, 1)
+            stop = expected_tokens(p, 1)  # its first token is a stop token
+            stream = await collect(submit(c, "one", p, 8, stop=stop).events)
+            assert_exact(stream, p, 8, stop=stop)
+            assert stream.tokens == stop
             (tag,) = d0.receive_tags  # it was streaming when the first token ended it
             # The next request's step tells the decode worker the dead tag.
             assert_exact(await collect(submit(c, "b", prompt(3, 5), 4).events), prompt(3, 5), 4)
