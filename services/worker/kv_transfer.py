@@ -221,25 +221,34 @@ class UcxTransport:
                 )
             return endpoint
 
-    async def close(self) -> None:
-        self._closed = True
-        for endpoint in self._endpoints.values():
+    async def _close_endpoints(self) -> None:
+        endpoints = list(self._endpoints.values())
+        self._endpoints.clear()
+        for endpoint in endpoints:
             try:
                 await endpoint.close()
             except Exception:  # closing a dead peer's endpoint may fail; nothing to do
                 pass
-        self._endpoints.clear()
-        # Shut UCX down: its notifier thread is not a daemon (the process could not exit
-        # while it runs) and serves the event loop it started on, so a later transport in
-        # this process (on another loop) needs a fresh context. That thread waits up to 1 s
-        # for a completed request before it reads its shutdown message: wake it first, or
-        # every worker's exit (and a test stack's stop) takes up to a second longer.
+
+    def _wake_notifier(self) -> None:
         ctx = self._ucxx.core._ctx
         if ctx is not None and ctx.notifier_thread is not None:
             try:
                 ctx.worker.stop_request_notifier_thread()
-            except Exception as exc:  # reset below still stops it, only slower
+            except Exception as exc:  # reset still stops it, only slower
                 log.warning("ucx_notifier_wake_failed", error=repr(exc)[:500])
+
+    async def close(self) -> None:
+        self._closed = True
+        await self._close_endpoints()
+        # Shut UCX down: its notifier thread is not a daemon (the process could not exit
+        # while it runs) and serves the event loop it started on, so a later transport in
+        # this process (on another loop) needs a fresh context. That thread waits up to 1 s
+        # for a completed request before it reads its shutdown message: wake it first, or
+        # every worker's exit (and a test stack's stop) takes up to a second longer. Both
+        # steps are helpers: `reset` refuses while any frame (this one's locals included)
+        # still references the context or an endpoint.
+        self._wake_notifier()
         try:
             self._ucxx.reset()
         except Exception as exc:  # something still holds UCX: at least stop the thread

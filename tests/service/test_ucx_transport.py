@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import structlog.testing
 
 from services.worker.kv_transfer import KvTransferError, UcxTransport
 
@@ -123,3 +124,23 @@ def test_an_abandoned_send_is_held_until_received(error_handling):
             await transport.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("error_handling", [True, False], ids=["tcp", "shm"])
+def test_close_after_a_transfer_resets_ucx_for_the_next_transport(error_handling):
+    """`close` shuts UCX down cleanly (no reference to its context left in any frame), so
+    the next transport in the process starts on a fresh context and moves data."""
+
+    async def transfer_then_close(tag: int) -> None:
+        transport = UcxTransport(timeout_s=5.0, error_handling=error_handling)
+        payload = np.arange(MIB, dtype=np.uint8)
+        received = asyncio.ensure_future(transport.receive(tag, MIB))
+        await transport.send("self", transport.address, tag, payload)
+        assert np.array_equal(await received, payload)
+        await transport.close()
+
+    with structlog.testing.capture_logs() as logs:
+        asyncio.run(transfer_then_close(0xD1))
+        asyncio.run(transfer_then_close(0xD2))  # another event loop: needs the reset
+    failed = [e for e in logs if e["event"].startswith("ucx_") and e["log_level"] == "warning"]
+    assert failed == []
