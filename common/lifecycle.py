@@ -1,11 +1,13 @@
 """Process entry helpers: config errors end the process with a clear message (exit 2),
-SIGTERM/SIGINT end `serve` gracefully, and tracing (`common/tracing.py`) starts with the
-process and flushes what it buffered when the process ends."""
+SIGTERM/SIGINT end `serve` gracefully, tracing (`common/tracing.py`) starts with the
+process and flushes what it buffered when the process ends, and `freeze_startup_heap`
+takes what start-up built out of the garbage collector's way."""
 
 from __future__ import annotations
 
 import asyncio
 import faulthandler
+import gc
 import os
 import signal
 import sys
@@ -20,6 +22,16 @@ C = TypeVar("C")
 
 class StartupError(RuntimeError):
     """The service cannot start (a peer never became ready, ...): exit 2 with the message."""
+
+
+def freeze_startup_heap() -> None:
+    """Once a service has loaded (imports, model, tokenizer) and before it serves: collect
+    the start-up garbage, then move every object left to the collector's permanent
+    generation (`gc.freeze`). A worker holds ~200k objects from torch alone; each full
+    collection walked them all (~0.1 s, a pause in the middle of serving whenever one
+    ran), and the collection at interpreter exit took 0.5-1 s per process."""
+    gc.collect()
+    gc.freeze()
 
 
 async def wait_until(done: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:

@@ -10,7 +10,7 @@ from common.auth import BearerTokenInterceptor
 from common.config import parse_size
 from common.grpc_server import ServiceHost
 from common.hf_checkpoint_reader import load_tokenizer
-from common.lifecycle import run_service, wait_for_shutdown_signal
+from common.lifecycle import freeze_startup_heap, run_service, wait_for_shutdown_signal
 from common.log import get_logger, setup_logging
 from common.metrics import start_metrics_server
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
@@ -48,6 +48,7 @@ async def serve(config: GatewayConfig) -> None:
         async with host.running(config.host, config.port, log, grace=5.0):
             metrics = start_metrics_server(config.host, config.metrics_port)
             servicer.set_model(await schedulers.wait_models(config.scheduler_ready_timeout_s))
+            freeze_startup_heap()
             await host.set_serving(True)
             # The gateway can serve only while a scheduler can: NOT_SERVING also when
             # every scheduler is down or does not answer.

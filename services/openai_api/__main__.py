@@ -15,7 +15,12 @@ from typing import Any
 import uvicorn
 
 from common.grpc_server import MAX_METADATA_BYTES, open_channel
-from common.lifecycle import StartupError, run_service, wait_for_shutdown_signal
+from common.lifecycle import (
+    StartupError,
+    freeze_startup_heap,
+    run_service,
+    wait_for_shutdown_signal,
+)
 from common.log import get_logger, setup_logging
 from common.tls import TlsSettings, tls_from_env
 from services.openai_api.app import create_app
@@ -93,6 +98,7 @@ async def serve(config: OpenAIApiConfig) -> None:
             **ssl_options,
         )
     )
+    freeze_startup_heap()
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     shutdown = asyncio.create_task(wait_for_shutdown_signal())
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from common.grpc_server import ServiceHost
-from common.lifecycle import run_service, wait_for_shutdown_signal
+from common.lifecycle import freeze_startup_heap, run_service, wait_for_shutdown_signal
 from common.log import get_logger, setup_logging
 from common.metrics import REGISTRY, LoopCollector, start_metrics_server
 from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -42,6 +42,7 @@ async def serve(config: SchedulerConfig) -> None:
         )
         REGISTRY.register(collector)
         engine.start()
+        freeze_startup_heap()
         try:
             await host.set_serving(True)
             log.info(

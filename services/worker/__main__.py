@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from common.grpc_server import ServiceHost
-from common.lifecycle import run_service, wait_for_shutdown_signal
+from common.lifecycle import freeze_startup_heap, run_service, wait_for_shutdown_signal
 from common.log import get_logger, setup_logging
 from common.metrics import start_metrics_server
 from common.pb.tandem.internal.v1 import worker_pb2, worker_pb2_grpc
@@ -24,6 +24,7 @@ async def serve(config: WorkerConfig) -> None:
         worker_id = config.worker_id or f"{config.role}-{port}"
         metrics = start_metrics_server(config.host, config.metrics_port)
         servicer.worker = await Worker.load(config, worker_id)
+        freeze_startup_heap()
         try:
             await host.set_serving(True)
             log.info(

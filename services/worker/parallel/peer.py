@@ -14,6 +14,7 @@ import signal
 import sys
 
 from common.config import load_config
+from common.lifecycle import freeze_startup_heap
 from common.log import get_logger, setup_logging
 from common.model_config import ModelConfig
 from common.pb.tandem.internal.v1 import worker_pb2
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     ranks.publish_pool(None if loaded.shared_pool is None else loaded.shared_pool.info)
     ranks.publish_ucx_address(b"" if kv is None else kv.address)
+    freeze_startup_heap()
     log.info("rank_ready", num_blocks=loaded.kv_cache.num_blocks)
     try:
         serve_steps(args.step_fd, runner, batch, loaded, kv, log)
