@@ -308,18 +308,42 @@ def test_http_use_beam_search_gives_the_same_hypotheses(arch):
     assert answer["usage"]["completion_tokens"] == sum(len(h["tokens"]) for h in grpc_out.values())
 
 
+# Rounds of the preemption scenario at most: which request the full pool preempts depends
+# on whether the searches were admitted to the decode pool before the greedy requests
+# needed their next block (timing: about one round in three preempted only a greedy
+# request on this 2-core box); a round where they were not still checks exactness.
+PREEMPTION_ROUNDS = 6
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preempted_beams_restart_the_search_and_stay_exact(tiny_llama_dir, small_pools_stack, mode):
     """A decode pool of 10 blocks (the session's small-pools stack of that preemption
     mode), long greedy requests beside two beam searches: with recompute the beams (the
     newest requests) are preempted and their searches start over from the prompt; with
-    swap someone is swapped out. Every output is still HF's; every block comes back."""
+    swap someone is swapped out. Every output is still HF's; every block comes back. The
+    scenario runs again (up to PREEMPTION_ROUNDS) until it has preempted what it is meant
+    to; every round checks every output."""
     stack = small_pools_stack(mode)  # shared: counters and log compared with before
-    before, mark = pool_stats(stack).pools, log_size(stack)
-    address = stack.spec.gateway_address
-    long_prompts = [[(7 * i + j) % 1000 + 3 for j in range(40)] for i in range(3)]
     cases = [(4, 1.0, False, 2, 1, False), (8, 1.0, "never", 2, 0, False)]
     refs = [expected(tiny_llama_dir, case) for case in cases]
+    for _ in range(PREEMPTION_ROUNDS):
+        before, mark = pool_stats(stack).pools, log_size(stack)
+        stats = _preempt_beside_beam_searches(tiny_llama_dir, stack, cases, refs)
+        assert sum(p.preemptions for p in stats.pools) > sum(p.preemptions for p in before)
+        if mode == "recompute":  # the searches' beams are the newest: they go first
+            if "beam_search_restarted" in "\n".join(log_lines_since(stack, mark)):
+                return
+        elif sum(p.swap_outs for p in stats.pools) > sum(p.swap_outs for p in before):
+            return  # whether a beam (or a greedy request) is swapped out is timing
+    what = "no search restarted" if mode == "recompute" else "nothing swapped out"
+    pytest.fail(f"{mode}: {what} in {PREEMPTION_ROUNDS} rounds")
+
+
+def _preempt_beside_beam_searches(folder, stack, cases, refs):
+    """One round: three long greedy requests decoding, then the two searches; every output
+    equal to HF's and every block free afterwards. Returns the idle pools' stats."""
+    address = stack.spec.gateway_address
+    long_prompts = [[(7 * i + j) % 1000 + 3 for j in range(40)] for i in range(3)]
     free = [BackgroundStream(address, greedy_request(p, 40)) for p in long_prompts]
     for stream in free:  # decoding (holding blocks) before the searches come
         stream.wait_tokens(2)
@@ -335,15 +359,10 @@ def test_preempted_beams_restart_the_search_and_stay_exact(tiny_llama_dir, small
         assert [got[i]["tokens"] for i in range(case[3])] == [h[0] for h in hyps], case
     for prompt, stream in zip(long_prompts, free, strict=True):
         assert stream.code == grpc.StatusCode.OK, stream.details
-        assert stream.token_ids == hf_greedy(tiny_llama_dir, prompt, 40)
+        assert stream.token_ids == hf_greedy(folder, prompt, 40)
     stats = wait_until_idle(stack)
     assert all(p.num_free_blocks == p.num_blocks for p in stats.pools)
-    assert sum(p.preemptions for p in stats.pools) > sum(p.preemptions for p in before)
-    log = "\n".join(log_lines_since(stack, mark))
-    if mode == "recompute":  # the searches' beams are the newest: they go first
-        assert "beam_search_restarted" in log
-    else:  # whether a beam (or a greedy request) is the one swapped out is timing
-        assert sum(p.swap_outs for p in stats.pools) > sum(p.swap_outs for p in before)
+    return stats
 
 
 def test_width_one_is_a_one_beam_search(arch):
