@@ -152,7 +152,7 @@ class KvHandoff:
             if not self.streaming or self.queue:
                 return
             request = handle.request
-            if _ends_at_its_next_token(request):  # no decode step would ever use the KV
+            if request.ends_at_its_next_token:  # no decode step would ever use the KV
                 return
             # The whole prompt: every known token (not the one its last step samples).
             choice = self._choose(request, request.num_known_tokens)
@@ -335,12 +335,3 @@ class KvHandoff:
         dst.wakeup.set()
         if self._arrived is not None:
             self._arrived(handle)
-
-
-def _ends_at_its_next_token(request) -> bool:
-    """The token the prompt's last step samples reaches `max_tokens` or the model length
-    (a stop token may still end it sooner: that transfer is cancelled)."""
-    if len(request.output_token_ids) + 1 >= request.max_tokens:
-        return True
-    limit = request.max_model_len
-    return limit is not None and request.num_known_tokens + 1 >= limit

@@ -107,6 +107,14 @@ class Request:
             return True
         return self.max_model_len is not None and self.num_tokens >= self.max_model_len
 
+    @property
+    def ends_at_its_next_token(self) -> bool:
+        """The next token sampled (the one a prompt's last step samples, before any is
+        pending) reaches a length limit: a stop token may still end it sooner."""
+        if len(self.output_token_ids) + 1 >= self.max_tokens:
+            return True
+        return self.max_model_len is not None and self.num_known_tokens + 1 >= self.max_model_len
+
     def update_block_hashes(self, block_size: int) -> list[BlockHash]:
         """Hashes of every full block of the known tokens (computed incrementally)."""
         if not self.hash_root:

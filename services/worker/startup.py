@@ -199,7 +199,7 @@ def load_worker(
         packed_bytes, plan = model.pack_weights(config.cpu_gemm)
         gemm = plan.summary()
         if draft:
-            packed_bytes += draft.model.pack_weights(config.cpu_gemm)[0]
+            packed_bytes += draft.model.pack_weights(plan)[0]  # measured once, above
         if plan.timings_us:
             log.info("cpu_gemm_measured", worker_id=worker_id, **gemm, us=plan.timings_us)
     lora = load_lora(config, model, model_config.num_hidden_layers)

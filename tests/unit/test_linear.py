@@ -132,3 +132,17 @@ def test_packed_model_gives_the_unpacked_logits(tiny_llama_dir):
     for unpacked, *packed in zip(*outputs, strict=True):
         for logits in packed:
             torch.testing.assert_close(logits, unpacked, atol=1e-4, rtol=1e-4)
+
+
+def test_a_plan_already_made_is_used_as_is(tiny_llama_dir):
+    """A draft model packs with its target's plan: no second measurement at load."""
+    from services.worker.models.gemm_plan import static_plan
+    from services.worker.models.weight_loader import load_model
+
+    model, _ = load_model(tiny_llama_dir, torch.float32)
+    plan = static_plan("onednn")
+    packed_bytes, used = model.pack_weights(plan)
+    assert used is plan and packed_bytes > 0
+    layers = [m for m in model.modules() if isinstance(m, MergedLinear) and m.packable]
+    assert layers and all(m.packed_format == "onednn" for m in layers)
+    assert all(m.packed_rows == plan.packed_rows for m in layers)

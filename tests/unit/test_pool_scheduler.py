@@ -303,6 +303,18 @@ def test_request_finishes_on_stop_token_and_max_tokens():
     assert r3.append_token(1) is FinishReason.LENGTH
 
 
+def test_ends_at_its_next_token_by_max_tokens_or_the_context():
+    assert Request("a", [1, 2, 3], max_tokens=1).ends_at_its_next_token
+    assert not Request("b", [1, 2, 3], max_tokens=2).ends_at_its_next_token
+    assert Request("c", [1, 2, 3], max_tokens=10, max_model_len=4).ends_at_its_next_token
+    assert not Request("d", [1, 2, 3], max_tokens=10, max_model_len=5).ends_at_its_next_token
+    r = Request("e", [1, 2, 3], max_tokens=3)
+    r.append_token(7)
+    assert not r.ends_at_its_next_token  # recomputed after a preemption: one more to go
+    r.append_token(8)
+    assert r.ends_at_its_next_token
+
+
 def test_context_limit_counts_only_tokens_that_arrived():
     r = Request("a", [1, 2, 3], max_tokens=10, max_model_len=5)
     r.num_pending_tokens = 2  # two samples in flight

@@ -301,13 +301,19 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = MergedLinear.merge([self.lm_head])
         self.merged = True
 
-    def pack_weights(self, cpu_gemm: str = "auto") -> tuple[int, GemmPlan]:
+    def pack_weights(self, cpu_gemm: str | GemmPlan = "auto") -> tuple[int, GemmPlan]:
         """Add packed copies of the merged weights for decode-sized batches (CPU, float32;
         see `linear.py`): the format and row counts `cpu_gemm` names or, for `auto`,
-        measures on these weights. Returns the bytes the copies take and the plan."""
+        measures on these weights, or a plan already made (a draft model takes its target's:
+        the format depends on the CPU, not on the layer sizes). Returns the bytes the copies
+        take and the plan."""
         self.merge_projections()
         layers = [m for m in self.modules() if isinstance(m, MergedLinear) and m.packable]
-        plan = plan_for(cpu_gemm, [m.weight for m in layers])
+        plan = (
+            cpu_gemm
+            if isinstance(cpu_gemm, GemmPlan)
+            else plan_for(cpu_gemm, [m.weight for m in layers])
+        )
         return sum(m.pack(plan) for m in layers), plan
 
     def forward(
