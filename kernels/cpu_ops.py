@@ -29,7 +29,12 @@ log = get_logger(__name__)
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = tuple(
     Path(__file__).resolve().parent / "cpu" / name
-    for name in ("paged_decode_attention.cpp", "seeded_uniform.cpp")
+    for name in (
+        "paged_decode_attention.cpp",
+        "rms_norm.cpp",
+        "rotary_write.cpp",
+        "seeded_uniform.cpp",
+    )
 )
 BUILD_DIR = ROOT / ".tandem" / "build" / "torch_extensions"
 NAME = "tandem_cpu_kernels"

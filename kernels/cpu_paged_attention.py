@@ -4,7 +4,9 @@ Each forward pass is planned once (`plan`): which flat rows are single-token dec
 which blocks they read, where each new token's K/V goes, and which prompt chunks start a
 sequence (no cached prefix). Then every layer does:
 
-- write: the step's K/V into their cache slots (one indexed store per cache);
+- write: the step's K/V into their cache slots (one indexed store per cache), or, for a
+  float32 model and cache, `rotate_and_write`: the rotary embedding of the merged q/k/v
+  projection and the write in one C++ call (`kernels/cpu/rotary_write.cpp`);
 - decodes, batched: `kernels/cpu/paged_decode_attention.cpp` reads their keys and values
   in place through the block tables (`torch.ops.tandem_cpu`); where that kernel could not
   be built, one `index_select` of their blocks per cache and one SDPA call with a padding
@@ -132,6 +134,47 @@ def write(
         key, value = key[plan.write_rows], value[plan.write_rows]
     k_cache[plan.write_blocks, plan.write_offsets] = key.to(k_cache.dtype)
     v_cache[plan.write_blocks, plan.write_offsets] = value.to(v_cache.dtype)
+
+
+def rotate_and_write(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: SdpaPlan,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The rotary embedding of the merged projection's queries and keys (`qkv` `[T, heads +
+    2 kv_heads, head_dim]`, `rope` = (cos, sin) `[T, 1, head_dim // 2]`) and `write` of the
+    rotated keys and the values, in one C++ call (`kernels/cpu/rotary_write.cpp`, the same
+    arithmetic as `rope.rotate`). Returns (q, k, v) views, or None where the call does not
+    apply (not float32 on CPU, strided inputs, no compiled kernels): then rotate and write."""
+    cos, sin = rope
+    head_dim = qkv.shape[-1]
+    if not (
+        plan.use_kernel
+        and qkv.device.type == "cpu"
+        and all(t.dtype == torch.float32 and t.is_contiguous() for t in (qkv, cos, sin))
+        and all(
+            c.dtype == torch.float32 and c.stride(-1) == 1 and c.stride(-2) == head_dim
+            for c in (k_cache, v_cache)
+        )
+    ):
+        return None
+    rotated = torch.ops.tandem_cpu.rotary_write(
+        qkv,
+        cos,
+        sin,
+        num_heads,
+        num_kv_heads,
+        k_cache,
+        v_cache,
+        plan.write_blocks,
+        plan.write_offsets,
+        plan.write_rows,
+    )
+    return rotated[:, :num_heads], rotated[:, num_heads:], qkv[:, num_heads + num_kv_heads :]
 
 
 def _sdpa(q, k, v, scale, mask=None, causal=False):

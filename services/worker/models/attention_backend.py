@@ -66,6 +66,18 @@ class CpuAttention:
         self._impl.write(key, value, k_cache, v_cache, plan)
         return self._impl.attend(query, key, value, k_cache, v_cache, plan, scale)
 
+    def forward_qkv(self, qkv, num_heads, num_kv_heads, rope, k_cache, v_cache, meta, scale):
+        """`forward` from the merged projection's output, rotating its queries and keys in
+        the same C++ call as the write; None where that call does not apply."""
+        plan = meta.backend_plan
+        written = self._impl.rotate_and_write(
+            qkv, num_heads, num_kv_heads, rope, k_cache, v_cache, plan
+        )
+        if written is None:
+            return None
+        query, key, value = written
+        return self._impl.attend(query, key, value, k_cache, v_cache, plan, scale)
+
 
 class TorchAttention:
     """`kernels/torch_paged.py`, the reference every other backend is tested against."""

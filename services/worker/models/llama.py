@@ -39,28 +39,10 @@ from services.worker.models.attention_metadata import AttentionMetadata
 from services.worker.models.cpu_gemm import plan_for
 from services.worker.models.gemm_plan import GemmPlan
 from services.worker.models.linear import MergedLinear
+from services.worker.models.rms_norm import RMSNorm
 from services.worker.models.rope import RotaryEmbedding, rotate
 from services.worker.parallel.pipeline_stage import PipelineStage
 from services.worker.parallel.tp_group import TpGroup, TpShard
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, scaled by a learned weight."""
-
-    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
-        self.eps = eps
-        self.shape = (size,)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        if input_dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, self.shape, self.weight, self.eps)  # one fused kernel
-        # Hugging Face's order: normalise in float32, cast back, then scale.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(input_dtype)
 
 
 class Attention(nn.Module):
@@ -113,6 +95,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens, heads, kv_heads = hidden.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(hidden).view(num_tokens, heads + 2 * kv_heads, self.head_dim)
+        out = self._fused(qkv, rope, cache, meta)
+        if out is not None:
+            return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, heads * self.head_dim)))
         v = qkv[:, heads + kv_heads :]
         if self.q_norm is not None and self.k_norm is not None:
             q = rotate(self.q_norm(qkv[:, :heads]), rope)
@@ -126,6 +111,18 @@ class Attention(nn.Module):
         else:
             out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, heads * self.head_dim)))
+
+    def _fused(self, qkv, rope, cache, meta) -> torch.Tensor | None:
+        """Attention through the backend's fused rotate-and-write (CPU, float32), where it
+        has one and nothing sits between the projection and the rotation (no q/k norm, no
+        fp8 scales); None: take the separate steps."""
+        fused = getattr(self.backend, "forward_qkv", None)
+        if fused is None or self.q_norm is not None or self.kv_scales is not None:
+            return None
+        k_cache, v_cache = cache
+        return fused(
+            qkv, self.num_heads, self.num_kv_heads, rope, k_cache, v_cache, meta, self.scale
+        )
 
     def _scaled(self, q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
         """Attention over an fp8 cache that stores K / k_scale and V / v_scale: scores
@@ -183,8 +180,9 @@ class DecoderLayer(nn.Module):
         cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attended = self.self_attn(self.input_layernorm(hidden), rope, cache, meta)
+        hidden, normed = self.post_attention_layernorm.add_forward(hidden, attended)
+        return hidden + self.mlp(normed)
 
 
 class LlamaModel(nn.Module):
