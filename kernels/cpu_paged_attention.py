@@ -148,24 +148,24 @@ def rotate_and_write(
     """The rotary embedding of the merged projection's queries and keys (`qkv` `[T, heads +
     2 kv_heads, head_dim]`, `rope` = (cos, sin) `[T, 1, head_dim // 2]`) and `write` of the
     rotated keys and the values, in one C++ call (`kernels/cpu/rotary_write.cpp`, the same
-    arithmetic as `rope.rotate`). Returns (q, k, v) views, or None where the call does not
-    apply (not float32 on CPU, strided inputs, no compiled kernels): then rotate and write."""
-    cos, sin = rope
-    head_dim = qkv.shape[-1]
+    arithmetic as `rope.rotate`). Returns (q, k, v), v a view of `qkv`; or None where the
+    call does not apply (not float32 on CPU, a strided `qkv`, no compiled kernels): then
+    rotate and write."""
+    f32 = torch.float32
     if not (
         plan.use_kernel
+        and qkv.dtype == f32
+        and k_cache.dtype == f32
+        and v_cache.dtype == f32
+        and qkv.is_contiguous()
         and qkv.device.type == "cpu"
-        and all(t.dtype == torch.float32 and t.is_contiguous() for t in (qkv, cos, sin))
-        and all(
-            c.dtype == torch.float32 and c.stride(-1) == 1 and c.stride(-2) == head_dim
-            for c in (k_cache, v_cache)
-        )
     ):
         return None
-    rotated = torch.ops.tandem_cpu.rotary_write(
+    # The kernel checks the rest (rope tables, a cache slot's heads contiguous): the
+    # model's tables and the KV cache's layer views always are.
+    q, k = torch.ops.tandem_cpu.rotary_write(
         qkv,
-        cos,
-        sin,
+        *rope,
         num_heads,
         num_kv_heads,
         k_cache,
@@ -174,7 +174,7 @@ def rotate_and_write(
         plan.write_offsets,
         plan.write_rows,
     )
-    return rotated[:, :num_heads], rotated[:, num_heads:], qkv[:, num_heads + num_kv_heads :]
+    return q, k, qkv[:, num_heads + num_kv_heads :]
 
 
 def _sdpa(q, k, v, scale, mask=None, causal=False):

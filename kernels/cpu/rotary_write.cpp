@@ -24,8 +24,8 @@ constexpr int64_t kSerialElements = 1 << 16;  // below this, no parallel region
 // qkv [T, H + 2 KV, D]; cos, sin [T, 1, D / 2]; caches [blocks, block_size, KV, D] (the
 // KV cache's strided per-layer views: a slot's heads contiguous, blocks strided);
 // write_blocks / write_offsets [W]: the slot of token write_rows[w] (or of token w when
-// write_rows is absent). Returns the rotated queries and keys [T, H + KV, D].
-at::Tensor rotary_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+// write_rows is absent). Returns the rotated queries [T, H, D] and keys [T, KV, D].
+std::tuple<at::Tensor, at::Tensor> rotary_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                         int64_t num_heads, int64_t num_kv_heads, at::Tensor k_cache,
                         at::Tensor v_cache, const at::Tensor& write_blocks,
                         const at::Tensor& write_offsets,
@@ -65,13 +65,16 @@ at::Tensor rotary_write(const at::Tensor& qkv, const at::Tensor& cos, const at::
     TORCH_CHECK(writes == tokens, "rotary_write: one write per token without write_rows");
   }
 
-  auto rotated = at::empty({tokens, rotated_heads, dim}, qkv.options());
+  auto queries = at::empty({tokens, num_heads, dim}, qkv.options());
+  auto keys = at::empty({tokens, num_kv_heads, dim}, qkv.options());
   const float* src = qkv.data_ptr<float>();
   const float* cs = cos.data_ptr<float>();
   const float* sn = sin.data_ptr<float>();
-  float* dst = rotated.data_ptr<float>();
+  float* q_out = queries.data_ptr<float>();
+  float* k_out = keys.data_ptr<float>();
   const int64_t in_stride = qkv.size(1) * dim;
-  const int64_t out_stride = rotated_heads * dim;
+  const int64_t q_stride = num_heads * dim;
+  const int64_t k_stride = num_kv_heads * dim;
 
   auto rotate_tokens = [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -79,7 +82,8 @@ at::Tensor rotary_write(const at::Tensor& qkv, const at::Tensor& cos, const at::
       const float* s = sn + t * half;
       for (int64_t h = 0; h < rotated_heads; ++h) {
         const float* x = src + t * in_stride + h * dim;
-        float* y = dst + t * out_stride + h * dim;
+        float* y = h < num_heads ? q_out + t * q_stride + h * dim
+                                 : k_out + t * k_stride + (h - num_heads) * dim;
         for (int64_t i = 0; i < half; ++i) {
           const float a = x[i] * c[i];
           const float b = x[i + half] * s[i];
@@ -93,7 +97,8 @@ at::Tensor rotary_write(const at::Tensor& qkv, const at::Tensor& cos, const at::
       }
     }
   };
-  const int64_t grain = std::max<int64_t>(1, kSerialElements / std::max<int64_t>(1, out_stride));
+  const int64_t grain =
+      std::max<int64_t>(1, kSerialElements / std::max<int64_t>(1, rotated_heads * dim));
   if (tokens <= grain) {
     rotate_tokens(0, tokens);
   } else {
@@ -101,8 +106,7 @@ at::Tensor rotary_write(const at::Tensor& qkv, const at::Tensor& cos, const at::
   }
 
   const int64_t block_size = k_cache.size(1);
-  const int64_t slot_stride = num_kv_heads * dim;
-  const int64_t kv_bytes = slot_stride * static_cast<int64_t>(sizeof(float));
+  const int64_t kv_bytes = k_stride * static_cast<int64_t>(sizeof(float));
   const int64_t* blocks = write_blocks.data_ptr<int64_t>();
   const int64_t* offsets = write_offsets.data_ptr<int64_t>();
   const int64_t num_blocks = k_cache.size(0);
@@ -114,11 +118,11 @@ at::Tensor rotary_write(const at::Tensor& qkv, const at::Tensor& cos, const at::
                     offsets[w] >= 0 && offsets[w] < block_size,
                 "rotary_write: write ", w, " is out of range");
     std::memcpy(kc + blocks[w] * k_cache.stride(0) + offsets[w] * k_cache.stride(1),
-                dst + t * out_stride + num_heads * dim, kv_bytes);
+                k_out + t * k_stride, kv_bytes);
     std::memcpy(vc + blocks[w] * v_cache.stride(0) + offsets[w] * v_cache.stride(1),
                 src + t * in_stride + rotated_heads * dim, kv_bytes);
   }
-  return rotated;
+  return {queries, keys};
 }
 
 }  // namespace
@@ -127,7 +131,7 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def(
       "rotary_write(Tensor qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor write_blocks, Tensor write_offsets, "
-      "Tensor? write_rows) -> Tensor");
+      "Tensor? write_rows) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) { m.impl("rotary_write", &rotary_write); }

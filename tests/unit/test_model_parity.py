@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.model_config import ModelConfig
 from devtools.checkpoint_builder import build_checkpoint
+from kernels import cpu_paged_attention
 from services.worker.kv_cache import KvCache
 from services.worker.models.attention_metadata import SequenceSlice, build_attention_metadata
 from services.worker.models.llama import LlamaForCausalLM
@@ -187,6 +188,27 @@ def test_greedy_generation_matches_hf_generate(case) -> None:
             break
     assert generated == reference
     assert len(set(generated)) >= 4, f"degenerate generation {generated}"
+
+
+def test_float32_cpu_layers_rotate_and_write_in_one_call(case, monkeypatch) -> None:
+    """The greedy-equality tests above run through the fused C++ rotate-and-write wherever
+    it applies: every layer of a float32 CPU model without per-head q/k norms (qwen3 has
+    them, and takes the separate steps)."""
+    name, _, ours, config, _ = case
+    real = cpu_paged_attention.rotate_and_write
+    fused = []
+
+    def counting(*args):
+        result = real(*args)
+        fused.append(result is not None)
+        return result
+
+    monkeypatch.setattr(cpu_paged_attention, "rotate_and_write", counting)
+    session = PagedSession(ours, config, block_size=4)
+    tokens = random_tokens(config, 9, seed=5)
+    session.step([(tokens, 0, len(tokens), session.allocate(len(tokens)))])
+    expected = 0 if config.qk_norm else config.num_hidden_layers
+    assert fused == [True] * expected, name
 
 
 def test_tied_embeddings_share_storage(case) -> None:

@@ -96,8 +96,14 @@ class Attention(nn.Module):
         num_tokens, heads, kv_heads = hidden.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(hidden).view(num_tokens, heads + 2 * kv_heads, self.head_dim)
         out = self._fused(qkv, rope, cache, meta)
-        if out is not None:
-            return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, heads * self.head_dim)))
+        if out is None:
+            out = self._separate(qkv, rope, cache, meta)
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, heads * self.head_dim)))
+
+    def _separate(self, qkv, rope, cache, meta) -> torch.Tensor:
+        """Attention in torch's steps: (q/k norms,) rotation, then the backend's write and
+        attend (through the fp8 scales where the cache has them)."""
+        heads, kv_heads = self.num_heads, self.num_kv_heads
         v = qkv[:, heads + kv_heads :]
         if self.q_norm is not None and self.k_norm is not None:
             q = rotate(self.q_norm(qkv[:, :heads]), rope)
@@ -107,10 +113,8 @@ class Attention(nn.Module):
             q, k = qk[:, :heads], qk[:, heads:]
         k_cache, v_cache = cache
         if self.kv_scales is not None and k_cache.element_size() == 1:
-            out = self._scaled(q, k, v, k_cache, v_cache, meta)
-        else:
-            out = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, heads * self.head_dim)))
+            return self._scaled(q, k, v, k_cache, v_cache, meta)
+        return self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
 
     def _fused(self, qkv, rope, cache, meta) -> torch.Tensor | None:
         """Attention through the backend's fused rotate-and-write (CPU, float32), where it
