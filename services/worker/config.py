@@ -115,16 +115,16 @@ class WorkerConfig(ServiceConfig):
     cpu_packed_weights: str = setting(
         "auto",
         "also keep packed float32 weights for decode-sized batches (30-50% faster decode "
-        "steps; oneDNN's copy takes the weights' memory again, MKL's ~2.6x): auto (decode and "
-        "both workers on CPU when they fit in half the available memory), on, off",
+        "steps; oneDNN's or Tandem's copy takes the weights' memory again, MKL's ~2.6x): auto "
+        "(decode and both workers on CPU when they fit in half the available memory), on, off",
         choices=PACKED_WEIGHTS,
         env="TANDEM_CPU_PACKED_WEIGHTS",
     )
     cpu_gemm: str = setting(
         "auto",
-        "which packed GEMM those weights use: auto (time MKL's and oneDNN's on the model's "
-        "weights at load, keep the faster and the batch sizes where it beats torch.mm), "
-        "mkl, onednn",
+        "which packed GEMM those weights use: auto (time MKL's, oneDNN's and Tandem's own "
+        "C++ kernel on the model's weights at load, keep the fastest and the batch sizes "
+        "where it beats torch.mm), mkl, onednn, tandem",
         choices=GEMM_CHOICES,
         env="TANDEM_CPU_GEMM",
     )

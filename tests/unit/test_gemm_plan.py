@@ -59,6 +59,14 @@ def test_mkl_wins_where_it_saves_more():
     assert plan.packed_format == "mkl" and plan.packed_rows == frozenset(range(1, 16))
 
 
+def test_tandems_panels_win_where_they_save_the_most():
+    timings = _timings([10] * 8, [9] * 8, [6] * 8)
+    timings["tandem"] = dict(zip(ROWS, [4, 4, 4, 4, 4, 5, 7, 11], strict=True))
+    plan = choose_plan(timings)
+    assert plan.packed_format == "tandem" and plan.packed_rows == frozenset(range(1, 128))
+    assert static_plan("tandem").packed_rows == frozenset(STATIC_ROWS["tandem"])
+
+
 def test_a_missing_format_is_not_considered():
     timings = _timings([10] * 8, [1] * 8, [5] * 8)
     del timings["mkl"]

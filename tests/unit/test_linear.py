@@ -1,7 +1,7 @@
 """MergedLinear: one matrix product computes what the merged Hugging Face layers compute,
-on every path (transposed weight; MKL's and oneDNN's packed weights for decode-sized
-batches, with and without bias; the plan `auto` measures), and a packed model gives the
-unpacked model's logits."""
+on every path (transposed weight; MKL's, oneDNN's and Tandem's packed weights for
+decode-sized batches, with and without bias; the plan `auto` measures), and a packed model
+gives the unpacked model's logits."""
 
 from __future__ import annotations
 
@@ -34,11 +34,11 @@ def test_merged_equals_separate_layers(bias, rows):
         torch.testing.assert_close(part, want, atol=1e-5, rtol=1e-5)
 
 
-def test_this_torch_offers_both_packed_formats():
-    assert cpu_gemm.available_formats() == ("mkl", "onednn")
+def test_this_box_offers_every_packed_format():
+    assert cpu_gemm.available_formats() == ("mkl", "onednn", "tandem")
 
 
-@pytest.mark.parametrize("fmt", ["mkl", "onednn"])
+@pytest.mark.parametrize("fmt", ["mkl", "onednn", "tandem"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_weights_give_the_same_products(fmt, bias):
     merged = MergedLinear.merge(_layers(bias))
@@ -72,11 +72,12 @@ def test_every_row_count_of_a_plan_takes_its_packed_product(monkeypatch):
 def test_auto_measures_every_format_and_keeps_a_consistent_plan():
     torch.manual_seed(0)
     weights = [torch.randn(256, 512), torch.randn(512, 256)]
-    timings = cpu_gemm.measure(weights, ("mkl", "onednn"), rows=(1, 4, 16), repeats=1)
-    assert set(timings) == {"plain", "mkl", "onednn"}
+    timings = cpu_gemm.measure(weights, ("mkl", "onednn", "tandem"), rows=(1, 4, 16), repeats=1)
+    assert set(timings) == {"plain", "mkl", "onednn", "tandem"}
     assert all(set(t) == {1, 4, 16} and min(t.values()) > 0 for t in timings.values())
     plan = cpu_gemm.plan_for("auto", weights)
-    assert plan.timings_us is not None and set(plan.timings_us) == {"plain", "mkl", "onednn"}
+    assert plan.timings_us is not None
+    assert set(plan.timings_us) == {"plain", "mkl", "onednn", "tandem"}
     if plan.packed_format is not None:
         assert plan.packed_rows and max(plan.packed_rows) <= max(MEASURED_ROWS)
 
@@ -108,7 +109,7 @@ def test_packed_model_gives_the_unpacked_logits(tiny_llama_dir):
     from services.worker.models.weight_loader import load_model
 
     outputs = []
-    for pack in (None, "mkl", "onednn"):
+    for pack in (None, "mkl", "onednn", "tandem"):
         model, config = load_model(tiny_llama_dir, torch.float32)
         if pack:
             assert model.pack_weights(pack)[0] > 0

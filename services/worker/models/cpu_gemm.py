@@ -1,13 +1,15 @@
 """Which CPU matrix product multiplies float32 activations by a linear layer's weight, per
 batch size: plain `torch.mm` on the transposed weight, or a packed copy of the weight in
-MKL's or oneDNN's blocked layout.
+MKL's, oneDNN's or Tandem's own (`kernels/cpu/packed_linear.cpp`) blocked layout.
 
 The fastest differs by CPU and by row count: on an AVX-512 Xeon MKL's packed GEMM beat the
 others at 2-32 rows; on an AVX2 EPYC oneDNN's packed GEMM runs a decode step's projections
-in half MKL's time at 2-64 rows, while MKL's GEMV stays best at one row. So `auto` measures
-the model's own weights at load (`measure`), and `gemm_plan.choose_plan` keeps one packed
-format and the row counts where it beats the plain product. `mkl` and `onednn` name a format
-without measuring. oneDNN's packed copy takes the weight's bytes; MKL's about 2.2-2.6x.
+in half MKL's time at 2-64 rows, and Tandem's panels in ~0.7x oneDNN's at 8-32 rows. So
+`auto` measures the model's own weights at load (`measure`), and `gemm_plan.choose_plan`
+keeps one packed format and the row counts where it beats the plain product. `mkl`,
+`onednn` and `tandem` name a format without measuring. oneDNN's and Tandem's packed copies
+take the weight's bytes (Tandem's pads the output columns to a multiple of 16); MKL's about
+2.2-2.6x.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels import cpu_ops
 from services.worker.models.gemm_plan import (
     CHOICES,
     MEASURE_BYTES,
@@ -36,11 +39,15 @@ def available_formats() -> tuple[str, ...]:
         found.append("mkl")
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         found.append("onednn")
+    if cpu_ops.available():
+        found.append("tandem")
     return tuple(found)
 
 
 def pack(weight_t: torch.Tensor, fmt: str) -> torch.Tensor:
     """A packed copy of a transposed (`[in, out]`) float32 weight."""
+    if fmt == "tandem":  # panels of 16 output columns, cut from the `[in, out]` layout
+        return torch.ops.tandem_cpu.pack_linear_weight(weight_t)
     weight = weight_t.t().contiguous()
     if fmt == "mkl":  # the packed layout does not depend on the row count it is made for
         return torch.ops.mkl._mkl_reorder_linear_weight(weight, max(STATIC_ROWS["mkl"]))
@@ -64,6 +71,8 @@ def packed_product(
 ) -> torch.Tensor:
     if fmt == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if fmt == "tandem":
+        return torch.ops.tandem_cpu.packed_linear(x, packed, weight_t.shape[1], bias)
     return torch.ops.mkl._mkl_linear(x, packed, weight_t.t(), bias, x.shape[0])
 
 

@@ -1,9 +1,9 @@
 """The plan of which CPU matrix product multiplies float32 activations by a linear layer's
 weight at each row count (pure: no torch). `cpu_gemm.py` measures and runs it.
 
-A plan keeps at most one packed format (MKL's or oneDNN's blocked copy of the weight) and the
-row counts where that format beats the plain product; every other row count runs `torch.mm`
-on the transposed weight.
+A plan keeps at most one packed format (MKL's, oneDNN's or Tandem's blocked copy of the
+weight) and the row counts where that format beats the plain product; every other row count
+runs `torch.mm` on the transposed weight.
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-FORMATS = ("mkl", "onednn")
+FORMATS = ("mkl", "onednn", "tandem")
 CHOICES = ("auto", *FORMATS)
 # Row counts timed by `auto`; a row count between two of them takes the lower one's choice,
 # and above the last the plain product runs (prefill-sized inputs: on the EPYC the formats
 # are within 5% of each other from 128 rows, on the Xeon MKL's packed GEMM lost from 64).
 MEASURED_ROWS = (1, 2, 4, 8, 16, 32, 64)
 # Rows a named format is used for without measuring (MKL's range was measured on a Xeon).
-STATIC_ROWS = {"mkl": range(2, 33), "onednn": range(1, 65)}
+STATIC_ROWS = {"mkl": range(2, 33), "onednn": range(1, 65), "tandem": range(1, 65)}
 # A packed format must beat the plain product by this factor at a row count to be used there:
 # a smaller gain is inside the noise of a measurement at load.
 MARGIN = 0.95
