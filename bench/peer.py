@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=str(RESULTS / "peer.json"))
     parser.add_argument("--plot", default=str(RESULTS / "peer.png"))
     args = parser.parse_args(argv)
+    if args.hf_single < 1:  # HF's single-stream time is a target's denominator
+        parser.error("--hf-single must be at least 1")
     started = time.perf_counter()
     vllm = ensure_vllm()
     report = {
