@@ -3,8 +3,12 @@
 //
 // Work items are sequences (or single KV heads of them when sequences are too few), spread
 // over torch's intra-op threads with at::parallel_for. Each item scores its query heads
-// against every cached position
-// (float32 dot products), takes a max-subtracted softmax and accumulates the values.
+// against every cached position (float32 dot products), takes a max-subtracted softmax and
+// accumulates the values. With AVX2 and float32 keys whose head_dim is a multiple of 8, a
+// position's scores for up to 8 heads come from 8 independent multiply-add chains and one
+// transposing sum (a chain and a horizontal sum per head were the kernel's per-thread
+// bound), and the softmax takes 8 scores at a time with a polynomial exp (within 2 ulp of
+// expf) for any cache dtype.
 // Only positions below the sequence length are read, so nothing needs masking; the rows
 // a few positions ahead are prefetched.
 //
@@ -15,8 +19,13 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -50,6 +59,100 @@ constexpr int64_t kPrefetchAhead = 2;
 inline void prefetch_row(const void* start, int64_t bytes) {
   const char* p = static_cast<const char*>(start);
   for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset);
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// e^x for x <= 0 (a score minus its row's maximum), 8 lanes: x = n ln2 + r with |r| <=
+// ln2 / 2, e^r by Cephes' degree-7 polynomial (within 2 ulp of expf), times 2^n; below
+// -87.3 (where expf leaves the normal range) the lane gives e^-87.3 ~ 1e-38 instead of a
+// denormal or 0: a weight that small vanishes in the sum next to the maximum's 1.
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i scale = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+// The eight sums of eight vectors' lanes, as one vector (lane j: the sum of v[j]).
+inline __m256 lane_sums(const __m256 v[8]) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// Float32 keys, head_dim a multiple of 8: the scores of C query heads [h, h + C) (C <= 8)
+// against one position's keys at once, C independent multiply-add chains and one
+// transposing sum instead of a chain and a horizontal sum per head. `q`: the item's scaled
+// queries [heads][head_dim]; `k_pos`: the position's first key of the item; out[j] = score
+// of head h + j. C is a template argument so the accumulators stay in registers.
+template <int C>
+inline void score_heads(const float* q, const float* k_pos, int64_t h, int64_t group,
+                        int64_t k_head, int64_t head_dim, float* out) {
+  __m256 acc[8];
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < head_dim; d += 8) {
+#pragma GCC unroll 8
+    for (int j = 0; j < C; ++j) {
+      const __m256 k = _mm256_loadu_ps(k_pos + ((h + j) / group) * k_head + d);
+      acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (h + j) * head_dim + d), k, acc[j]);
+    }
+  }
+  _mm256_storeu_ps(out, lane_sums(acc));
+}
+#endif
+
+// Scores -> exp(score - max) in place; returns their sum (the softmax's denominator).
+inline float softmax_numerators(float* sc, int64_t len) {
+  int64_t pos = 0;
+  float sum = 0.0f;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (len >= 8) {
+    __m256 high = _mm256_loadu_ps(sc);
+    for (pos = 8; pos + 8 <= len; pos += 8) high = _mm256_max_ps(high, _mm256_loadu_ps(sc + pos));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, high);
+    float top = *std::max_element(lanes, lanes + 8);
+    for (; pos < len; ++pos) top = std::max(top, sc[pos]);
+    const __m256 vtop = _mm256_set1_ps(top);
+    __m256 vsum = _mm256_setzero_ps();
+    for (pos = 0; pos + 8 <= len; pos += 8) {
+      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sc + pos), vtop));
+      _mm256_storeu_ps(sc + pos, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    _mm256_storeu_ps(lanes, vsum);
+    for (int j = 0; j < 8; ++j) sum += lanes[j];
+    if (pos < len) {  // the last len % 8 scores, through the same approximation
+      float tail[8] = {};
+      const int64_t count = len - pos;
+      for (int64_t j = 0; j < count; ++j) tail[j] = sc[pos + j] - top;
+      _mm256_storeu_ps(tail, exp_nonpositive(_mm256_loadu_ps(tail)));
+      for (int64_t j = 0; j < count; ++j) {
+        sc[pos + j] = tail[j];
+        sum += tail[j];
+      }
+    }
+    return sum;
+  }
+#endif
+  const float top = *std::max_element(sc, sc + len);
+  for (; pos < len; ++pos) {
+    sc[pos] = std::exp(sc[pos] - top);
+    sum += sc[pos];
+  }
+  return sum;
 }
 
 template <typename T>
@@ -105,6 +208,23 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
         if (pos + kPrefetchAhead < len) {
           prefetch_row(at(k_base, k_block, k_slot, k_head, pos + kPrefetchAhead), row_bytes);
         }
+#if defined(__AVX2__) && defined(__FMA__)
+        if constexpr (std::is_same_v<T, float>) {
+          if (head_dim % 8 == 0) {
+            float lane[8];
+            for (int64_t h = 0; h < heads;) {
+              const int64_t count = heads - h >= 8 ? 8 : heads - h >= 4 ? 4 : heads - h >= 2 ? 2 : 1;
+              if (count == 8) score_heads<8>(q.data(), k_pos, h, group, k_head, head_dim, lane);
+              if (count == 4) score_heads<4>(q.data(), k_pos, h, group, k_head, head_dim, lane);
+              if (count == 2) score_heads<2>(q.data(), k_pos, h, group, k_head, head_dim, lane);
+              if (count == 1) score_heads<1>(q.data(), k_pos, h, group, k_head, head_dim, lane);
+              for (int64_t j = 0; j < count; ++j) scores[(h + j) * len + pos] = lane[j];
+              h += count;
+            }
+            continue;
+          }
+        }
+#endif
         for (int64_t h = 0; h < heads; ++h) {
           const T* k = k_pos + (h / group) * k_head;
           const float* qh = q.data() + h * head_dim;
@@ -115,14 +235,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
         }
       }
       for (int64_t h = 0; h < heads; ++h) {
-        float* sc = scores.data() + h * len;
-        const float top = *std::max_element(sc, sc + len);
-        float sum = 0.0f;
-        for (int64_t pos = 0; pos < len; ++pos) {
-          sc[pos] = std::exp(sc[pos] - top);
-          sum += sc[pos];
-        }
-        total[h] = sum;
+        total[h] = softmax_numerators(scores.data() + h * len, len);
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t pos = 0; pos < len; ++pos) {

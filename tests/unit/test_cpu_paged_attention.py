@@ -1,7 +1,8 @@
 """The CPU attention path (`kernels/cpu_paged_attention.py` and the C++ decode kernel it
 calls) against the plain-torch reference (`kernels/torch_paged.py`): mixed batches of
 decodes and prompt chunks (with and without a cached prefix), skipped slots, grouped-query
-heads, float32 and bfloat16 caches, with the C++ kernel and with its SDPA fallback.
+heads, float32 and bfloat16 caches, with the C++ kernel and with its SDPA fallback; the
+kernel's float32 fast paths (8 heads scored at once, the vectorized softmax) at their edges.
 
 Every slot holds finite garbage before the step, as in a real pool (zero-initialised, then
 only ever written with K/V). For the C++ kernel, which reads nothing past a sequence's
@@ -88,6 +89,34 @@ def test_matches_reference_float32(seq_lens, q_lens, heads, kv_heads, use_kernel
         pytest.fail("the C++ CPU kernels did not build (see cpu_kernels_unavailable)")
     out, expected = _run_both(seq_lens, q_lens, heads, kv_heads, 32, 8, torch.float32, use_kernel)
     assert out.dtype == torch.float32 and not out.isnan().any()
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim",
+    [(16, 4, 24), (12, 4, 32), (6, 6, 16), (8, 2, 20)],
+    ids=["two-tiles-of-8", "tile-of-8-and-4", "mha-6", "head-dim-20-scalar"],
+)
+@pytest.mark.parametrize("seq_lens", [[70], [8, 9, 64, 200, 3]], ids=["one-seq", "ragged"])
+@pytest.mark.parametrize("sharp", [False, True], ids=["soft", "sharp"])
+def test_kernel_scoring_tiles_and_softmax_tails(heads, kv_heads, head_dim, seq_lens, sharp):
+    """The float32 kernel scores up to 8 query heads of a position at once (head_dim a
+    multiple of 8) and takes its softmax 8 scores at a time with a polynomial exp: head
+    counts that fill one, two or a part of a tile, a head_dim that takes the scalar loop,
+    lengths around multiples of 8, one sequence (split by KV head over the threads), and
+    scores hundreds apart (`sharp`: most weights under the exp's clamp)."""
+    if not cpu_ops.available():
+        pytest.fail("the C++ CPU kernels did not build")
+    query, key, value, k_cache, v_cache, tables, starts, slots = _setup(
+        seq_lens, [1] * len(seq_lens), heads, kv_heads, head_dim, 8, torch.float32
+    )
+    scale = (40.0 if sharp else 1.0) / math.sqrt(head_dim)
+    torch_paged.reshape_and_cache(key, value, k_cache, v_cache, slots)
+    expected = torch_paged.paged_attention(query, k_cache, v_cache, tables, starts, seq_lens, scale)
+    out = torch.empty_like(query)
+    torch.ops.tandem_cpu.paged_decode_attention(
+        out, query, k_cache, v_cache, tables.long(), torch.tensor(seq_lens), scale
+    )
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
 
