@@ -41,7 +41,7 @@ constexpr int64_t kAhead = 512 * kPanel;  // floats ahead of the row being multi
 
 // One block of R rows times one panel over `depth` values of k. `x`: the block's packed
 // rows [depth][R]; `w`: the panel's rows [depth][16]; `c`: the R output rows (row stride
-// `ldc`), read back unless `init` gives the starting values (bias or zeros) instead.
+// `ldc`), read back unless `init` (one row, for every row: the bias or zeros) starts them.
 // Prefetches one weight row every `period` values of k, starting at `phase`.
 #if defined(__AVX2__) && defined(__FMA__)
 #define TANDEM_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
@@ -149,7 +149,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
               packed.size(1));
   TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel,
               "out_features does not match the packed panels");
-  std::vector<float> start(bias.has_value() ? panels * kPanel : 0, 0.0f);
+  // Each panel's starting values: its bias columns, or zeros (padded to whole panels).
+  std::vector<float> start(panels * kPanel, 0.0f);
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == out_features,
                 "bias must be float32 [out_features]");
@@ -182,18 +183,16 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
     for (int64_t p = begin; p < end; ++p) {
       const float* w = w_base + p * depth * kPanel;
       const bool partial = (p + 1) * kPanel > out_features;
-      if (partial) tail.assign(rows * kPanel, 0.0f);
+      if (partial) tail.resize(rows * kPanel);  // every element is written by k0 == 0
       float* c = partial ? tail.data() : o_base + p * kPanel;
       const int64_t ldc = partial ? kPanel : out_features;
-      const float* init = bias.has_value() ? start.data() + p * kPanel : nullptr;
-      static const float kZeros[kPanel] = {};
       for (int64_t k0 = 0; k0 < depth; k0 += kChunk) {
         const int64_t chunk = std::min(kChunk, depth - k0);
+        // The first chunk starts every row from the panel's one row of `start`; later
+        // chunks add to what the block stored.
+        const float* first = k0 == 0 ? start.data() + p * kPanel : nullptr;
         for (int b = 0; b < blocks; ++b) {
           const int64_t m = first_row[b], r = first_row[b + 1] - m;
-          const float* first = k0 > 0 ? nullptr : (init != nullptr ? init : kZeros);
-          // Every row starts from the same bias (or zeros): `first` is one row, so the
-          // kernel reads it for each of its rows.
           run_block(r, xp.data() + m * depth + k0 * r, w + k0 * kPanel, chunk, c + m * ldc, ldc,
                     first, b, blocks);
         }

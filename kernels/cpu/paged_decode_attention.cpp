@@ -213,11 +213,14 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
           if (head_dim % 8 == 0) {
             float lane[8];
             for (int64_t h = 0; h < heads;) {
-              const int64_t count = heads - h >= 8 ? 8 : heads - h >= 4 ? 4 : heads - h >= 2 ? 2 : 1;
-              if (count == 8) score_heads<8>(q.data(), k_pos, h, group, k_head, head_dim, lane);
-              if (count == 4) score_heads<4>(q.data(), k_pos, h, group, k_head, head_dim, lane);
-              if (count == 2) score_heads<2>(q.data(), k_pos, h, group, k_head, head_dim, lane);
-              if (count == 1) score_heads<1>(q.data(), k_pos, h, group, k_head, head_dim, lane);
+              const int64_t left = heads - h;
+              const int64_t count = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+              switch (count) {
+                case 8: score_heads<8>(q.data(), k_pos, h, group, k_head, head_dim, lane); break;
+                case 4: score_heads<4>(q.data(), k_pos, h, group, k_head, head_dim, lane); break;
+                case 2: score_heads<2>(q.data(), k_pos, h, group, k_head, head_dim, lane); break;
+                default: score_heads<1>(q.data(), k_pos, h, group, k_head, head_dim, lane);
+              }
               for (int64_t j = 0; j < count; ++j) scores[(h + j) * len + pos] = lane[j];
               h += count;
             }
