@@ -37,6 +37,8 @@ SOURCES = tuple(
         "seeded_uniform.cpp",
     )
 )
+# Headers the sources include (hashed with them: a change builds anew).
+HEADERS = (Path(__file__).resolve().parent / "cpu" / "claimed_parallel.h",)
 BUILD_DIR = ROOT / ".tandem" / "build" / "torch_extensions"
 NAME = "tandem_cpu_kernels"
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
@@ -65,7 +67,7 @@ def available() -> bool:
 def build_directory() -> Path:
     """Where this exact build (sources, flags, torch version) lives."""
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     digest.update(" ".join(CFLAGS + LDFLAGS).encode())
     digest.update(torch.__version__.encode())

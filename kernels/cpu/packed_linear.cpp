@@ -5,7 +5,8 @@
 // Why not oneDNN's or MKL's packed GEMM: at 16 rows on a 2-core AVX2 EPYC they ran a decode
 // step's projections at ~80 GFLOPS, under half the FMA peak, and the weights (read once per
 // step, ~4x the last-level cache) do not stream while the later rows compute. Here:
-// - each thread owns whole panels, so its weights are one sequential stream;
+// - each thread takes whole panels from its own contiguous share (one sequential stream),
+//   then any a preempted thread has not started (claimed_parallel.h);
 // - rows go through in blocks of 6 (12 accumulator registers: 6 rows x 16 columns), each
 //   block over a 128-deep chunk of the panel while that chunk sits in L1;
 // - every block of a chunk prefetches its share of the weights 512 rows ahead (this CPU's
@@ -24,6 +25,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "claimed_parallel.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -38,6 +41,7 @@ constexpr int64_t kPanel = 16;         // output columns per panel (two AVX2 reg
 constexpr int64_t kRowBlock = 6;       // rows per micro-kernel call (12 accumulators)
 constexpr int64_t kChunk = 128;        // panel rows (k) per pass: 8 KiB, stays in L1
 constexpr int64_t kAhead = 512 * kPanel;  // floats ahead of the row being multiplied
+constexpr int64_t kClaimBytes = 64 * 1024;  // weights a thread claims at a time
 
 // One block of R rows times one panel over `depth` values of k. `x`: the block's packed
 // rows [depth][R]; `w`: the panel's rows [depth][16]; `c`: the R output rows (row stride
@@ -178,7 +182,10 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   }
   const float* w_base = packed.data_ptr<float>();
   float* o_base = out.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  // Panels are claimed ~64 KiB of weights at a time (claimed_parallel.h): a thread that is
+  // preempted holds up the others by at most that much.
+  const int64_t grain = std::max<int64_t>(1, kClaimBytes / (depth * kPanel * 4));
+  tandem_cpu::claimed_parallel_for(panels, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> tail;  // the last panel's outputs when N is not a multiple of 16
     for (int64_t p = begin; p < end; ++p) {
       const float* w = w_base + p * depth * kPanel;

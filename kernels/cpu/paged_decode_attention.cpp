@@ -1,9 +1,9 @@
 // Paged decode attention for CPU workers: one query token per sequence, keys and values
 // read in place from the paged KV cache (no gather copy), grouped-query heads.
 //
-// Work items are sequences (or single KV heads of them when sequences are too few), spread
-// over torch's intra-op threads with at::parallel_for. Each item scores its query heads
-// against every cached position (float32 dot products), takes a max-subtracted softmax and
+// Work items are sequences (or single KV heads of them when sequences are too few), claimed
+// by torch's intra-op threads as they go (claimed_parallel.h). Each item scores its query
+// heads against every cached position (float32 dot products), takes a max-subtracted softmax and
 // accumulates the values. With AVX2 and float32 keys whose head_dim is a multiple of 8, a
 // position's scores for up to 8 heads come from 8 independent multiply-add chains and one
 // transposing sum (a chain and a horizontal sum per head were the kernel's per-thread
@@ -18,6 +18,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "claimed_parallel.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -187,7 +189,9 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
   const int64_t row_bytes =
       ((span - 1) * std::max(k_head, v_head) + head_dim) * static_cast<int64_t>(sizeof(T));
 
-  at::parallel_for(0, num_seqs * splits, 1, [&](int64_t begin, int64_t end) {
+  // Items are claimed one at a time (claimed_parallel.h): a preempted thread holds up the
+  // others by at most the item it is in.
+  tandem_cpu::claimed_parallel_for(num_seqs * splits, 1, [&](int64_t begin, int64_t end) {
     const int64_t heads = span * group;  // query heads of one item
     std::vector<float> q(heads * head_dim), acc(heads * head_dim), total(heads), scores;
     for (int64_t item = begin; item < end; ++item) {
