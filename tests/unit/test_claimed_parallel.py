@@ -42,9 +42,7 @@ def _per_thread_count(run) -> None:
 # depth 512: 2 panels per claim; 1536: 1 per claim; 96: all of a small product in one claim
 @pytest.mark.parametrize("depth,width", [(512, 16 * 37 + 5), (1536, 16 * 9), (96, 40)])
 @pytest.mark.parametrize("rows", [1, 16, 33])
-def test_packed_linear_equals_one_thread_at_every_thread_count(
-    depth, width, rows, restore_threads
-):
+def test_packed_linear_equals_one_thread_at_every_thread_count(depth, width, rows, restore_threads):
     gen = torch.Generator().manual_seed(depth + width + rows)
     weight_t = torch.randn(depth, width, generator=gen)
     bias = torch.randn(width, generator=gen)
