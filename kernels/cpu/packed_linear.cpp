@@ -32,6 +32,7 @@
 #endif
 
 #include <algorithm>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -42,6 +43,12 @@ constexpr int64_t kRowBlock = 6;       // rows per micro-kernel call (12 accumul
 constexpr int64_t kChunk = 128;        // panel rows (k) per pass: 8 KiB, stays in L1
 constexpr int64_t kAhead = 512 * kPanel;  // floats ahead of the row being multiplied
 constexpr int64_t kClaimBytes = 64 * 1024;  // weights a thread claims at a time
+constexpr int64_t kFewRows = 64;             // above: many_rows' loop order (prompts)
+constexpr int64_t kGroupBytes = 256 * 1024;  // weights of one many_rows claim (in L2)
+
+// Row i's value at k: from a block repacked as [depth][R] (`Rows` false), or straight from
+// x's rows, `ldx` apart (`Rows` true: prompt-sized products, whose blocks stay in L1).
+#define X_AT(i, k) (Rows ? x + (i) * ldx + (k) : x + (k) * R + (i))
 
 // One block of R rows times one panel over `depth` values of k. `x`: the block's packed
 // rows [depth][R]; `w`: the panel's rows [depth][16]; `c`: the R output rows (row stride
@@ -49,9 +56,10 @@ constexpr int64_t kClaimBytes = 64 * 1024;  // weights a thread claims at a time
 // Prefetches one weight row every `period` values of k, starting at `phase`.
 #if defined(__AVX2__) && defined(__FMA__)
 #define TANDEM_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
-template <int R>
-inline void block(const float* __restrict x, const float* __restrict w, int64_t depth,
-                  float* __restrict c, int64_t ldc, const float* init, int phase, int period) {
+template <int R, bool Rows>
+inline void block(const float* __restrict x, int64_t ldx, const float* __restrict w,
+                  int64_t depth, float* __restrict c, int64_t ldc, const float* init, int phase,
+                  int period) {
 #define TANDEM_DECL(i)                                                   \
   __m256 c##i##0 = _mm256_setzero_ps(), c##i##1 = _mm256_setzero_ps(); \
   if (R > i) {                                                         \
@@ -70,7 +78,7 @@ inline void block(const float* __restrict x, const float* __restrict w, int64_t 
     const __m256 w0 = _mm256_load_ps(w + k * kPanel), w1 = _mm256_load_ps(w + k * kPanel + 8);
 #define TANDEM_STEP(i)                                       \
   if (R > i) {                                               \
-    const __m256 xi = _mm256_broadcast_ss(x + k * R + i);    \
+    const __m256 xi = _mm256_broadcast_ss(X_AT(i, k));       \
     c##i##0 = _mm256_fmadd_ps(xi, w0, c##i##0);              \
     c##i##1 = _mm256_fmadd_ps(xi, w1, c##i##1);              \
   }
@@ -88,9 +96,9 @@ inline void block(const float* __restrict x, const float* __restrict w, int64_t 
 }
 #undef TANDEM_ROWS
 #else
-template <int R>
-inline void block(const float* x, const float* w, int64_t depth, float* c, int64_t ldc,
-                  const float* init, int, int) {
+template <int R, bool Rows>
+inline void block(const float* x, int64_t ldx, const float* w, int64_t depth, float* c,
+                  int64_t ldc, const float* init, int, int) {
   float acc[R][kPanel];
   for (int i = 0; i < R; ++i) {
     const float* from = init != nullptr ? init : c + i * ldc;
@@ -98,7 +106,7 @@ inline void block(const float* x, const float* w, int64_t depth, float* c, int64
   }
   for (int64_t k = 0; k < depth; ++k) {
     for (int i = 0; i < R; ++i) {
-      const float xi = x[k * R + i];
+      const float xi = *X_AT(i, k);
       for (int64_t j = 0; j < kPanel; ++j) acc[i][j] += xi * w[k * kPanel + j];
     }
   }
@@ -108,16 +116,55 @@ inline void block(const float* x, const float* w, int64_t depth, float* c, int64
 }
 #endif
 
-void run_block(int64_t rows, const float* x, const float* w, int64_t depth, float* c,
-               int64_t ldc, const float* init, int phase, int period) {
+template <bool Rows>
+void run_block(int64_t rows, const float* x, int64_t ldx, const float* w, int64_t depth,
+               float* c, int64_t ldc, const float* init, int phase, int period) {
   switch (rows) {
-    case 6: block<6>(x, w, depth, c, ldc, init, phase, period); break;
-    case 5: block<5>(x, w, depth, c, ldc, init, phase, period); break;
-    case 4: block<4>(x, w, depth, c, ldc, init, phase, period); break;
-    case 3: block<3>(x, w, depth, c, ldc, init, phase, period); break;
-    case 2: block<2>(x, w, depth, c, ldc, init, phase, period); break;
-    default: block<1>(x, w, depth, c, ldc, init, phase, period); break;
+    case 6: block<6, Rows>(x, ldx, w, depth, c, ldc, init, phase, period); break;
+    case 5: block<5, Rows>(x, ldx, w, depth, c, ldc, init, phase, period); break;
+    case 4: block<4, Rows>(x, ldx, w, depth, c, ldc, init, phase, period); break;
+    case 3: block<3, Rows>(x, ldx, w, depth, c, ldc, init, phase, period); break;
+    case 2: block<2, Rows>(x, ldx, w, depth, c, ldc, init, phase, period); break;
+    default: block<1, Rows>(x, ldx, w, depth, c, ldc, init, phase, period); break;
   }
+}
+
+// Prompt-sized products (more than kFewRows rows): x is too big to sweep once per 128-deep
+// chunk of a panel from L1 (2048 rows x 512 features is 4 MiB), so the loops turn around.
+// Threads claim groups of panels that fit in L2 (~256 KiB); each block of 6 rows of x
+// (read in place, 12 KiB at K = 512: in L1) goes over every panel of the group for the
+// whole depth, its accumulators in registers. The weights come from memory once per
+// group, prefetched by the first block; x comes from L3 once per group.
+void many_rows(const float* xs, int64_t ldx, int64_t rows, const float* w_base, int64_t depth,
+               int64_t panels, const float* start, float* o_base, int64_t out_features) {
+  const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
+  const int64_t group = std::max<int64_t>(1, kGroupBytes / (depth * kPanel * 4));
+  const int64_t groups = (panels + group - 1) / group;
+  tandem_cpu::claimed_parallel_for(groups, 1, [&](int64_t g_begin, int64_t g_end) {
+    std::vector<float> tail;  // the last panel's outputs when N is not a multiple of 16
+    for (int64_t g = g_begin; g < g_end; ++g) {
+      const int64_t p0 = g * group, p1 = std::min(panels, p0 + group);
+      const bool partial = p1 * kPanel > out_features;
+      if (partial) tail.resize(rows * kPanel);
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t m = b * kRowBlock, r = std::min(kRowBlock, rows - m);
+        // The first block streams the group's weights in: it prefetches every row ahead.
+        const int phase = b == 0 ? 0 : std::numeric_limits<int>::max();
+        for (int64_t p = p0; p < p1; ++p) {
+          const bool last = (p + 1) * kPanel > out_features;
+          float* c = last ? tail.data() + m * kPanel : o_base + m * out_features + p * kPanel;
+          run_block<true>(r, xs + m * ldx, ldx, w_base + p * depth * kPanel, depth, c,
+                          last ? kPanel : out_features, start + p * kPanel, phase, 1);
+        }
+      }
+      if (partial) {
+        const int64_t p = p1 - 1, width = out_features - p * kPanel;
+        for (int64_t i = 0; i < rows; ++i) {
+          std::copy_n(tail.data() + i * kPanel, width, o_base + i * out_features + p * kPanel);
+        }
+      }
+    }
+  });
 }
 
 // weight_t: float32 [K, N] (a linear layer's transposed weight) -> [ceil(N / 16), K, 16].
@@ -163,14 +210,20 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   }
   at::Tensor out = at::empty({rows, out_features}, x.options());
   if (rows == 0) return out;
+  const at::Tensor xc = x.contiguous();
+  const float* xs = xc.data_ptr<float>();
+  const float* w_base = packed.data_ptr<float>();
+  float* o_base = out.data_ptr<float>();
+  if (rows > kFewRows) {
+    many_rows(xs, depth, rows, w_base, depth, panels, start.data(), o_base, out_features);
+    return out;
+  }
   // x as blocks of at most kRowBlock rows, as even as can be (16 rows: 6 + 5 + 5, not
   // 6 + 6 + 4; 32: 6 + 6 + 5 + 5 + 5 + 5, not ... + 2: a 2-row block has too few
   // accumulators to hide the FMA latency), each stored [K][rows in the block].
   const int blocks = static_cast<int>((rows + kRowBlock - 1) / kRowBlock);
   std::vector<int64_t> first_row(blocks + 1, 0);
   for (int b = 0; b < blocks; ++b) first_row[b + 1] = first_row[b] + rows / blocks + (b < rows % blocks);
-  const at::Tensor xc = x.contiguous();
-  const float* xs = xc.data_ptr<float>();
   std::vector<float> xp(rows * depth);
   for (int b = 0; b < blocks; ++b) {
     const int64_t m = first_row[b], r = first_row[b + 1] - m;
@@ -180,8 +233,6 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
       for (int64_t k = 0; k < depth; ++k) dst[k * r + i] = src[k];
     }
   }
-  const float* w_base = packed.data_ptr<float>();
-  float* o_base = out.data_ptr<float>();
   // Panels are claimed ~64 KiB of weights at a time (claimed_parallel.h): a thread that is
   // preempted holds up the others by at most that much.
   const int64_t grain = std::max<int64_t>(1, kClaimBytes / (depth * kPanel * 4));
@@ -200,8 +251,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
         const float* first = k0 == 0 ? start.data() + p * kPanel : nullptr;
         for (int b = 0; b < blocks; ++b) {
           const int64_t m = first_row[b], r = first_row[b + 1] - m;
-          run_block(r, xp.data() + m * depth + k0 * r, w + k0 * kPanel, chunk, c + m * ldc, ldc,
-                    first, b, blocks);
+          run_block<false>(r, xp.data() + m * depth + k0 * r, 0, w + k0 * kPanel, chunk,
+                           c + m * ldc, ldc, first, b, blocks);
         }
       }
       if (partial) {

@@ -33,7 +33,9 @@ def test_the_format_saving_most_wins_and_serves_the_rows_it_beats_plain_at():
         "packed_format": "onednn",
         "packed_rows": "2-127",
         "packed_row_count": 126,
+        "packed_from": None,
     }
+    assert not plan.serves(128) and not plan.serves(2048)
 
 
 def test_gaps_between_measured_rows_follow_the_lower_measurement():
@@ -67,6 +69,24 @@ def test_tandems_panels_win_where_they_save_the_most():
     assert static_plan("tandem").packed_rows == frozenset(STATIC_ROWS["tandem"])
 
 
+def test_a_win_at_the_largest_count_measured_serves_every_larger_count():
+    """Prompts: Tandem's panels beat plain at 128 rows, so 128 and up (any prompt size)
+    take them; the counts below follow the measurements as before."""
+    timings = _timings([10] * 8, [9] * 8, [12] * 8)
+    timings["tandem"] = dict(zip(ROWS, [4, 4, 12, 4, 4, 5, 7, 8], strict=True))
+    plan = choose_plan(timings)
+    assert plan.packed_format == "tandem" and plan.packed_from == 128
+    assert plan.packed_rows == frozenset({1, 2, 3, *range(8, 128)})
+    assert [plan.serves(r) for r in (1, 3, 4, 7, 8, 127, 128, 2048, 100_000)] == [
+        *(True, True, False, False),
+        *(True,) * 5,
+    ]
+    assert plan.summary()["packed_from"] == 128
+    named = static_plan("tandem")  # named, not measured: every row count
+    assert all(named.serves(r) for r in (1, 64, 65, 4096))
+    assert static_plan("onednn").packed_from is None and not static_plan("onednn").serves(65)
+
+
 def test_a_missing_format_is_not_considered():
     timings = _timings([10] * 8, [1] * 8, [5] * 8)
     del timings["mkl"]
@@ -80,5 +100,9 @@ def test_static_plans_and_validation():
         static_plan("blas")
     with pytest.raises(ValueError, match="packed_format"):
         GemmPlan("blas", frozenset())
-    with pytest.raises(ValueError, match="packed_rows needs"):
+    with pytest.raises(ValueError, match="need a packed_format"):
         GemmPlan(None, frozenset({2}))
+    with pytest.raises(ValueError, match="need a packed_format"):
+        GemmPlan(None, frozenset(), packed_from=65)
+    with pytest.raises(ValueError, match="packed_from must be"):
+        GemmPlan("tandem", frozenset(), packed_from=0)

@@ -69,6 +69,22 @@ def test_every_row_count_of_a_plan_takes_its_packed_product(monkeypatch):
     assert calls == [3]
 
 
+def test_prompt_sized_inputs_take_the_packed_product_from_the_plans_packed_from(monkeypatch):
+    merged = MergedLinear.merge(_layers(True))
+    merged.pack(GemmPlan("tandem", frozenset({1}), packed_from=100))
+    calls = []
+    real = cpu_gemm.packed_product
+    monkeypatch.setattr(
+        cpu_gemm, "packed_product", lambda *a: calls.append(a[0].shape[0]) or real(*a)
+    )
+    with torch.no_grad():
+        for rows in (1, 2, 99, 100, 300):
+            x = torch.randn(rows, 48)
+            want = torch.addmm(merged.bias, x, merged.weight)
+            torch.testing.assert_close(merged(x), want, atol=1e-5, rtol=1e-5)
+    assert calls == [1, 100, 300]
+
+
 def test_auto_measures_every_format_and_keeps_a_consistent_plan():
     torch.manual_seed(0)
     weights = [torch.randn(256, 512), torch.randn(512, 256)]

@@ -7,9 +7,9 @@ weights load unchanged); `MergedLinear.merge` then takes their weights once, aft
 On CPU the merged weight is kept transposed (`[in, out]`, contiguous): MKL multiplies
 `x @ W` markedly faster than `x @ W.T` at decode batch sizes (2x at 16 rows); on
 accelerators it stays `[out, in]` for `F.linear`. Every output column is the same dot
-product either way, so merging does not change results beyond float rounding. For
-decode-sized batches a CPU float32 layer can also keep a packed copy (MKL's or oneDNN's,
-whichever `cpu_gemm` measured faster on this CPU) and use it at the row counts its plan names.
+product either way, so merging does not change results beyond float rounding. A CPU
+float32 layer can also keep a packed copy (MKL's, oneDNN's or Tandem's, whichever `cpu_gemm`
+measured faster on this CPU) and use it at the row counts its plan names.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ class MergedLinear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.packed_format: str | None = None
         self.packed_rows: frozenset[int] = frozenset()
+        self.plan: GemmPlan | None = None
 
     @property
     def packable(self) -> bool:
@@ -50,7 +51,7 @@ class MergedLinear(nn.Module):
             return 0
         with torch.no_grad():
             self.packed = cpu_gemm.pack(self.weight, plan.packed_format)
-        self.packed_format, self.packed_rows = plan.packed_format, plan.packed_rows
+        self.packed_format, self.packed_rows, self.plan = plan.packed_format, plan.packed_rows, plan
         return cpu_gemm.packed_bytes(self.packed, self.weight, plan.packed_format)
 
     @classmethod
@@ -69,7 +70,7 @@ class MergedLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         if x.dim() != 2:  # the model's activations are flat [tokens, features] already
             return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
-        if self.packed is not None and x.shape[0] in self.packed_rows:
+        if self.packed is not None and self.plan.serves(x.shape[0]):
             return cpu_gemm.packed_product(
                 x, self.packed_format, self.packed, self.weight, self.bias
             )
