@@ -181,10 +181,12 @@ class ComputeLock:
         os.close(self._want_fd)
 
 
-def make_compute_lock(setting: str, device_type: str) -> ComputeLock | None:
+def make_compute_lock(
+    setting: str, device_type: str, max_wait_s: float = 2.0
+) -> ComputeLock | None:
     """The worker's lock for its `cpu_compute_lock` setting: `auto` (the host-wide file on
     CPU, none on accelerators), `off`, or a lock file path shared by the workers that
     should take turns."""
     if setting == "off" or (setting == "auto" and device_type != "cpu"):
         return None
-    return ComputeLock(default_lock_path() if setting == "auto" else setting)
+    return ComputeLock(default_lock_path() if setting == "auto" else setting, max_wait_s)

@@ -132,3 +132,39 @@ def test_waiting_for_the_lock_uses_no_cpu(tmp_path):
         lock.close()
     finally:
         holder.kill()
+
+
+def test_a_worker_measures_and_packs_its_weights_only_in_its_turn(tmp_path, tiny_llama_dir):
+    """`cpu_gemm auto` times the products at load; a worker does it holding the host's lock,
+    so a neighbour computing (or measuring) does not skew it, and waits longer for it than a
+    step would (a neighbour's measurement takes seconds)."""
+    import threading
+
+    import torch
+
+    from services.worker.config import WorkerConfig
+    from services.worker.models.weight_loader import load_model
+    from services.worker.startup import MEASURE_WAIT_S, pack_taking_turns
+
+    assert MEASURE_WAIT_S > 2.0
+    path = str(tmp_path / "compute.lock")
+    model, _ = load_model(tiny_llama_dir, torch.float32)
+    config = WorkerConfig(model=str(tiny_llama_dir), cpu_compute_lock=path, cpu_gemm="auto")
+    holder = _python(_HOLD_FOREVER, path, stdout=subprocess.PIPE)
+    result = []
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        packing = threading.Thread(
+            target=lambda: result.append(pack_taking_turns(config, model, torch.device("cpu")))
+        )
+        packing.start()
+        packing.join(timeout=3.0)  # past a step's 2 s bound: still waiting its turn
+        assert packing.is_alive() and not result
+        holder.kill()
+        packing.join(timeout=60)
+        assert not packing.is_alive()
+    finally:
+        holder.kill()
+    packed_bytes, plan = result[0]
+    assert plan.timings_us is not None  # measured, once the lock was free
+    assert packed_bytes == 0 or plan.packed_format is not None
