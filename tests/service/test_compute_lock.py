@@ -143,6 +143,7 @@ def test_a_worker_measures_and_packs_its_weights_only_in_its_turn(tmp_path, tiny
     import torch
 
     from services.worker.config import WorkerConfig
+    from services.worker.models.gemm_plan import MEASURED_ROWS
     from services.worker.models.weight_loader import load_model
     from services.worker.startup import MEASURE_WAIT_S, pack_taking_turns
 
@@ -166,5 +167,6 @@ def test_a_worker_measures_and_packs_its_weights_only_in_its_turn(tmp_path, tiny
     finally:
         holder.kill()
     packed_bytes, plan = result[0]
-    assert plan.timings_us is not None  # measured, once the lock was free
-    assert packed_bytes == 0 or plan.packed_format is not None
+    # measured, once the lock was free: every row count, plain and each packed format
+    assert plan.timings_us is not None and set(plan.timings_us["plain"]) == set(MEASURED_ROWS)
+    assert (packed_bytes > 0) == (plan.packed_format is not None)

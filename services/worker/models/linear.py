@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.models import cpu_gemm
-from services.worker.models.gemm_plan import GemmPlan
+from services.worker.models.gemm_plan import PLAIN, GemmPlan
 
 
 class MergedLinear(nn.Module):
@@ -36,9 +36,7 @@ class MergedLinear(nn.Module):
         self.sizes = tuple(sizes)
         self.out_features = sum(self.sizes)
         self.packed: torch.Tensor | None = None
-        self.packed_format: str | None = None
-        self.packed_rows: frozenset[int] = frozenset()
-        self.plan: GemmPlan | None = None
+        self.plan: GemmPlan = PLAIN  # which row counts take `packed`, in which format
 
     @property
     def packable(self) -> bool:
@@ -51,7 +49,7 @@ class MergedLinear(nn.Module):
             return 0
         with torch.no_grad():
             self.packed = cpu_gemm.pack(self.weight, plan.packed_format)
-        self.packed_format, self.packed_rows, self.plan = plan.packed_format, plan.packed_rows, plan
+        self.plan = plan
         return cpu_gemm.packed_bytes(self.packed, self.weight, plan.packed_format)
 
     @classmethod
@@ -72,7 +70,7 @@ class MergedLinear(nn.Module):
             return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
         if self.packed is not None and self.plan.serves(x.shape[0]):
             return cpu_gemm.packed_product(
-                x, self.packed_format, self.packed, self.weight, self.bias
+                x, self.plan.packed_format, self.packed, self.weight, self.bias
             )
         return cpu_gemm.plain_product(x, self.weight, self.bias)
 
