@@ -69,3 +69,43 @@ def tree_sample(pid: int) -> CpuSample:
         sample = cpu_sample(member)
         total = CpuSample(total.cpu_s + sample.cpu_s, total.wait_s + sample.wait_s)
     return total
+
+
+@dataclass(frozen=True)
+class HostSample:
+    """The whole machine's CPU time (`/proc/stat`, every core summed), in seconds."""
+
+    busy_s: float  # user, nice, system, irq, softirq
+    idle_s: float  # idle and iowait
+    steal_s: float  # taken by the hypervisor for other guests
+
+    def __sub__(self, other: HostSample) -> HostSample:
+        return HostSample(
+            self.busy_s - other.busy_s, self.idle_s - other.idle_s, self.steal_s - other.steal_s
+        )
+
+
+def host_sample() -> HostSample:
+    text = _read("/proc/stat") or "cpu 0 0 0 0 0 0 0 0"
+    fields = [int(v) / CLOCK_TICKS for v in text.splitlines()[0].split()[1:9]]
+    user, nice, system, idle, iowait, irq, softirq, steal = fields
+    return HostSample(user + nice + system + irq + softirq, idle + iowait, steal)
+
+
+def thread_samples(pid: int) -> dict[int, tuple[str, CpuSample]]:
+    """Per thread of `pid`: (its name, its CPU sample)."""
+    out: dict[int, tuple[str, CpuSample]] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        stat = _read(f"/proc/{pid}/task/{tid}/stat")
+        sched = _read(f"/proc/{pid}/task/{tid}/schedstat")
+        if stat is None or sched is None:
+            continue
+        name = stat.split("(", 1)[1].rsplit(")", 1)[0]
+        fields = stat.rsplit(")", 1)[1].split()
+        cpu = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+        out[int(tid)] = (name, CpuSample(cpu, int(sched.split()[1]) / 1e9))
+    return out

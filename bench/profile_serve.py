@@ -32,7 +32,7 @@ import grpc
 from bench.flamegraph import build_tree, parse_collapsed, render_svg
 from bench.models import BENCH_MODELS, bench_model
 from bench.peer_install import ensure_vllm
-from bench.proc_stats import CpuSample, cpu_sample, tree_sample
+from bench.proc_stats import CpuSample, cpu_sample, host_sample, thread_samples, tree_sample
 from bench.profile_categories import category_samples
 from bench.vllm_client import Load, read_result, run_bench, start_bench
 from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -79,8 +79,8 @@ def analyse(name: str, collapsed: Path, cpu: CpuSample, steps: int, rate: int) -
     """One service's row: CPU ms per decode step by component, plus waiting for a core."""
     stacks = parse_collapsed(collapsed.read_text().splitlines()) if collapsed.is_file() else []
     counts = category_samples(stacks)
-    sampled_s = sum(counts.values()) / rate
-    per_step = {cat: 1e3 * n / rate / steps for cat, n in counts.most_common()}
+    sampled_s = sum(counts.values()) / rate if rate > 0 else 0.0
+    per_step = {cat: 1e3 * n / rate / steps for cat, n in counts.most_common() if rate > 0}
     native = max(0.0, cpu.cpu_s - sampled_s)
     per_step[NATIVE] = 1e3 * native / steps
     return {
@@ -91,6 +91,16 @@ def analyse(name: str, collapsed: Path, cpu: CpuSample, steps: int, rate: int) -
         "samples": sum(counts.values()),
         "ms_per_step": {k: round(v, 3) for k, v in per_step.items()},
     }
+
+
+def _busiest_threads(before: dict, after: dict, top: int = 4) -> list[tuple[str, float, float]]:
+    """(name, CPU s, waiting s) of a process's busiest threads over the window."""
+    rows = []
+    for tid, (name, sample) in after.items():
+        start = before.get(tid, (name, CpuSample(0.0, 0.0)))[1]
+        delta = sample - start
+        rows.append((f"{name}/{tid}", delta.cpu_s, delta.wait_s))
+    return sorted(rows, key=lambda r: -r[1])[:top]
 
 
 def format_table(summary: dict) -> str:
@@ -106,6 +116,8 @@ def format_table(summary: dict) -> str:
             f"{w} {p['steps']} steps of {p['execute_ms']:.1f} ms"
             for w, p in summary["pools"].items()
         ),
+        "host CPU ms per decode step (all cores): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in summary["host_cpu_ms_per_step"].items()),
         "CPU ms per decode step by process and component:",
     ]
     for row in rows:
@@ -114,6 +126,13 @@ def format_table(summary: dict) -> str:
             f"  {row['service']:<16} cpu {row['cpu_ms_per_step']:6.2f}  "
             f"waiting {row['waiting_ms_per_step']:6.2f}  | {parts}"
         )
+        if row.get("busiest_threads_ms_per_step"):
+            lines.append(
+                "      threads (cpu/waiting): "
+                + ", ".join(
+                    f"{n} {c:.1f}/{w:.1f}" for n, c, w in row["busiest_threads_ms_per_step"]
+                )
+            )
     return "\n".join(lines)
 
 
@@ -158,14 +177,23 @@ def run(args: argparse.Namespace) -> dict:
         steps_before = pool_steps(spec.scheduler_address)
         cpu_before = {n: cpu_sample(pid) for n, pid in pids.items()}
         client_before = tree_sample(client.pid)
+        host_before = host_sample()
+        threads_before = {n: thread_samples(pid) for n, pid in pids.items()}
         started = time.perf_counter()
-        spies = {
-            n: start_py_spy(pid, args.seconds, args.rate, out_dir / f"{n}.collapsed")
-            for n, pid in pids.items()
-        }
-        for spy in spies.values():
-            spy.wait()
+        if args.rate > 0:
+            spies = {
+                n: start_py_spy(pid, args.seconds, args.rate, out_dir / f"{n}.collapsed")
+                for n, pid in pids.items()
+            }
+            for spy in spies.values():
+                spy.wait()
+        else:  # CPU accounting only: no sampler taking CPU from the load
+            time.sleep(args.seconds)
         window = time.perf_counter() - started
+        host = host_sample() - host_before
+        threads = {
+            n: _busiest_threads(threads_before[n], thread_samples(pid)) for n, pid in pids.items()
+        }
         cpu = {n: cpu_sample(pid) - cpu_before[n] for n, pid in pids.items()}
         client_cpu = tree_sample(client.pid) - client_before
         steps_after = pool_steps(spec.scheduler_address)
@@ -191,6 +219,11 @@ def run(args: argparse.Namespace) -> dict:
     if steps <= 0:
         raise RuntimeError("the decode pool ran no step in the profiling window")
     services = [analyse(n, out_dir / f"{n}.collapsed", cpu[n], steps, args.rate) for n in pids]
+    for row in services:
+        row["busiest_threads_ms_per_step"] = [
+            [name, round(1e3 * c / steps, 3), round(1e3 * w / steps, 3)]
+            for name, c, w in threads[row["service"]]
+        ]
     services.append(
         {
             "service": "client (vllm bench)",
@@ -222,6 +255,11 @@ def run(args: argparse.Namespace) -> dict:
         "step_interval_ms": round(1e3 * window / steps, 3),
         "execute_ms": round(1e3 * execute / steps, 3),
         "pools": pools,
+        "host_cpu_ms_per_step": {
+            "busy": round(1e3 * host.busy_s / steps, 3),
+            "idle": round(1e3 * host.idle_s / steps, 3),
+            "steal": round(1e3 * host.steal_s / steps, 3),
+        },
         "env": env,
         "py_spy_rate_hz": args.rate,
         "cpus": __import__("os").cpu_count(),
@@ -245,7 +283,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-prompts", type=int, default=96)
     parser.add_argument("--settle-s", type=float, default=6.0, help="load before sampling")
     parser.add_argument("--seconds", type=float, default=12.0, help="sampling window")
-    parser.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
+    parser.add_argument(
+        "--rate",
+        type=int,
+        default=100,
+        help="py-spy samples per second (0: CPU accounting only, no py-spy)",
+    )
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument(
         "--env",
