@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCES = tuple(
     Path(__file__).resolve().parent / "cpu" / name
     for name in (
+        "gumbel_race.cpp",
         "packed_linear.cpp",
         "paged_decode_attention.cpp",
         "rms_norm.cpp",

@@ -5,9 +5,10 @@ repetition penalty (prompt and output), presence and frequency penalties (output
 temperature. Rows with temperature 0 take the argmax of the processed logits; the others
 are truncated by top-k, top-p and min-p and drawn by the exponential race over
 counter-based noise (`seeded_noise`), keyed by the seed (or a fresh random key) and the
-output position. Per-row parameters become tensors once per step; rows without a setting are
-untouched, and a step of plain greedy rows stays a bare argmax. Logprobs come from the raw
-logits (`logprobs`), for the rows that ask only.
+output position (rows with only a temperature, on CPU: one C++ pass per row,
+`kernels/cpu/gumbel_race.cpp`). Per-row parameters become tensors once per step; rows
+without a setting are untouched, and a step of plain greedy rows stays a bare argmax.
+Logprobs come from the raw logits (`logprobs`), for the rows that ask only.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from common.sampling import Logprob, SamplingParams
+from kernels import cpu_ops
 from services.worker import logits_processors as lp
 from services.worker.logprobs import DeviceLogprobs, raw_logprobs, to_host
 from services.worker.seeded_noise import gumbel, random_keys, row_streams, split_key
@@ -283,10 +285,18 @@ def _draw_dense(
     logits: torch.Tensor, temperature: torch.Tensor, params: _DrawParams, width: int = 0
 ) -> torch.Tensor:
     """Rows without top-k or top-p: every token is a candidate (min-p may drop some)."""
+    if params.min_p is None and _one_pass_race(logits):
+        return torch.ops.tandem_cpu.gumbel_race(logits, temperature.reshape(-1), params.streams)
     values = logits / temperature
     if params.min_p is not None:
         values = lp.apply_min_p(values, params.min_p)
     return _race(values, None, params.streams)
+
+
+def _one_pass_race(logits: torch.Tensor) -> bool:
+    """Whether the dense race runs as one C++ pass per row (`kernels/cpu/gumbel_race.cpp`:
+    float32 logits on CPU, the kernels built) instead of the torch ops below."""
+    return logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_ops.available()
 
 
 def _race(values: torch.Tensor, ids: torch.Tensor | None, streams: torch.Tensor) -> torch.Tensor:

@@ -201,3 +201,51 @@ def test_cpu_kernel_uniforms_equal_the_torch_reference_bit_for_bit():
         fast = torch.ops.tandem_cpu.seeded_uniform(streams, ids)
         assert torch.equal(fast, uniform_reference(streams, ids))
         assert torch.equal(uniform(streams, ids), fast)
+
+
+@pytest.mark.parametrize("vocab", [5, 45, 8192])
+def test_one_pass_race_picks_the_torch_race_winner(vocab):
+    """The dense race in one C++ pass (kernels/cpu/gumbel_race.cpp) against the torch ops it
+    replaces on CPU (`logits / t + gumbel`, argmax): the same token in every row whose two
+    best torch scores are further apart than its logs' rounding (its log is a polynomial,
+    not torch's, so the noise may differ in the last bit). Vocabularies below, above and at
+    a multiple of the 8-lane vector."""
+    from kernels import cpu_ops
+    from services.worker.seeded_noise import gumbel
+
+    if not cpu_ops.available():
+        pytest.fail("the C++ CPU kernels did not build")
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 200
+    logits = torch.randn(rows, vocab, generator=gen) * 3.0
+    logits[0] = 0.0  # every score is noise alone
+    temperature = torch.rand(rows, generator=gen) * 1.9 + 0.1
+    streams = row_streams(random_keys(rows, torch.device("cpu"), gen), torch.arange(rows))
+    picks = torch.ops.tandem_cpu.gumbel_race(logits, temperature, streams)
+    scores = gumbel(streams, torch.arange(vocab).unsqueeze(0)) + logits / temperature[:, None]
+    top2 = scores.topk(min(2, vocab), dim=-1).values
+    clear = (top2[:, 0] - top2[:, -1]) > 1e-4 * top2[:, 0].abs().clamp(min=1.0)
+    if vocab > 1:
+        assert clear.sum() >= rows - 2  # near-ties are rare: the comparison has power
+    assert torch.equal(picks[clear], scores.argmax(dim=-1)[clear])
+    # Elsewhere the pick is one of the tied best.
+    best = scores.gather(1, picks.unsqueeze(1)).squeeze(1)
+    assert torch.all(top2[:, 0] - best <= 1e-4 * top2[:, 0].abs().clamp(min=1.0))
+
+
+def test_sampler_takes_the_one_pass_race_for_plain_temperature_rows():
+    """A plain temperature row on CPU goes through the C++ race: the sampler's token equals
+    the kernel's for the same seed and position."""
+    from kernels import cpu_ops
+
+    if not cpu_ops.available():
+        pytest.fail("the C++ CPU kernels did not build")
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(11))
+    rows = [
+        target_row(SamplingParams(temperature=t, seed=s)) for t, s in ((1.0, 1), (0.7, 2), (1.3, 3))
+    ]
+    got = sample(logits, rows).token_ids
+    keys = torch.tensor([list(split_key(s)) for s in (1, 2, 3)])
+    streams = row_streams(keys, torch.full((3,), 7))
+    want = torch.ops.tandem_cpu.gumbel_race(logits, torch.tensor([1.0, 0.7, 1.3]), streams)
+    assert got == want.tolist()
