@@ -39,7 +39,10 @@ SOURCES = tuple(
     )
 )
 # Headers the sources include (hashed with them: a change builds anew).
-HEADERS = (Path(__file__).resolve().parent / "cpu" / "claimed_parallel.h",)
+HEADERS = tuple(
+    Path(__file__).resolve().parent / "cpu" / name
+    for name in ("claimed_parallel.h", "counter_hash.h")
+)
 BUILD_DIR = ROOT / ".tandem" / "build" / "torch_extensions"
 NAME = "tandem_cpu_kernels"
 CFLAGS = ("-O3", "-march=native", "-fopenmp")

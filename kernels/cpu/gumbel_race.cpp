@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include "claimed_parallel.h"
+#include "counter_hash.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -34,14 +35,7 @@ constexpr float kLogP[9] = {7.0376836292e-2f,  -1.1514610310e-1f, 1.1676998740e-
                             -1.2420140846e-1f, 1.4249322787e-1f,  -1.6668057665e-1f,
                             2.0000714765e-1f,  -2.4999993993e-1f, 3.3333331174e-1f};
 
-inline uint32_t mix32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x21F0AAADu;
-  x ^= x >> 15;
-  x *= 0x735A2D97u;
-  x ^= x >> 15;
-  return x;
-}
+using tandem_cpu::mix32;
 
 // log(x) for a positive normal float, the same polynomial as the vector version.
 inline float log_positive(float x) {

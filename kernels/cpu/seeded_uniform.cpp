@@ -8,18 +8,13 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "counter_hash.h"
+
 #include <cstdint>
 
 namespace {
 
-inline uint32_t mix32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x21F0AAADu;
-  x ^= x >> 15;
-  x *= 0x735A2D97u;
-  x ^= x >> 15;
-  return x;
-}
+using tandem_cpu::mix32;
 
 // streams: int64 [R, 2] (offset, multiplier), each in [0, 2^32); token_ids: int64 [R or 1, C]
 // (broadcast over rows when it has one row).
