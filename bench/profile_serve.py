@@ -11,9 +11,13 @@ count from the scheduler. The result, under bench/results/profiles/<label>/:
 - `summary.json` and the printed table: per service, CPU ms per decode step split by
   component (model, attention, sampler, protobuf, gRPC, scheduler bookkeeping,
   detokenization, HTTP, ...; `native threads` is CPU of threads py-spy does not see, such
-  as torch's intra-op pool), and ms per step spent waiting for a core.
+  as torch's intra-op pool), and ms per step spent waiting for a core; each process's
+  busiest threads; the host's busy, idle and steal CPU per step (every core, /proc/stat).
 
-    python -m bench.profile_serve --label before [--model llama-32m] [--both]
+`--rate 0` runs no py-spy (its samplers take CPU from the load they measure): /proc
+accounting only, for A/B runs of CPU per step.
+
+    python -m bench.profile_serve --label before [--model llama-32m] [--both] [--rate 0]
 """
 
 from __future__ import annotations
