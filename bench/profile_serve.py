@@ -81,18 +81,22 @@ def start_py_spy(pid: int, seconds: float, rate: int, out: Path) -> subprocess.P
 
 def analyse(name: str, collapsed: Path, cpu: CpuSample, steps: int, rate: int) -> dict:
     """One service's row: CPU ms per decode step by component, plus waiting for a core."""
-    stacks = parse_collapsed(collapsed.read_text().splitlines()) if collapsed.is_file() else []
-    counts = category_samples(stacks)
-    sampled_s = sum(counts.values()) / rate if rate > 0 else 0.0
-    per_step = {cat: 1e3 * n / rate / steps for cat, n in counts.most_common() if rate > 0}
-    native = max(0.0, cpu.cpu_s - sampled_s)
-    per_step[NATIVE] = 1e3 * native / steps
+    if rate > 0:
+        stacks = parse_collapsed(collapsed.read_text().splitlines()) if collapsed.is_file() else []
+        counts = category_samples(stacks)
+        per_step = {cat: 1e3 * n / rate / steps for cat, n in counts.most_common()}
+        native = max(0.0, cpu.cpu_s - sum(counts.values()) / rate)
+        per_step[NATIVE] = 1e3 * native / steps
+        samples = sum(counts.values())
+    else:  # --rate 0: nothing sampled, no split by component
+        per_step = {"not sampled (--rate 0)": 1e3 * cpu.cpu_s / steps}
+        samples = 0
     return {
         "service": name,
         "cpu_s": round(cpu.cpu_s, 3),
         "cpu_ms_per_step": round(1e3 * cpu.cpu_s / steps, 3),
         "waiting_ms_per_step": round(1e3 * cpu.wait_s / steps, 3),
-        "samples": sum(counts.values()),
+        "samples": samples,
         "ms_per_step": {k: round(v, 3) for k, v in per_step.items()},
     }
 

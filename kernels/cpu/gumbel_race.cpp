@@ -1,10 +1,10 @@
 // The sampler's exponential race over a whole vocabulary in one pass (services/worker/
 // sampler.py `_draw_dense`, rows with a temperature and no top-k / top-p / min-p): per row r,
 // argmax over v of logits[r, v] / T[r] + g(r, v), g = -log(-log u) with u the counter-based
-// uniform of `seeded_uniform.cpp` (bit-identical integers). The torch path makes six passes
-// over [R, V] (uniforms, two logs, a negation, the division, the add) and an argmax, each
-// an OpenMP region; here each row is one pass, rows claimed by the work team
-// (claimed_parallel.h).
+// uniform (counter_hash.h, as `seeded_uniform.cpp` draws it). The torch path makes six
+// passes over [R, V] (uniforms, two logs, a negation, the division, the add) and an argmax,
+// each an OpenMP region; here each row is one pass, rows claimed by torch's threads as they
+// go (claimed_parallel.h).
 //
 // The logs are a Cephes-style float32 polynomial (within ~1 ulp of logf), 8 lanes at a time
 // with AVX2, so g may differ from torch's in the last bit: the same seed picks the same
@@ -35,8 +35,6 @@ constexpr float kLogP[9] = {7.0376836292e-2f,  -1.1514610310e-1f, 1.1676998740e-
                             -1.2420140846e-1f, 1.4249322787e-1f,  -1.6668057665e-1f,
                             2.0000714765e-1f,  -2.4999993993e-1f, 3.3333331174e-1f};
 
-using tandem_cpu::mix32;
-
 // log(x) for a positive normal float, the same polynomial as the vector version.
 inline float log_positive(float x) {
   uint32_t bits;
@@ -59,9 +57,7 @@ inline float log_positive(float x) {
 }
 
 inline float gumbel_of(uint32_t a, uint32_t m, uint32_t v) {
-  const uint32_t x = mix32(a + m * v);
-  const float u = static_cast<float>((x >> 8) | 1u) * 0x1p-24f;
-  return -log_positive(-log_positive(u));
+  return -log_positive(-log_positive(tandem_cpu::counter_uniform(a, m, v)));
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -85,13 +81,6 @@ inline __m256 log_positive8(__m256 x) {
   return _mm256_add_ps(_mm256_add_ps(f, y), _mm256_mul_ps(e, _mm256_set1_ps(kLn2Hi)));
 }
 
-inline __m256i mix32x8(__m256i x) {
-  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x21F0AAAD));
-  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
-  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x735A2D97));
-  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
-}
 #endif
 
 // One row: the first v with the largest logits[v] / t + g(v).
@@ -109,10 +98,7 @@ int64_t race_row(const float* logits, int64_t vocab, float t, uint32_t a, uint32
     const __m256i vm = _mm256_set1_epi32(static_cast<int32_t>(m));
     const __m256 vt = _mm256_set1_ps(t);
     for (; v + 8 <= vocab; v += 8) {
-      const __m256i x = mix32x8(_mm256_add_epi32(va, _mm256_mullo_epi32(vm, ids)));
-      const __m256 u = _mm256_mul_ps(
-          _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_srli_epi32(x, 8), _mm256_set1_epi32(1))),
-          _mm256_set1_ps(0x1p-24f));
+      const __m256 u = tandem_cpu::counter_uniform8(va, vm, ids);
       const __m256 zero = _mm256_setzero_ps();
       const __m256 g = _mm256_sub_ps(zero, log_positive8(_mm256_sub_ps(zero, log_positive8(u))));
       const __m256 score = _mm256_add_ps(g, _mm256_div_ps(_mm256_loadu_ps(logits + v), vt));

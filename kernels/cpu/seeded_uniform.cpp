@@ -14,8 +14,6 @@
 
 namespace {
 
-using tandem_cpu::mix32;
-
 // streams: int64 [R, 2] (offset, multiplier), each in [0, 2^32); token_ids: int64 [R or 1, C]
 // (broadcast over rows when it has one row).
 at::Tensor seeded_uniform(const at::Tensor& streams, const at::Tensor& token_ids) {
@@ -40,8 +38,7 @@ at::Tensor seeded_uniform(const at::Tensor& streams, const at::Tensor& token_ids
       const uint32_t a = static_cast<uint32_t>(sp[2 * r]);
       const uint32_t m = static_cast<uint32_t>(sp[2 * r + 1]);
       const uint32_t v = static_cast<uint32_t>(ids[r * id_row_stride + c]);
-      const uint32_t x = mix32(a + m * v);
-      op[i] = static_cast<float>((x >> 8) | 1u) * 0x1p-24f;
+      op[i] = tandem_cpu::counter_uniform(a, m, v);
     }
   });
   return out;

@@ -41,4 +41,4 @@ def test_a_busy_thread_shows_its_cpu_in_the_thread_process_and_host_samples():
     alive.join()
     # Summed over the threads alive now (the exited burner's time left with it).
     assert process.cpu_s >= 0.25
-    assert host.busy_s >= 0.6 and host.idle_s >= 0.0 and host.steal_s >= 0.0
+    assert host.busy_s >= 0.6
