@@ -6,6 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 BUF_VERSION := 1.75.0
+UV_VERSION  := 0.13.9
 BUF    := .tools/node_modules/.bin/buf
 export BUF_CACHE_DIR := $(CURDIR)/.tools/buf-cache
 
@@ -52,10 +53,14 @@ help:
 	@echo "make unit    the pure, in-process tests only (tests/unit, under a minute)"
 	@echo "make protos  regenerate common/pb from protos/"
 
+# torch comes from pip (its configured wheel source holds the CPU build; an unpinned index
+# would pull the CUDA one), then uv installs the rest against it in ~15 s instead of pip's
+# ~2 minutes (pip again if uv cannot run here).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --quiet torch==2.13.0
-	$(PY) -m pip install --quiet --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet --quiet torch==2.13.0 uv==$(UV_VERSION)
+	$(PY) -m uv pip install --python $(PY) --quiet -e ".[dev]" \
+		|| $(PY) -m pip install --quiet --quiet -e ".[dev]"
 	$(PY) -m kernels.cpu_ops || echo "C++ CPU kernels unavailable: workers use the torch fallback"
 	touch $(STAMP)
 

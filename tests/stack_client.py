@@ -199,10 +199,21 @@ class BackgroundStream:
         return self
 
 
+# The packed GEMM of test stacks' CPU workers, unless the test (or the environment) asks
+# for another: Tandem's own kernel, the one `--cpu-gemm auto` keeps on this CPU class,
+# without timing every format at each worker's start (~1 s of CPU per worker, serialized
+# by the compute lock, over ~100 workers in the suite). `auto` itself is tested by
+# tests/unit/test_gemm_plan.py, tests/service/test_compute_lock.py and the stacks started
+# through the CLI (tests/service/test_stack_cli.py).
+TEST_CPU_GEMM = os.environ.get("TANDEM_CPU_GEMM", "tandem")
+
+
 def start_stack(model, run_dir, *, ready_timeout_s: float = 180, env=None, **spec_kwargs) -> Stack:
     """A real stack (every service a process) on free ports, serving `model`; the caller
-    stops it (module stacks: the `module_stacks` fixture in tests/conftest.py does)."""
+    stops it (module stacks: the `module_stacks` fixture in tests/conftest.py does).
+    `env`: variables over this process's environment (and `TEST_CPU_GEMM`)."""
     spec = StackSpec.on_free_ports(str(model), **spec_kwargs)
+    env = {"TANDEM_CPU_GEMM": TEST_CPU_GEMM, **(env or {})}
     return Stack.start(
         spec, run_dir, env=env, ready_timeout_s=ready_timeout_s, exit_with_parent=True
     )
