@@ -1,7 +1,9 @@
 """structlog setup shared by every service: JSON lines off a terminal, colours on one.
 
 Context variables (e.g. `request_id`, bound per RPC with `bind_request`) are merged into
-every event, so one request's lines can be followed across gateway, scheduler and workers.
+every event, so one request's lines can be followed across gateway, scheduler and workers;
+a traced request's lines also carry its `trace_id` (the OpenTelemetry trace's, 32 hex
+digits), so a log line leads to the request's trace and a trace to its log lines.
 """
 
 from __future__ import annotations
@@ -44,10 +46,15 @@ def setup_logging(service: str, level: str = "info", json: bool | None = None) -
 
 
 @contextmanager
-def bind_request(request_id: str) -> Iterator[None]:
-    """Bind `request_id` into every log event emitted inside the block (this task only)."""
-    with structlog.contextvars.bound_contextvars(request_id=request_id):
-        yield
+def bind_request(request_id: str, trace_id: str = "") -> Iterator[None]:
+    """Bind `request_id` (and `trace_id` when the request is traced) into every log event
+    emitted inside the block (this task only)."""
+    if trace_id:
+        with structlog.contextvars.bound_contextvars(request_id=request_id, trace_id=trace_id):
+            yield
+    else:
+        with structlog.contextvars.bound_contextvars(request_id=request_id):
+            yield
 
 
 def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:

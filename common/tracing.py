@@ -28,6 +28,7 @@ from opentelemetry.trace import (
     SpanKind,
     StatusCode,
     Tracer,
+    get_current_span,
     set_span_in_context,
     use_span,
 )
@@ -162,6 +163,31 @@ def carrier_of(span: Span | None) -> tuple[str, str]:
     carrier: dict[str, str] = {}
     _propagator.inject(carrier, context=set_span_in_context(span, Context()))
     return carrier.get(TRACEPARENT, ""), carrier.get(TRACESTATE, "")
+
+
+def trace_id_of(traceparent: str) -> str:
+    """The trace id in a W3C `traceparent` (32 lower-case hex digits); "" when it is empty,
+    malformed or all zeros. Log lines carry it (`common.log.bind_request`)."""
+    parts = traceparent.split("-")
+    if len(parts) < 4 or len(parts[1]) != 32:
+        return ""
+    trace_id = parts[1].lower()
+    if trace_id == "0" * 32 or trace_id.strip("0123456789abcdef"):
+        return ""
+    return trace_id
+
+
+def span_trace_id(span: Span | None) -> str:
+    """`span`'s trace id (32 hex digits); "" for no span (tracing off) or an invalid one."""
+    if span is None:
+        return ""
+    context = span.get_span_context()
+    return format(context.trace_id, "032x") if context.is_valid else ""
+
+
+def current_trace_id() -> str:
+    """The current span's trace id; "" when tracing is off or no span is current."""
+    return span_trace_id(get_current_span()) if _tracer is not None else ""
 
 
 def outgoing_metadata(span: Span | None = None) -> tuple[tuple[str, str], ...]:

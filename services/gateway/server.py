@@ -26,7 +26,7 @@ from common.pb.tandem.internal.v1 import scheduler_pb2, types_pb2
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
 from common.sampling import MAX_LOGPROBS, MAX_SAMPLES, SamplingParams
 from common.sampling_pb import ROLE_FROM_PB, sampling_to_pb
-from common.tracing import end_span
+from common.tracing import end_span, span_trace_id
 from services.gateway.beam_check import check_beam_counts, validate_beam_search
 from services.gateway.lora_rpcs import LoraRpcs
 from services.gateway.metrics import GatewayMetrics, rejected
@@ -241,7 +241,7 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
     async def _generate(self, request, context, arrival: float, trace: GenerateTrace):
         # Server-made, opaque: never taken from the client, never parsed.
         request_id = uuid.uuid4().hex
-        with bind_request(request_id):
+        with bind_request(request_id, span_trace_id(trace.span)):
             try:
                 prepared = await self._prepare(request, request_id, trace)
             except InvalidArgumentError as exc:

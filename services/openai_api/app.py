@@ -24,7 +24,7 @@ from starlette.routing import Route
 
 from common.log import get_logger
 from common.pb.tandem.v1 import generate_pb2
-from common.tracing import enabled, outgoing_metadata
+from common.tracing import current_trace_id, enabled, outgoing_metadata
 from services.openai_api.chat_request import ChatRequest, parse_chat
 from services.openai_api.chat_response import ChatChunks, chat_body
 from services.openai_api.collect import Collector, Meta
@@ -147,6 +147,10 @@ def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
         # The HTTP span (when traced) goes to the gateway as the calls' traceparent.
         streams = gateway.generate(requests, (*credentials(request), *outgoing_metadata()))
         await until_disconnect(request, streams.start())
+        # Its lines carry the gateway's request id and, when traced, the HTTP span's trace.
+        trace_id = current_trace_id()
+        if trace_id:
+            structlog.contextvars.bind_contextvars(trace_id=trace_id)
         structlog.contextvars.bind_contextvars(request_id=streams.request_ids[0])
         return streams
 
@@ -262,8 +266,7 @@ def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
             *lora_routes(gateway),
             *vllm_routes(gateway, max_body_bytes),
         ],
-        middleware=[Middleware(HttpMetrics)]
-        + ([Middleware(HttpTracing)] if enabled() else []),
+        middleware=[Middleware(HttpMetrics)] + ([Middleware(HttpTracing)] if enabled() else []),
         exception_handlers={
             ApiError: on_api_error,
             ClientDisconnected: on_client_disconnected,

@@ -241,7 +241,7 @@ class BeamSteps:
         leader.num_pending_tokens = 0
         leader.num_preemptions += 1
         group.num_restarts += 1
-        with bind_request(leader.request_id):
+        with bind_request(leader.request_id, leader.trace_id):
             log.info("beam_search_restarted", reason=why, restarts=group.num_restarts)
         self._requeue(handle)
 
@@ -269,7 +269,7 @@ class BeamSteps:
                     beam_score=result.score,
                 )
             )
-        with bind_request(request.request_id):
+        with bind_request(request.request_id, request.trace_id):
             log.info(
                 "request_finished",
                 finish_reason=results[0].reason.value,

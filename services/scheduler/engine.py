@@ -470,7 +470,7 @@ class Engine(Recovery, BeamSteps):
             self.on_finish(request, now)
         n_out = len(request.output_token_ids)
         first = request.first_token_time
-        with bind_request(request.request_id):
+        with bind_request(request.request_id, request.trace_id):
             log.info(
                 "request_finished",
                 finish_reason=request.finish_reason.value,

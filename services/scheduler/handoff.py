@@ -264,7 +264,7 @@ class KvHandoff:
                 # Streamed while the prompt still runs: drop the decode side; the finished
                 # prompt is handed off as usual (a dead worker is found by its step stream).
                 self._release(handle, free_source=False)
-                with bind_request(rid):
+                with bind_request(rid, handle.request.trace_id):
                     log.warning("kv_stream_failed", dst=dst.info.worker_id, error=str(error))
                 return
             self._release(handle)
@@ -273,7 +273,7 @@ class KvHandoff:
         dst.counters.kv_blocks_received += num_blocks
         dst.counters.kv_transfers += 1
         dst.counters.kv_source_lag_s += lag_s
-        with bind_request(rid):
+        with bind_request(rid, handle.request.trace_id):
             log.debug(
                 "kv_transferred",
                 src=src.info.worker_id,

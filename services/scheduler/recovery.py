@@ -41,7 +41,7 @@ class Recovery:
         request.num_pending_tokens = 0  # a dead worker's steps in flight never answer
         request.num_lookahead_in_flight = 0
         self.num_restarted_requests += 1
-        with bind_request(request.request_id):
+        with bind_request(request.request_id, request.trace_id):
             log.warning("request_restarted", reason=why, restarts=handle.num_restarts)
         self._requeue(handle)
 
@@ -77,7 +77,7 @@ class Recovery:
         sent). Find out which worker broke (it does not answer a health check), fail it,
         then start the request over."""
         handle.hold_nothing()
-        with bind_request(handle.request.request_id):
+        with bind_request(handle.request.request_id, handle.request.trace_id):
             log.warning(
                 "kv_transfer_failed",
                 src=src.info.worker_id,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from common.prefix_hash import BlockHash, extend_block_hashes
 from common.sampling import Logprob, SamplingParams
 from common.structured_output import Constraint
+from common.tracing import trace_id_of
 
 if TYPE_CHECKING:
     from services.scheduler.beam_group import BeamGroup
@@ -77,6 +78,11 @@ class Request:
     # token - this).
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+
+    @property
+    def trace_id(self) -> str:
+        """Its trace's id for its log lines ("" when it is not traced)."""
+        return trace_id_of(self.trace_context[0])
 
     @property
     def num_known_tokens(self) -> int:

@@ -27,6 +27,7 @@ from common.tracing import (
     context_from_fields,
     enabled,
     end_span,
+    span_trace_id,
     start_span,
 )
 from services.scheduler.request import Request
@@ -45,6 +46,7 @@ class RequestTrace:
         self._reasons: list[str] = []
         # (traceparent, tracestate) naming this span: the workers' parent.
         self.carrier = carrier_of(span)
+        self.trace_id = span_trace_id(span)  # for the log lines of its samples
 
     @classmethod
     def start(cls, submit, model: str = "") -> RequestTrace | None:

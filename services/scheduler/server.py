@@ -84,7 +84,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             if trace is not None:
                 trace.refused(code, message)
 
-        with bind_request(request.request_id):
+        with bind_request(request.request_id, trace.trace_id if trace is not None else ""):
             if self.draining:
                 refuse("UNAVAILABLE", "scheduler is shutting down")
                 return

@@ -211,6 +211,21 @@ def test_one_trace_through_every_hop(launch_stack):
     samples_trace = [sp.name for _, sp in spans if hex_id(sp.trace_id) == SAMPLES_TRACE]
     assert samples_trace.count("prefill") == samples_trace.count("decode") == 2, samples_trace
 
+    # Log lines name the trace too: every finished sample's line in the scheduler's log,
+    # the refusal's in the gateway's.
+    finished = [e for e in log_events(stack, "scheduler") if e["event"] == "request_finished"]
+    assert sorted(e.get("trace_id") for e in finished) == sorted(
+        [CLIENT_TRACE, SAMPLES_TRACE, SAMPLES_TRACE, BEAM_TRACE]
+    ), finished
+    (invalid,) = [e for e in log_events(stack, "gateway") if e["event"] == "invalid_request"]
+    assert invalid["trace_id"] == REFUSED_TRACE and invalid["request_id"]
+
+
+def log_events(stack, name: str) -> list[dict]:
+    """The JSON events of one service's log."""
+    text = (stack.run_dir / "logs" / f"{name}.log").read_text()
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
 
 def test_a_stack_without_an_endpoint_exports_nothing(api_stack):
     """api_stack runs with this process's environment: no OTEL endpoint. A collector on the
