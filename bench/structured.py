@@ -107,8 +107,15 @@ def serving(model: Path, rounds: int, num_requests: int) -> dict:
     runs: dict[str, list[dict]] = {"free": [], "json": []}
     with bench_stack(model, {}, "bench-structured-") as stack:
         spec = stack.spec
-        run_client(spec.gateway_address, requests[:2], None, 2, "warm", show_progress=False,
-                   sampling="json")  # fmt: skip  (compiles the schema, loads xgrammar)
+        run_client(
+            spec.gateway_address,
+            requests[:2],
+            None,
+            2,
+            "warm",
+            show_progress=False,
+            sampling="json",
+        )  # fmt: skip  (compiles the schema, loads xgrammar)
         for r in range(rounds):
             for mode in ("free", "json"):
                 result = run_loads(

@@ -31,8 +31,11 @@ REGEX = Constraint("regex", "[a-z]+")
 def submit_constrained(c, rid: str, prompt_ids, max_tokens: int, constraint=REGEX, n: int = 1):
     samples = [
         Request(
-            rid if n == 1 else f"{rid}/{i}", list(prompt_ids), max_tokens,
-            structured=constraint, index=i,
+            rid if n == 1 else f"{rid}/{i}",
+            list(prompt_ids),
+            max_tokens,
+            structured=constraint,
+            index=i,
         )  # fmt: skip
         for i in range(n)
     ]
