@@ -1,6 +1,6 @@
-"""Log lines carry the trace id of a traced request (`common.log.bind_request`), the same id
-in the gateway's, the scheduler's and the HTTP front's lines; untraced requests' lines carry
-none. The JSON lines are the real structlog output of `setup_logging`."""
+"""Log lines carry the trace id of a traced request (`common.log.bind_request`); untraced
+requests' lines carry none. The JSON lines are the real structlog output of
+`setup_logging`. (One id across gateway, scheduler and samples: tests/unit/test_tracing.py.)"""
 
 from __future__ import annotations
 
@@ -12,9 +12,6 @@ from opentelemetry.trace import format_trace_id, use_span
 
 from common import tracing
 from common.log import bind_request, get_logger, setup_logging
-from common.pb.tandem.internal.v1 import scheduler_pb2
-from services.scheduler.request import Request
-from services.scheduler.request_trace import RequestTrace
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_PARENT = f"00-{CLIENT_TRACE}-00f067aa0ba902b7-01"
@@ -63,30 +60,6 @@ def test_bound_request_lines_carry_the_trace_id_and_untraced_ones_none(capsys):
     assert (traced_line["request_id"], traced_line["trace_id"]) == ("r1", CLIENT_TRACE)
     assert untraced_line["request_id"] == "r2" and "trace_id" not in untraced_line
     assert "request_id" not in outside and "trace_id" not in outside
-
-
-def test_scheduler_samples_log_their_gateway_trace(traced, capsys):
-    # The gateway's span continues the client's trace; the scheduler's span continues the
-    # gateway's, and every sample of the request logs under that one trace id.
-    gateway = tracing.start_span("text_completion tiny", tracing.context_from_fields(CLIENT_PARENT))
-    submit = scheduler_pb2.SubmitRequest(request_id="r", prompt_token_ids=[1, 2, 3], n=2)
-    submit.traceparent, submit.tracestate = tracing.carrier_of(gateway)
-    trace = RequestTrace.start(submit, "tiny")
-    samples = [Request(f"r{i}", [1, 2, 3], max_tokens=4, index=i) for i in range(2)]
-    trace.adopt(samples)
-    log = get_logger("t")
-
-    def emit():
-        with bind_request("r", trace.trace_id):
-            log.info("admitted")
-        for sample in samples:
-            with bind_request(sample.request_id, sample.trace_id):
-                log.info("request_finished")
-
-    lines = log_lines(capsys, emit)
-    assert tracing.span_trace_id(gateway) == CLIENT_TRACE
-    assert [line["trace_id"] for line in lines] == [CLIENT_TRACE] * 3
-    assert Request("untraced", [1], max_tokens=1).trace_id == ""
 
 
 def test_the_current_span_names_the_http_fronts_trace(traced):

@@ -5,6 +5,8 @@ a new root without one, a malformed `traceparent` ignored, and nothing at all wh
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -12,6 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import format_span_id, format_trace_id
 
 from common import tracing
+from common.log import bind_request, get_logger, setup_logging
 from common.pb.tandem.internal.v1 import scheduler_pb2, worker_pb2
 from services.scheduler.request import Request
 from services.scheduler.request_trace import RequestTrace
@@ -128,14 +131,22 @@ def _plan_with(traceparent: str, finished: tuple[str, ...] = ()) -> worker_pb2.S
     return plan
 
 
-def test_per_request_fields_chain_gateway_scheduler_and_worker(spans):
-    # The gateway's span goes to the scheduler in the submit's field ...
+def traced_submit(num_samples: int):
+    """The gateway's span of a client's traced request, and the scheduler's span of the
+    submit that carries it in its field, adopted by the request's samples."""
     gateway = tracing.start_span("text_completion tiny", tracing.context_from_fields(CLIENT_PARENT))
-    submit = scheduler_pb2.SubmitRequest(request_id="r", prompt_token_ids=[1, 2, 3], n=2)
+    submit = scheduler_pb2.SubmitRequest(request_id="r", prompt_token_ids=[1, 2, 3])
+    submit.n = num_samples
     submit.traceparent, submit.tracestate = tracing.carrier_of(gateway)
     trace = RequestTrace.start(submit, "tiny")
-    samples = [Request(f"r{i}", [1, 2, 3], max_tokens=4, index=i) for i in range(2)]
+    samples = [Request(f"r{i}", [1, 2, 3], max_tokens=4, index=i) for i in range(num_samples)]
     trace.adopt(samples)
+    return gateway, trace, samples
+
+
+def test_per_request_fields_chain_gateway_scheduler_and_worker(spans):
+    # The gateway's span goes to the scheduler in the submit's field ...
+    gateway, trace, samples = traced_submit(2)
     trace.stage(samples[0], "decode")
     # ... and the scheduler's to the worker in each sample's NewRequest, once.
     worker_spans = RequestSpans("decode-1", "decode")
@@ -177,3 +188,20 @@ def test_a_malformed_field_gives_the_scheduler_a_root_and_workers_skip_untraced(
     (_, prefill) = spans.get_finished_spans()
     assert prefill.name == "prefill" and parent_id(prefill) == CLIENT_SPAN
     assert not prefill.status.is_ok
+
+
+def test_log_lines_of_every_sample_name_the_clients_trace(spans, capsys):
+    # The gateway's, the scheduler's and every sample's lines carry one trace id.
+    gateway, trace, samples = traced_submit(2)
+    log = get_logger("t")
+    setup_logging("test", json=True)
+    with bind_request("r", tracing.span_trace_id(gateway)):
+        log.info("gateway_line")
+    with bind_request("r", trace.trace_id):
+        log.info("admitted")
+    for sample in samples:
+        with bind_request(sample.request_id, sample.trace_id):
+            log.info("request_finished")
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line]
+    assert [line["trace_id"] for line in lines] == [CLIENT_TRACE] * 4
+    assert Request("untraced", [1], max_tokens=1).trace_id == ""
