@@ -15,6 +15,7 @@ in-memory worker for the scheduler's unit tests), `kv_peer` (a UCX peer process)
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -26,7 +27,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+import structlog
 
+from common.log import setup_logging
 from devtools.checkpoint_builder import build_checkpoint
 from tests.stack_client import SMALL_POOLS, start_stack
 
@@ -136,3 +139,24 @@ def launch_stack(tiny_llama_dir, tmp_path_factory):
     launcher = StackLauncher(tiny_llama_dir, tmp_path_factory)
     yield launcher
     launcher.stop_all()
+
+
+@pytest.fixture
+def json_log_lines(capsys):
+    """`json_log_lines()` makes this process log as a service does (`setup_logging`: JSON
+    lines on stderr, captured) and returns a function giving the lines logged since, parsed.
+    Call it in the test itself: capsys swaps stderr between a test's phases. structlog's
+    configuration and context variables are put back afterwards (its logger factory keeps
+    the captured stderr, which pytest closes after the test)."""
+    saved_config = structlog.get_config()
+    saved_context = structlog.contextvars.get_contextvars()
+
+    def start():
+        setup_logging("test", json=True)
+        capsys.readouterr()
+        return lambda: [json.loads(line) for line in capsys.readouterr().err.splitlines() if line]
+
+    yield start
+    structlog.configure(**saved_config)
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(**saved_context)

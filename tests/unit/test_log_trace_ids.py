@@ -4,14 +4,12 @@ requests' lines carry none. The JSON lines are the real structlog output of
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import format_trace_id, use_span
 
 from common import tracing
-from common.log import bind_request, get_logger, setup_logging
+from common.log import bind_request, get_logger
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_PARENT = f"00-{CLIENT_TRACE}-00f067aa0ba902b7-01"
@@ -22,12 +20,6 @@ def traced():
     tracing.install(TracerProvider())
     yield
     tracing.shutdown_tracing()
-
-
-def log_lines(capsys, emit) -> list[dict]:
-    setup_logging("test", json=True)
-    emit()
-    return [json.loads(line) for line in capsys.readouterr().err.splitlines() if line]
 
 
 @pytest.mark.parametrize(
@@ -46,8 +38,9 @@ def test_trace_id_of_a_traceparent(traceparent, expected):
     assert tracing.trace_id_of(traceparent) == expected
 
 
-def test_bound_request_lines_carry_the_trace_id_and_untraced_ones_none(capsys):
+def test_bound_request_lines_carry_the_trace_id_and_untraced_ones_none(json_log_lines):
     log = get_logger("t")
+    lines = json_log_lines()
 
     def emit():
         with bind_request("r1", CLIENT_TRACE):
@@ -56,7 +49,8 @@ def test_bound_request_lines_carry_the_trace_id_and_untraced_ones_none(capsys):
             log.info("untraced_line")
         log.info("outside")
 
-    traced_line, untraced_line, outside = log_lines(capsys, emit)
+    emit()
+    traced_line, untraced_line, outside = lines()
     assert (traced_line["request_id"], traced_line["trace_id"]) == ("r1", CLIENT_TRACE)
     assert untraced_line["request_id"] == "r2" and "trace_id" not in untraced_line
     assert "request_id" not in outside and "trace_id" not in outside

@@ -5,8 +5,6 @@ a new root without one, a malformed `traceparent` ignored, and nothing at all wh
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -14,7 +12,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import format_span_id, format_trace_id
 
 from common import tracing
-from common.log import bind_request, get_logger, setup_logging
+from common.log import bind_request, get_logger
 from common.pb.tandem.internal.v1 import scheduler_pb2, worker_pb2
 from services.scheduler.request import Request
 from services.scheduler.request_trace import RequestTrace
@@ -190,11 +188,11 @@ def test_a_malformed_field_gives_the_scheduler_a_root_and_workers_skip_untraced(
     assert not prefill.status.is_ok
 
 
-def test_log_lines_of_every_sample_name_the_clients_trace(spans, capsys):
+def test_log_lines_of_every_sample_name_the_clients_trace(spans, json_log_lines):
     # The gateway's, the scheduler's and every sample's lines carry one trace id.
     gateway, trace, samples = traced_submit(2)
     log = get_logger("t")
-    setup_logging("test", json=True)
+    logged = json_log_lines()
     with bind_request("r", tracing.span_trace_id(gateway)):
         log.info("gateway_line")
     with bind_request("r", trace.trace_id):
@@ -202,6 +200,6 @@ def test_log_lines_of_every_sample_name_the_clients_trace(spans, capsys):
     for sample in samples:
         with bind_request(sample.request_id, sample.trace_id):
             log.info("request_finished")
-    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line]
+    lines = logged()
     assert [line["trace_id"] for line in lines] == [CLIENT_TRACE] * 4
     assert Request("untraced", [1], max_tokens=1).trace_id == ""
