@@ -49,12 +49,11 @@ def setup_logging(service: str, level: str = "info", json: bool | None = None) -
 def bind_request(request_id: str, trace_id: str = "") -> Iterator[None]:
     """Bind `request_id` (and `trace_id` when the request is traced) into every log event
     emitted inside the block (this task only)."""
+    fields = {"request_id": request_id}
     if trace_id:
-        with structlog.contextvars.bound_contextvars(request_id=request_id, trace_id=trace_id):
-            yield
-    else:
-        with structlog.contextvars.bound_contextvars(request_id=request_id):
-            yield
+        fields["trace_id"] = trace_id
+    with structlog.contextvars.bound_contextvars(**fields):
+        yield
 
 
 def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:

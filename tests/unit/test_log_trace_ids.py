@@ -41,15 +41,11 @@ def test_trace_id_of_a_traceparent(traceparent, expected):
 def test_bound_request_lines_carry_the_trace_id_and_untraced_ones_none(json_log_lines):
     log = get_logger("t")
     lines = json_log_lines()
-
-    def emit():
-        with bind_request("r1", CLIENT_TRACE):
-            log.info("traced_line")
-        with bind_request("r2"):
-            log.info("untraced_line")
-        log.info("outside")
-
-    emit()
+    with bind_request("r1", CLIENT_TRACE):
+        log.info("traced_line")
+    with bind_request("r2"):
+        log.info("untraced_line")
+    log.info("outside")
     traced_line, untraced_line, outside = lines()
     assert (traced_line["request_id"], traced_line["trace_id"]) == ("r1", CLIENT_TRACE)
     assert untraced_line["request_id"] == "r2" and "trace_id" not in untraced_line
