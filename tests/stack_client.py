@@ -206,6 +206,10 @@ class BackgroundStream:
 # tests/unit/test_gemm_plan.py, tests/service/test_compute_lock.py and the stacks started
 # through the CLI (tests/service/test_stack_cli.py).
 TEST_CPU_GEMM = os.environ.get("TANDEM_CPU_GEMM", "tandem")
+# Test stacks fork their workers from one process that imported torch once
+# (services/stack/fork_server.py): ~3 s less per worker start; TANDEM_TEST_FORK_SERVER=0
+# starts every worker as a fresh interpreter, as `make up` does.
+TEST_FORK_SERVER = os.environ.get("TANDEM_TEST_FORK_SERVER", "1") != "0"
 
 
 def start_stack(model, run_dir, *, ready_timeout_s: float = 180, env=None, **spec_kwargs) -> Stack:
@@ -215,8 +219,9 @@ def start_stack(model, run_dir, *, ready_timeout_s: float = 180, env=None, **spe
     spec = StackSpec.on_free_ports(str(model), **spec_kwargs)
     env = {"TANDEM_CPU_GEMM": TEST_CPU_GEMM, **(env or {})}
     return Stack.start(
-        spec, run_dir, env=env, ready_timeout_s=ready_timeout_s, exit_with_parent=True
-    )
+        spec, run_dir, env=env, ready_timeout_s=ready_timeout_s, exit_with_parent=True,
+        fork_server=TEST_FORK_SERVER,
+    )  # fmt: skip
 
 
 @contextmanager
