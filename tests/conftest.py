@@ -10,7 +10,10 @@ Stacks: `api_stack` (one per session, shared by the generation-API modules),
 `module_stacks` (started by a module, stopped when it ends) and `launch_stack` (stopped
 when the test ends). Shared helper modules beside this file: `stack_client` (calls and
 waits on a stack), `hf_reference` (the `transformers` reference), `fake_worker` (an
-in-memory worker for the scheduler's unit tests), `kv_peer` (a UCX peer process).
+in-memory worker for the scheduler's unit tests; its model, steps and KV fabric in
+`fake_model`, `fake_steps`, `fake_kv_fabric`), `engine_cluster` (the scheduler's Engine
+over fake workers, and the checks its in-process tests end with), `kv_peer` (a UCX peer
+process).
 """
 
 from __future__ import annotations

@@ -38,7 +38,6 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from common.kv_shared_memory import SharedMemoryInfo
@@ -50,57 +49,14 @@ from services.scheduler.worker_types import (
     KvTransferResult,
     LoraRefusedError,
     ModelShape,
-    SpecCounts,
     SpeculativeInfo,
     StepResult,
     WorkerInfo,
     WorkerUnavailableError,
 )
-
-VOCAB_SIZE = 1000
-_MODULUS = (1 << 61) - 1
-
-
-def model_token(token_ids: Sequence[int | None], vocab_size: int = VOCAB_SIZE) -> int:
-    """The fake model: the next token is a position-sensitive hash of the whole sequence.
-    (A missing KV slot, None, hashes differently from every token.)"""
-    h = len(token_ids)
-    for t in token_ids:
-        h = (h * 1_000_003 + (t + 1 if t is not None else 0)) % _MODULUS
-    return h % vocab_size
-
-
-def fake_top(
-    token_ids: Sequence[int | None], k: int, vocab_size: int = VOCAB_SIZE
-) -> list[tuple[int, float]]:
-    """The fake model's top-k alternatives after a sequence, as (token id, logprob), most
-    likely first: distinct tokens and logprobs that are a pure function of the sequence
-    (what a worker returns when a request asks for logprobs; beam search reads them)."""
-    base = model_token(token_ids, vocab_size)
-    tops = []
-    for j in range(min(k, vocab_size)):
-        token = (base + 7 * j) % vocab_size
-        score = model_token([*token_ids, token], vocab_size) % 997
-        tops.append((token, -(score / 100.0 + 0.001 * j)))
-    tops.sort(key=lambda t: -t[1])
-    return tops
-
-
-def expected_tokens(
-    prompt: Sequence[int],
-    max_tokens: int,
-    stop_token_ids: Sequence[int] = (),
-    vocab_size: int = VOCAB_SIZE,
-) -> list[int]:
-    """The tokens the fake model generates for a prompt, up to max_tokens or a stop token."""
-    tokens, out = list(prompt), []
-    while len(out) < max_tokens:
-        token = model_token(tokens, vocab_size)
-        out.append(token)
-        tokens.append(token)
-        if token in stop_token_ids:
-            break
-    return out
+from tests.fake_kv_fabric import FakeFabric, FakeKvTransfers
+from tests.fake_model import VOCAB_SIZE
+from tests.fake_steps import FakeRequest, FakeStepExecution, PlanItem, StepPlan, StepRecord
 
 
 def worker_info(
@@ -150,85 +106,7 @@ def worker_info(
     )
 
 
-@dataclass
-class _Slot:
-    """One tagged message between two workers."""
-
-    payload: list[list[int | None]] | None = None
-    taken: bool = False
-    dead: bool = False
-
-
-class FakeFabric:
-    """What connects the fakes of one test: the UCX address book, tagged messages, and one
-    change signal every waiter in every fake listens to."""
-
-    def __init__(self) -> None:
-        self.workers: dict[bytes, FakeWorker] = {}
-        self.slots: dict[tuple[bytes, int], _Slot] = {}
-        self._event: asyncio.Event | None = None
-
-    def notify(self) -> None:
-        if self._event is not None:
-            self._event.set()
-            self._event = None
-
-    def next_change(self) -> asyncio.Event:
-        """The event the next `notify` sets: take it right after checking a condition (no
-        await in between), so no change can slip by."""
-        if self._event is None:
-            self._event = asyncio.Event()
-        return self._event
-
-
-@dataclass
-class _Item:
-    """One scheduled request of a plan, copied when the plan is sent (the scheduler's
-    Request objects change afterwards)."""
-
-    request_id: str
-    is_new: bool
-    token_ids: list[int]
-    block_ids: list[int]
-    num_computed_before: int
-    num_new_tokens: int
-    replaced_table: list[int] | None
-    num_lookahead_tokens: int = 0
-    num_logprobs: int | None = None
-
-
-@dataclass
-class _Plan:
-    step_id: int
-    items: list[_Item]
-    dropped: list[str]
-    swap_out: list[tuple[int, int]]
-    swap_in: list[tuple[int, int]]
-    copies: list[tuple[int, int]]
-    cancelled_transfer_tags: list[int]
-
-
-@dataclass
-class FakeRequest:
-    """A request in the fake worker's persistent batch."""
-
-    request_id: str
-    token_ids: list[int]
-    block_ids: list[int]
-    num_computed_tokens: int
-    num_logprobs: int | None = None
-
-
-@dataclass
-class StepRecord:
-    step_id: int
-    scheduled: list[tuple[str, int]]  # (request id, new tokens)
-    dropped: list[str]
-    cancelled_transfer_tags: list[int]
-    sampled: dict[str, int] = field(default_factory=dict)
-
-
-class FakeWorker:
+class FakeWorker(FakeStepExecution, FakeKvTransfers):
     """A `WorkerConnection` to an in-memory worker (see the module docstring)."""
 
     def __init__(self, info: WorkerInfo, fabric: FakeFabric | None = None) -> None:
@@ -265,7 +143,7 @@ class FakeWorker:
         self._stream = 0  # 0 = no step stream open
         self._step_id = 0
         self.executed_step_id = 0
-        self._plans: deque[_Plan] = deque()
+        self._plans: deque[StepPlan] = deque()
         self._results: deque[StepResult] = deque()
         self._stream_error: str | None = None
         self._cancelled: set[int] = set()
@@ -403,7 +281,7 @@ class FakeWorker:
             if r.lora_name and r.lora_name not in self.lora_adapters:
                 self.plan_errors.append(f"{r.request_id}: LoRA {r.lora_name!r} is not held")
             items.append(
-                _Item(
+                PlanItem(
                     request_id=r.request_id,
                     is_new=s.is_new,
                     token_ids=list(r.all_token_ids) if s.is_new else [],
@@ -417,7 +295,7 @@ class FakeWorker:
             )
             self.planned_request_ids.add(r.request_id)
         self._plans.append(
-            _Plan(
+            StepPlan(
                 step_id=self._step_id,
                 items=items,
                 dropped=list(plan.dropped_request_ids),
@@ -614,300 +492,6 @@ class FakeWorker:
                 self.fabric.notify()
         except WorkerUnavailableError:
             return
-
-    def _execute(self, plan: _Plan) -> dict[str, int]:
-        bs = self.info.block_size
-        for request_id in plan.dropped:
-            self.batch.pop(request_id, None)
-        work: list[tuple[FakeRequest, int]] = []
-        lookahead: dict[str, int] = {}
-        for item in plan.items:
-            if item.is_new:
-                if item.request_id in self.batch:
-                    raise ValueError(f"request {item.request_id} is already in the batch")
-                bad = [t for t in item.token_ids if not 0 <= t < self.info.model.vocab_size]
-                if bad:
-                    raise ValueError(f"request {item.request_id} has token ids outside the vocab")
-                request = FakeRequest(
-                    item.request_id,
-                    list(item.token_ids),
-                    self._checked(item.block_ids),
-                    item.num_computed_before,
-                    item.num_logprobs,
-                )
-                self.batch[item.request_id] = request
-            else:
-                request = self.batch.get(item.request_id)
-                if request is None:
-                    raise ValueError(f"request {item.request_id} is not in the batch")
-                if item.replaced_table:
-                    request.block_ids = self._checked(item.replaced_table)
-                else:
-                    request.block_ids.extend(self._checked(item.block_ids))
-            end = request.num_computed_tokens + item.num_new_tokens
-            if item.num_new_tokens <= 0 or end > len(request.token_ids):
-                raise ValueError(
-                    f"request {request.request_id}: cannot compute {item.num_new_tokens} "
-                    f"tokens from {request.num_computed_tokens} of {len(request.token_ids)}"
-                )
-            if end > len(request.block_ids) * bs:
-                raise ValueError(
-                    f"request {request.request_id}: {len(request.block_ids)} blocks cannot "
-                    f"hold {end} tokens"
-                )
-            if item.num_lookahead_tokens and end != len(request.token_ids):
-                raise ValueError(f"request {request.request_id}: lookahead without sampling")
-            if end + item.num_lookahead_tokens > len(request.block_ids) * bs:
-                raise ValueError(
-                    f"request {request.request_id}: {len(request.block_ids)} blocks cannot "
-                    f"hold {end} tokens and {item.num_lookahead_tokens} lookahead slots"
-                )
-            work.append((request, item.num_new_tokens))
-            lookahead[request.request_id] = item.num_lookahead_tokens
-        # Block moves before the forward pass: swap out, swap in, copy-on-write.
-        for device, swap in plan.swap_out:
-            self._check_swap(swap)
-            self.swap_kv[swap] = list(self._block(device))
-        for swap, device in plan.swap_in:
-            self._check_swap(swap)
-            self.kv[self._checked([device])[0]] = list(
-                self.swap_kv.get(swap, [None] * self.info.block_size)
-            )
-        for src, dst in plan.copies:
-            self._checked([src, dst])
-            self.kv[dst] = list(self._block(src))
-        # The forward pass: write the KV of every computed token of the batch, then sample
-        # each request that reaches its last token from what its blocks hold.
-        for request, num_new in work:
-            start = request.num_computed_tokens
-            for pos in range(start, start + num_new):
-                block = self._block(request.block_ids[pos // bs])
-                block[pos % bs] = request.token_ids[pos]
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, Logprob] = {}
-        for request, num_new in work:
-            if request.num_computed_tokens + num_new == len(request.token_ids):
-                seen = [
-                    self._block(request.block_ids[pos // bs])[pos % bs]
-                    for pos in range(len(request.token_ids))
-                ]
-                if seen != request.token_ids:
-                    self.kv_errors.append(
-                        f"step {plan.step_id} request {request.request_id}: KV holds {seen}, "
-                        f"tokens are {request.token_ids} (blocks {request.block_ids})"
-                    )
-                sampled[request.request_id] = model_token(seen, self.info.model.vocab_size)
-                if request.num_logprobs is not None:
-                    token = sampled[request.request_id]
-                    top = fake_top(seen, request.num_logprobs, self.info.model.vocab_size)
-                    logprobs[request.request_id] = Logprob(
-                        token, dict(top).get(token, -9.0), tuple(top)
-                    )
-        accepted: dict[str, list[int]] = {}
-        spec: dict[str, SpecCounts] = {}
-        for request, _ in work:
-            slots = lookahead[request.request_id]
-            if slots and request.request_id in sampled:
-                accepted[request.request_id], sampled[request.request_id] = self._speculate(
-                    request, sampled[request.request_id], slots, plan.step_id
-                )
-                spec[request.request_id] = SpecCounts(slots, len(accepted[request.request_id]))
-        for request, num_new in work:
-            extra = accepted.get(request.request_id, [])
-            request.num_computed_tokens += num_new + len(extra)
-            request.token_ids.extend(extra)
-        for request_id, token in sampled.items():
-            self.batch[request_id].token_ids.append(token)
-        self.spec_results[plan.step_id] = (accepted, spec)
-        self.logprob_results[plan.step_id] = logprobs
-        self.steps.append(
-            StepRecord(
-                plan.step_id,
-                [(r.request_id, n) for r, n in work],
-                plan.dropped,
-                plan.cancelled_transfer_tags,
-                dict(sampled),
-            )
-        )
-        return sampled
-
-    def _speculate(
-        self, request: FakeRequest, first: int, slots: int, step_id: int
-    ) -> tuple[list[int], int]:
-        """Speculative decoding of the fake model: proposals for the `slots` positions after
-        the request's last token, right for the first `a` of them (a varies with the step
-        and the length) and wrong after; their KV is written as a real verify pass writes it
-        (rejected slots hold wrong tokens). Returns (accepted tokens, the last token)."""
-        vocab, bs = self.info.model.vocab_size, self.info.block_size
-        true, seq = [first], [*request.token_ids, first]
-        for _ in range(slots):
-            seq.append(model_token(seq, vocab))
-            true.append(seq[-1])
-        right = (step_id * 7 + len(request.token_ids)) % (slots + 1)
-        drafts = [true[j] if j < right else (true[j] + 1) % vocab for j in range(slots)]
-        end = len(request.token_ids)
-        for j, token in enumerate(drafts):
-            pos = end + j
-            self._block(request.block_ids[pos // bs])[pos % bs] = token
-        self.proposed_tokens += slots
-        return true[:right], true[right]
-
-    def _block(self, block_id: int) -> list[int | None]:
-        block = self.kv.get(block_id)
-        if block is None:
-            block = self.kv[block_id] = [None] * self.info.block_size
-        return block
-
-    def _checked(self, block_ids: Sequence[int]) -> list[int]:
-        bad = [b for b in block_ids if not 0 <= b < self.info.num_blocks]
-        if bad:
-            raise ValueError(f"block ids {bad[:4]} outside the pool of {self.info.num_blocks}")
-        return list(block_ids)
-
-    def _check_swap(self, swap_block: int) -> None:
-        if not 0 <= swap_block < self.info.num_swap_blocks:
-            raise ValueError(f"swap block {swap_block} outside {self.info.num_swap_blocks}")
-
-    # -- KV transfers ----------------------------------------------------------------------
-    def _fault(self, tag: int) -> str | None:
-        return "transfer failed (injected)" if self._faulty(tag, "fail") else None
-
-    async def _serve_send(
-        self, tag: int, peer: WorkerInfo, block_ids: list[int], timeout_s: float
-    ) -> KvTransferResult:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        target = self.fabric.workers.get(peer.ucx_address)
-
-        def peer_gone() -> str | None:
-            if target is None or target.killed:
-                return f"peer {peer.worker_id} unreachable"
-            return self._fault(tag)
-
-        # Gather queued behind the steps already sent (as on the tensor thread).
-        last_sent = self._step_id
-        await self._until(
-            lambda: not self._faulty(tag, "hang") and self.executed_step_id >= last_sent,
-            deadline,
-            f"SendKv {tag:#x}",
-            failure=peer_gone,
-        )
-        self._checked(block_ids)
-        payload = [list(self._block(b)) for b in block_ids]
-        slot = self.fabric.slots.setdefault((peer.ucx_address, tag), _Slot())
-        slot.payload = payload
-        self.fabric.notify()
-
-        def undeliverable() -> str | None:
-            if slot.dead:
-                return "the receiver gave up"
-            return peer_gone()
-
-        try:
-            await self._until(
-                lambda: slot.taken, deadline, f"SendKv {tag:#x}", failure=undeliverable
-            )
-        except WorkerUnavailableError:
-            slot.dead = True
-            raise
-        return KvTransferResult(num_bytes=len(block_ids) * self.info.block_bytes)
-
-    async def _serve_receive(
-        self, tag: int, block_ids: list[int], timeout_s: float, after_step_id: int
-    ) -> KvTransferResult:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        key = (self.info.ucx_address, tag)
-        slot = self.fabric.slots.setdefault(key, _Slot())
-
-        def cancelled() -> str | None:
-            if tag in self._cancelled:
-                return f"transfer {tag:#x} was cancelled"
-            return self._fault(tag)
-
-        try:
-            self._checked(block_ids)
-            await self._until(
-                lambda: not self._faulty(tag, "hang") and slot.payload is not None,
-                deadline,
-                f"ReceiveKv {tag:#x}",
-                failure=cancelled,
-            )
-            if len(slot.payload) != len(block_ids):
-                raise WorkerUnavailableError(
-                    f"ReceiveKv {tag:#x}: {len(slot.payload)} blocks sent, "
-                    f"{len(block_ids)} expected"
-                )
-            slot.taken = True
-            self.fabric.notify()
-            await self._until(
-                lambda: self.executed_step_id >= after_step_id,
-                deadline,
-                f"ReceiveKv {tag:#x}",
-                failure=lambda: (
-                    f"transfer {tag:#x} was cancelled" if tag in self._cancelled else None
-                ),
-            )
-            # Checked and written in one go (no await between), as the real worker does.
-            if tag in self._cancelled:
-                raise WorkerUnavailableError(f"transfer {tag:#x} was cancelled")
-            for block_id, content in zip(block_ids, slot.payload, strict=True):
-                self.kv[block_id] = list(content)
-            self.kv_blocks_received += len(block_ids)
-            if self.after_kv_received is not None:
-                await self.after_kv_received(tag)
-            return KvTransferResult(num_bytes=len(block_ids) * self.info.block_bytes)
-        except BaseException:
-            slot.dead = True
-            self.fabric.notify()
-            raise
-        finally:
-            if self._receives.get(tag) is asyncio.current_task():
-                del self._receives[tag]
-            if slot.taken and not slot.dead:
-                self.fabric.slots.pop(key, None)  # a dead slot stays: late sends fail
-
-    async def _serve_pull(
-        self,
-        tag: int,
-        block_ids: list[int],
-        timeout_s: float,
-        after_step_id: int,
-        source: KvPullSource,
-    ) -> KvTransferResult:
-        """Copy blocks straight out of a peer's pool once the peer has run the step that
-        makes them final (the fake writes a step's KV at once, not layer by layer)."""
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        peer = self.fabric.workers[source.worker.ucx_address]
-
-        def failure() -> str | None:
-            if tag in self._cancelled:
-                return f"transfer {tag:#x} was cancelled"
-            if peer._killed:
-                return f"{peer.address} exited before its KV was final"
-            return self._fault(tag)
-
-        try:
-            self._checked(block_ids)
-            await self._until(
-                lambda: (
-                    not self._faulty(tag, "hang")
-                    and peer.executed_step_id >= source.ready_step_id
-                    and self.executed_step_id >= after_step_id
-                ),
-                deadline,
-                f"ReceiveKv {tag:#x}",
-                failure=failure,
-            )
-            for block_id, src in zip(block_ids, source.block_ids, strict=True):
-                self.kv[block_id] = peer.block_tokens(src)
-            self.kv_blocks_received += len(block_ids)
-            if self.after_kv_received is not None:
-                await self.after_kv_received(tag)
-            return KvTransferResult(num_bytes=len(block_ids) * self.info.block_bytes)
-        finally:
-            if self._receives.get(tag) is asyncio.current_task():
-                del self._receives[tag]
 
 
 def make_workers(*infos: WorkerInfo) -> list[FakeWorker]:

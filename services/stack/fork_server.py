@@ -1,8 +1,9 @@
-"""A fork server for stacks started by tests and benchmarks: one process imports what a
-worker imports (torch above all: ~2.8 of the worker's ~3.4 s of imports on a 2-core box)
-once, then forks each worker from that state instead of starting a fresh interpreter that
-imports it all again. The forked child becomes the worker exactly as `python -m
-services.worker ARGS` would: its own session, working directory, environment and log file.
+"""Fork servers for stacks started by tests and benchmarks: one process per service
+imports what that service imports (a worker: torch, ~2.8 of its ~3.4 s; the gateway: its
+tokenizer's `transformers`, ~1.8 s) once, then forks each new process of that service from
+that state instead of starting a fresh interpreter that imports it all again. The forked
+child becomes the service exactly as `python -m services.<name> ARGS` would: its own
+session, working directory, environment and log file.
 
 Only what cannot differ between children is shared. The server serves a start only when
 the child's environment agrees with its own on every variable read while modules are
@@ -13,6 +14,7 @@ that started it is gone, and its children, started with `TANDEM_EXIT_WITH_PARENT
 
 Protocol: one JSON request per connection on a Unix socket, one JSON reply.
   {"op": "spawn", "module": M, "args": [...], "env": {...}, "cwd": D, "log": F} -> {"pid": N}
+  (M: the one module this server was started for)
   {"op": "exit_code", "pid": N} -> {"known": bool, "exit_code": int | null (still running)}
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -30,11 +33,28 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-# What the server imports before it forks, and the modules it will start.
-# Only the workers: the other services import in ~0.5 s, and a gateway forked from here
-# started slower than a fresh one (6.5 s against ~1 s, measured; not investigated further).
-PRELOAD = ("services.worker.__main__",)
-MODULES = frozenset(m.removesuffix(".__main__") for m in PRELOAD)
+
+# What each service's server imports before it forks (the service's own `__main__` and
+# its imports; the gateway also its tokenizer's `transformers` modules, ~1.8 s of each
+# start, after marking torch absent as its `main` does). One server per service.
+def _keep_torch_out() -> None:
+    from services.gateway.__main__ import keep_torch_out
+
+    keep_torch_out()
+
+
+PRELOADS: dict[str, tuple[str, ...]] = {
+    "services.worker": ("services.worker.__main__",),
+    "services.gateway": (
+        "services.gateway.__main__",
+        "transformers.models.auto.tokenization_auto",
+    ),
+    "services.scheduler": ("services.scheduler.__main__",),
+    "services.openai_api": ("services.openai_api.__main__",),
+}
+_BEFORE_PRELOAD = {"services.gateway": _keep_torch_out}
+
+
 # Variables that libraries read when they are loaded (so a forked child could not change
 # them): a child whose values differ is started the usual way.
 IMPORT_TIME_PREFIXES = (
@@ -52,7 +72,12 @@ def import_time_env(env: Mapping[str, str]) -> dict[str, str]:
 class ForkServerClient:
     """The starting side: launches the server process and asks it for children."""
 
-    def __init__(self, env: Mapping[str, str], cwd: str, ready_timeout_s: float = 120.0):
+    def __init__(
+        self, module: str, env: Mapping[str, str], cwd: str, ready_timeout_s: float = 120.0
+    ):
+        if module not in PRELOADS:
+            raise ValueError(f"no fork server for {module!r}; there are: {sorted(PRELOADS)}")
+        self.module = module
         self.env = dict(env)
         self.signature = import_time_env(env)
         self.directory = Path(tempfile.mkdtemp(prefix="tandem-fork-"))
@@ -60,7 +85,7 @@ class ForkServerClient:
         self.log_path = self.directory / "server.log"
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "services.stack.fork_server", self.socket_path],
+                [sys.executable, "-m", "services.stack.fork_server", module, self.socket_path],
                 cwd=cwd,
                 env=self.env,
                 stdout=log,
@@ -77,7 +102,7 @@ class ForkServerClient:
 
     def serves(self, module: str, env: Mapping[str, str]) -> bool:
         return (
-            module in MODULES
+            module == self.module
             and self.process.poll() is None
             and import_time_env(env) == self.signature
         )
@@ -108,21 +133,23 @@ class ForkServerClient:
         return answer
 
 
-_shared: dict[frozenset[tuple[str, str]], ForkServerClient] = {}
-MAX_SHARED = 2  # servers per starting process (each holds ~0.3 GB of imported modules)
+_shared: dict[tuple[str, frozenset[tuple[str, str]]], ForkServerClient] = {}
+MAX_SHARED = 8  # servers per starting process (the worker's holds ~0.3 GB of modules)
 
 
-def shared_fork_server(env: Mapping[str, str], cwd: str) -> ForkServerClient | None:
-    """This process's server for children with `env`'s import-time settings, started on
-    first use; None where none can be had (the caller starts processes itself)."""
-    key = frozenset(import_time_env(env).items())
+def shared_fork_server(module: str, env: Mapping[str, str], cwd: str) -> ForkServerClient | None:
+    """This process's server for `module` children with `env`'s import-time settings,
+    started on first use; None where there is none (the caller starts the process)."""
+    if module not in PRELOADS:
+        return None
+    key = (module, frozenset(import_time_env(env).items()))
     server = _shared.get(key)
     if server is not None and server.process.poll() is None:
         return server
     if server is None and len(_shared) >= MAX_SHARED:
         return None
     try:
-        server = ForkServerClient(env, cwd)
+        server = ForkServerClient(module, env, cwd)
     except (OSError, RuntimeError) as exc:
         print(f"tandem: no fork server ({exc}); starting processes directly", file=sys.stderr)
         return None
@@ -213,11 +240,11 @@ def _shut_down_like_an_interpreter(code: int) -> int:
     return code
 
 
-def _serve_one(conn: socket.socket, listener: socket.socket) -> None:
+def _serve_one(conn: socket.socket, listener: socket.socket, module: str) -> None:
     request = json.loads(conn.makefile("rb").readline())
     if request["op"] == "spawn":
-        if request["module"] not in MODULES:
-            raise ValueError(f"module {request['module']!r} is not served here")
+        if request["module"] != module:
+            raise ValueError(f"module {request['module']!r} is not served here ({module} is)")
         pid = os.fork()
         if pid == 0:
             conn.close()
@@ -234,13 +261,15 @@ def _serve_one(conn: socket.socket, listener: socket.socket) -> None:
     conn.sendall(json.dumps(reply).encode() + b"\n")
 
 
-def serve(socket_path: str) -> None:
+def serve(module: str, socket_path: str) -> None:
     parent = os.getppid()
     before = dict(os.environ)
-    for module in PRELOAD:
-        importlib.import_module(module)
-        # Its imports stay loaded; the module itself runs afresh in each child.
-        sys.modules.pop(module, None)
+    if module in _BEFORE_PRELOAD:
+        _BEFORE_PRELOAD[module]()
+    for name in PRELOADS[module]:
+        importlib.import_module(name)
+    # Its imports stay loaded; the module itself runs afresh in each child.
+    sys.modules.pop(module + ".__main__", None)
     _set_by_imports.update((k, v) for k, v in os.environ.items() if before.get(k) != v)
     signal.signal(signal.SIGCHLD, _reap)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -256,10 +285,13 @@ def serve(socket_path: str) -> None:
         with conn:
             conn.settimeout(30)
             try:
-                _serve_one(conn, listener)
+                _serve_one(conn, listener, module)
             except Exception as exc:  # a bad request fails that request, not the server
                 conn.sendall(json.dumps({"error": repr(exc)}).encode() + b"\n")
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    try:
+        serve(sys.argv[1], sys.argv[2])
+    finally:
+        shutil.rmtree(os.path.dirname(sys.argv[2]), ignore_errors=True)

@@ -300,7 +300,8 @@ class Stack:
         self.run_dir = run_dir
         self.processes = processes
         self._env = dict(env) if env is not None else None
-        self._fork: ForkServerClient | None = None  # forks the workers when set (`start`)
+        self._fork_servers = False  # start the services through fork servers (`start`)
+        self._forked: dict[int, ForkServerClient] = {}  # pid -> the server that forked it
         # The probes speak TLS exactly when the services were started with it.
         self.tls = TlsSettings.from_env(self._env) if env is not None else None
 
@@ -308,8 +309,12 @@ class Stack:
         log_path = self.run_dir / "logs" / f"{name}.log"
         probe = "http" if name == "http" else "grpc"
         env = self._env if self._env is not None else os.environ
-        if self._fork is not None and argv[1:2] == ["-m"] and self._fork.serves(argv[2], env):
-            pid = self._fork.spawn(argv[2], argv[3:], env, str(ROOT), str(log_path))
+        server = None
+        if self._fork_servers and argv[1:2] == ["-m"]:
+            server = shared_fork_server(argv[2], env, str(ROOT))
+        if server is not None and server.serves(argv[2], env):
+            pid = server.spawn(argv[2], argv[3:], env, str(ROOT), str(log_path))
+            self._forked[pid] = server
             return Process(name, address, pid, str(log_path), probe, self._metrics_at(name))
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen(
@@ -349,8 +354,8 @@ class Stack:
                 pid, status = os.waitpid(process.pid, os.WNOHANG)
             except ChildProcessError:  # not our child: the fork server's, or another's
                 known, code = (False, None)
-                if self._fork is not None:
-                    known, code = self._fork.exit_code(process.pid)
+                if process.pid in self._forked:
+                    known, code = self._forked[process.pid].exit_code(process.pid)
                 if known and code is not None:
                     return code
                 if not known and not self.alive(process):
@@ -393,9 +398,9 @@ class Stack:
 
         With exit_with_parent the services stop by themselves once this process is gone
         (tests, benchmarks); `make up` leaves it off so the stack outlives the command.
-        With fork_server (only beside exit_with_parent) the workers are forked from a
-        process that has imported their modules once (`fork_server.py`): seconds less per
-        worker start, for test suites that start hundreds.
+        With fork_server (only beside exit_with_parent) each service is forked from a
+        process that has imported its modules once (`fork_server.py`): seconds less per
+        stack start, for test suites that start hundreds of processes.
         """
         if fork_server and not exit_with_parent:
             raise ValueError("fork_server needs exit_with_parent (the server ends with us)")
@@ -409,8 +414,7 @@ class Stack:
             p for p in (str(ROOT), child_env.get("PYTHONPATH", "")) if p
         )
         stack = cls(spec, run_dir, [], child_env)
-        if fork_server:
-            stack._fork = shared_fork_server(child_env, str(ROOT))
+        stack._fork_servers = fork_server
         for name, address, argv in _commands(spec):
             stack.processes.append(stack._launch(name, address, argv))
         stack.save()

@@ -1,7 +1,7 @@
-"""The fork server that test stacks start their workers from (services/stack/fork_server.py):
-a forked child is the worker `python -m services.worker` would be (its own session, the env
-and log it was given), the server reports how each child ended, refuses what it cannot start
-faithfully, and ends with the process that started it."""
+"""The fork servers that test stacks start their services from (services/stack/fork_server.py):
+a forked child is the process `python -m services.<name>` would be (its own session, the env
+and log it was given; a gateway without torch), the server reports how each child ended,
+refuses what it cannot start faithfully, and ends with the process that started it."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ WORKER = "services.worker"
 @pytest.fixture(scope="module")
 def server() -> ForkServerClient:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    client = ForkServerClient(env, str(ROOT))
+    client = ForkServerClient(WORKER, env, str(ROOT))
     yield client
     client.process.kill()
     client.process.wait()
@@ -83,17 +83,37 @@ def test_what_cannot_be_forked_faithfully_is_left_to_the_caller(server):
         assert not server.serves(WORKER, changed), name
     # Run-time settings (flags' environment variables) do not matter.
     assert server.serves(WORKER, {**server.env, "TANDEM_WORKER_ROLE": "decode"})
-    assert not server.serves("services.gateway", server.env)  # only the workers are served
+    assert not server.serves("services.gateway", server.env)  # one service per server
     assert import_time_env({"OMP_X": "1", "TANDEM_Y": "2"}) == {"OMP_X": "1"}
     with pytest.raises(RuntimeError, match="not served"):
         server.spawn("services.gateway", [], server.env, str(ROOT), os.devnull)
+
+
+def test_a_forked_gateway_runs_without_torch_as_a_fresh_one_does(server, tmp_path, tiny_llama_dir):
+    gateway = ForkServerClient("services.gateway", server.env, str(ROOT))
+    try:
+        log = tmp_path / "gateway.log"
+        args = ["--model", str(tiny_llama_dir), "--port", str(free_port()),
+                "--scheduler", f"127.0.0.1:{free_port()}"]  # fmt: skip
+        pid = gateway.spawn("services.gateway", args, server.env, str(ROOT), str(log))
+        _wait_for_line(log, '"listening"')
+        maps = Path(f"/proc/{pid}/maps").read_text()
+        assert "libtorch" not in maps  # its server marked torch absent, as its main does
+        os.kill(pid, signal.SIGKILL)
+        assert _wait_exit_code(gateway, pid) == -signal.SIGKILL
+    finally:
+        gateway.process.kill()
+        gateway.process.wait()
+    with pytest.raises(ValueError, match="no fork server"):
+        ForkServerClient("services.client", server.env, str(ROOT))
 
 
 def test_the_server_ends_with_the_process_that_started_it():
     code = (
         "import os, sys\n"
         "from services.stack.fork_server import ForkServerClient\n"
-        "client = ForkServerClient({**os.environ, 'PYTHONPATH': sys.argv[1]}, sys.argv[1])\n"
+        "env = {**os.environ, 'PYTHONPATH': sys.argv[1]}\n"
+        "client = ForkServerClient('services.scheduler', env, sys.argv[1])\n"
         "print(client.process.pid, flush=True)\n"
     )
     out = subprocess.run([sys.executable, "-c", code, str(ROOT)], cwd=ROOT, check=True,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.service.test_api_fuzz import new_log_errors
+from tests.service.api_fuzz.checks import new_log_errors
 from tests.stack_client import http_front
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,8 +14,9 @@ import pytest
 from common.pb.tandem.internal.v1 import scheduler_pb2
 from services.scheduler.beam_search import BeamParams, BeamSearch
 from services.scheduler.server import beam_leader_from_pb
-from tests.fake_worker import fake_top, worker_info
-from tests.unit.test_engine_inprocess import cluster, collect, prompt, run, submit
+from tests.engine_cluster import cluster, collect, prompt, run, submit
+from tests.fake_model import fake_top
+from tests.fake_worker import worker_info
 
 EOS = 11
 

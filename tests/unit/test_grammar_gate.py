@@ -12,8 +12,7 @@ import pytest
 
 from common.structured_output import Constraint
 from services.scheduler.request import FinishReason, Request
-from tests.fake_worker import worker_info
-from tests.unit.test_engine_inprocess import (
+from tests.engine_cluster import (
     assert_clean,
     assert_exact,
     cluster,
@@ -23,6 +22,7 @@ from tests.unit.test_engine_inprocess import (
     submit,
     until,
 )
+from tests.fake_worker import worker_info
 
 pytestmark = pytest.mark.timeout(30)
 REGEX = Constraint("regex", "[a-z]+")

@@ -20,7 +20,7 @@ from services.scheduler.lora_registry import (
 )
 from services.scheduler.request import Request
 from services.scheduler.worker_types import LoraRefusedError
-from tests.unit.test_engine_inprocess import (
+from tests.engine_cluster import (
     assert_clean,
     assert_exact,
     cluster,
@@ -28,8 +28,8 @@ from tests.unit.test_engine_inprocess import (
     prompt,
     run,
     until,
-    worker_info,
 )
+from tests.fake_worker import worker_info
 
 pytestmark = pytest.mark.timeout(30)
 

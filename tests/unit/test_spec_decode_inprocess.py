@@ -12,8 +12,7 @@ import asyncio
 import pytest
 
 from services.scheduler.request import FinishReason
-from tests.fake_worker import expected_tokens, worker_info
-from tests.unit.test_engine_inprocess import (
+from tests.engine_cluster import (
     assert_aborted,
     assert_clean,
     assert_exact,
@@ -25,6 +24,8 @@ from tests.unit.test_engine_inprocess import (
     submit,
     until,
 )
+from tests.fake_model import expected_tokens
+from tests.fake_worker import worker_info
 
 pytestmark = pytest.mark.timeout(30)
 
