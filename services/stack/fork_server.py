@@ -7,7 +7,8 @@ session, working directory, environment and log file.
 
 Only what cannot differ between children is shared. The server serves a start only when
 the child's environment agrees with its own on every variable read while modules are
-imported (OpenMP, MKL, torch, Triton, the loader, Python, gRPC, UCX: `IMPORT_TIME_PREFIXES`);
+imported (OpenMP, MKL, torch, Triton, the loader, Python, gRPC, UCX, Hugging Face:
+`IMPORT_TIME_PREFIXES`);
 otherwise the caller starts the process as usual. The server reaps its children and keeps
 their exit codes, so the caller can still ask how a worker ended. It exits when the process
 that started it is gone, and its children, started with `TANDEM_EXIT_WITH_PARENT=1`, follow.
@@ -60,6 +61,7 @@ _BEFORE_PRELOAD = {"services.gateway": _keep_torch_out}
 IMPORT_TIME_PREFIXES = (
     "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "DNNL_", "ONEDNN_", "TORCH", "PYTORCH_",
     "TRITON_", "CUDA_", "NVIDIA_", "LD_", "MALLOC_", "PYTHON", "GRPC_", "UCX", "THP_",
+    "HF_", "TRANSFORMERS_", "TOKENIZERS_",
 )  # fmt: skip
 _PARENT_POLL_S = 0.5
 
