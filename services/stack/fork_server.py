@@ -8,19 +8,17 @@ session, working directory, environment and log file.
 Only what cannot differ between children is shared. The server serves a start only when
 the child's environment agrees with its own on every variable read while modules are
 imported (OpenMP, MKL, torch, Triton, the loader, Python, gRPC, UCX, Hugging Face:
-`IMPORT_TIME_PREFIXES`);
+`common.fork_protocol.IMPORT_TIME_PREFIXES`);
 otherwise the caller starts the process as usual. The server reaps its children and keeps
 their exit codes, so the caller can still ask how a worker ended. It exits when the process
 that started it is gone, and its children, started with `TANDEM_EXIT_WITH_PARENT=1`, follow.
 
-Protocol: one JSON request per connection on a Unix socket, one JSON reply.
-  {"op": "spawn", "module": M, "args": [...], "env": {...}, "cwd": D, "log": F} -> {"pid": N}
-  (M: the one module this server was started for)
-  {"op": "exit_code", "pid": N} -> {"known": bool, "exit_code": int | null (still running)}
+The protocol and its client side: `common/fork_protocol.py`.
 """
 
 from __future__ import annotations
 
+import fcntl
 import importlib
 import json
 import os
@@ -33,6 +31,12 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
+
+from common.fork_protocol import (
+    RANK_MODULE,
+    ForkServerConnection,
+    import_time_env,
+)
 
 
 # What each service's server imports before it forks (the service's own `__main__` and
@@ -52,26 +56,15 @@ PRELOADS: dict[str, tuple[str, ...]] = {
     ),
     "services.scheduler": ("services.scheduler.__main__",),
     "services.openai_api": ("services.openai_api.__main__",),
+    RANK_MODULE: (RANK_MODULE,),  # a worker's tensor- and pipeline-parallel ranks
 }
 _BEFORE_PRELOAD = {"services.gateway": _keep_torch_out}
 
 
-# Variables that libraries read when they are loaded (so a forked child could not change
-# them): a child whose values differ is started the usual way.
-IMPORT_TIME_PREFIXES = (
-    "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "DNNL_", "ONEDNN_", "TORCH", "PYTORCH_",
-    "TRITON_", "CUDA_", "NVIDIA_", "LD_", "MALLOC_", "PYTHON", "GRPC_", "UCX", "THP_",
-    "HF_", "TRANSFORMERS_", "TOKENIZERS_",
-)  # fmt: skip
 _PARENT_POLL_S = 0.5
 
 
-def import_time_env(env: Mapping[str, str]) -> dict[str, str]:
-    """The part of `env` that modules read while they are imported."""
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)}
-
-
-class ForkServerClient:
+class ForkServerClient(ForkServerConnection):
     """The starting side: launches the server process and asks it for children."""
 
     def __init__(
@@ -79,11 +72,10 @@ class ForkServerClient:
     ):
         if module not in PRELOADS:
             raise ValueError(f"no fork server for {module!r}; there are: {sorted(PRELOADS)}")
-        self.module = module
         self.env = dict(env)
         self.signature = import_time_env(env)
         self.directory = Path(tempfile.mkdtemp(prefix="tandem-fork-"))
-        self.socket_path = str(self.directory / "server.sock")
+        super().__init__(module, str(self.directory / "server.sock"))
         self.log_path = self.directory / "server.log"
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
@@ -109,31 +101,6 @@ class ForkServerClient:
             and import_time_env(env) == self.signature
         )
 
-    def spawn(
-        self, module: str, args: list[str], env: Mapping[str, str], cwd: str, log: str
-    ) -> int:
-        request = {"op": "spawn", "module": module, "args": list(args), "env": dict(env),
-                   "cwd": cwd, "log": log}  # fmt: skip
-        return int(self._ask(request)["pid"])
-
-    def exit_code(self, pid: int) -> tuple[bool, int | None]:
-        """(whether `pid` is this server's child, its exit code or None while it runs)."""
-        reply = self._ask({"op": "exit_code", "pid": pid})
-        return bool(reply["known"]), reply["exit_code"]
-
-    def _ask(self, request: dict) -> dict:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(30)
-            sock.connect(self.socket_path)
-            sock.sendall(json.dumps(request).encode() + b"\n")
-            reply = sock.makefile("rb").readline()
-        if not reply:
-            raise RuntimeError(f"fork server gave no reply: {self.log_path.read_text()[-2000:]}")
-        answer = json.loads(reply)
-        if "error" in answer:
-            raise RuntimeError(f"fork server refused {request['op']}: {answer['error']}")
-        return answer
-
 
 _shared: dict[tuple[str, frozenset[tuple[str, str]]], ForkServerClient] = {}
 MAX_SHARED = 8  # servers per starting process (the worker's holds ~0.3 GB of modules)
@@ -152,7 +119,7 @@ def shared_fork_server(module: str, env: Mapping[str, str], cwd: str) -> ForkSer
         return None
     try:
         server = ForkServerClient(module, env, cwd)
-    except (OSError, RuntimeError) as exc:
+    except (OSError, RuntimeError) as exc:  # ForkServerError is a RuntimeError
         print(f"tandem: no fork server ({exc}); starting processes directly", file=sys.stderr)
         return None
     _shared[key] = server
@@ -165,6 +132,7 @@ _exit_codes: dict[int, int | None] = {}
 # Variables the preloaded modules set for themselves at import (`os.environ.setdefault`):
 # a fresh interpreter would set them too, so every child gets them where its env has none.
 _set_by_imports: dict[str, str] = {}
+_signature: dict[str, str] = {}  # this server's import-time environment
 
 
 def _reap(*_: object) -> None:
@@ -178,20 +146,15 @@ def _reap(*_: object) -> None:
         _exit_codes[pid] = os.waitstatus_to_exitcode(status)
 
 
-def _become_child(request: dict) -> None:
+def _become_child(request: dict, fds: list[int]) -> None:
     """In the forked child: turn into `python -m MODULE ARGS`; never returns."""
     code = 1
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        os.setsid()
+        if request.get("new_session", True):
+            os.setsid()
         os.chdir(request["cwd"])
-        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.close(null)
+        _inherit(dict(zip(request.get("fds", []), fds, strict=True)), request.get("log"))
         os.environ.clear()
         os.environ.update(request["env"])
         for name, value in _set_by_imports.items():
@@ -213,6 +176,23 @@ def _become_child(request: dict) -> None:
     finally:
         code = _shut_down_like_an_interpreter(code)
         os._exit(code)
+
+
+def _inherit(fds: dict[int, int], log: str | None) -> None:
+    """Give the child its descriptors: `fds` (its number -> the one received), stdout and
+    stderr to `log` unless given, stdin from /dev/null unless given."""
+    if log is not None:
+        fds.setdefault(1, os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))
+        fds.setdefault(2, fds[1])
+    fds.setdefault(0, os.open(os.devnull, os.O_RDONLY))
+    # Out of the way of every target number first, then into place.
+    moved = {target: fcntl.fcntl(fd, fcntl.F_DUPFD, 256) for target, fd in fds.items()}
+    for fd in set(fds.values()):
+        if fd not in fds:
+            os.close(fd)
+    for target, fd in moved.items():
+        os.dup2(fd, target)  # inheritable, as Popen's pass_fds leaves them
+        os.close(fd)
 
 
 def _exit_status(value: object) -> int:
@@ -243,15 +223,34 @@ def _shut_down_like_an_interpreter(code: int) -> int:
 
 
 def _serve_one(conn: socket.socket, listener: socket.socket, module: str) -> None:
+    _, fds, _, _ = socket.recv_fds(conn, 1, 16)
+    try:
+        _answer(conn, listener, module, fds)
+    finally:
+        for fd in fds:  # the child has its copies; ours would keep pipes from ending
+            os.close(fd)
+
+
+def _differing(env: Mapping[str, str]) -> list[str]:
+    """The import-time variables whose values in `env` (with what the preload sets where
+    `env` has nothing) are not this server's."""
+    child = import_time_env({**_set_by_imports, **env})
+    return sorted(k for k in child.keys() | _signature.keys() if child.get(k) != _signature.get(k))
+
+
+def _answer(conn: socket.socket, listener: socket.socket, module: str, fds: list[int]) -> None:
     request = json.loads(conn.makefile("rb").readline())
     if request["op"] == "spawn":
         if request["module"] != module:
             raise ValueError(f"module {request['module']!r} is not served here ({module} is)")
+        differ = _differing(request["env"])
+        if differ:
+            raise ValueError(f"the child's import-time environment differs here: {differ}")
         pid = os.fork()
         if pid == 0:
             conn.close()
             listener.close()
-            _become_child(request)
+            _become_child(request, fds)
         _exit_codes.setdefault(pid, None)
         reply: dict = {"pid": pid}
     elif request["op"] == "exit_code":
@@ -271,8 +270,9 @@ def serve(module: str, socket_path: str) -> None:
     for name in PRELOADS[module]:
         importlib.import_module(name)
     # Its imports stay loaded; the module itself runs afresh in each child.
-    sys.modules.pop(module + ".__main__", None)
+    sys.modules.pop(PRELOADS[module][0], None)
     _set_by_imports.update((k, v) for k, v in os.environ.items() if before.get(k) != v)
+    _signature.update(import_time_env(os.environ))
     signal.signal(signal.SIGCHLD, _reap)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path + ".tmp")

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from common.fork_protocol import RANK_MODULE, RANK_SERVER_ENV
 from common.healthcheck import health_status, http_health_status
 from common.tls import TlsSettings
 from services.stack.fork_server import ForkServerClient, shared_fork_server
@@ -313,6 +314,7 @@ class Stack:
         if self._fork_servers and argv[1:2] == ["-m"]:
             server = shared_fork_server(argv[2], env, str(ROOT))
         if server is not None and server.serves(argv[2], env):
+            env = self._with_rank_server(argv, env)
             pid = server.spawn(argv[2], argv[3:], env, str(ROOT), str(log_path))
             self._forked[pid] = server
             return Process(name, address, pid, str(log_path), probe, self._metrics_at(name))
@@ -327,6 +329,15 @@ class Stack:
                 start_new_session=True,
             )
         return Process(name, address, proc.pid, str(log_path), probe, self._metrics_at(name))
+
+    def _with_rank_server(self, argv: list[str], env: Mapping[str, str]) -> Mapping[str, str]:
+        """A worker with ranks of its own forks them through a fork server too."""
+        if argv[2] != "services.worker" or not any("parallel-size" in a for a in argv):
+            return env
+        server = shared_fork_server(RANK_MODULE, env, str(ROOT))
+        if server is None or not server.serves(RANK_MODULE, env):
+            return env
+        return {**env, RANK_SERVER_ENV: server.socket_path}
 
     def _metrics_at(self, name: str) -> str | None:
         """host:port of the service's GET /metrics (the HTTP front's is its own port)."""

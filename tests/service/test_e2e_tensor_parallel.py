@@ -12,8 +12,10 @@ exactly on the other."""
 
 from __future__ import annotations
 
+import json
 import signal
 import time
+from pathlib import Path
 
 import grpc
 import psutil
@@ -46,10 +48,15 @@ def eight_kv_heads_dir(tmp_path_factory):
 
 
 def peer_ranks(stack, name: str) -> list[psutil.Process]:
-    worker = psutil.Process(stack.process(name).pid)
-    return [
-        p for p in worker.children() if "services.worker.parallel.peer" in " ".join(p.cmdline())
+    """The worker's other ranks still running, as its log names them (a test stack's
+    ranks are forked by a fork server: not the worker's children)."""
+    started = [
+        json.loads(line)
+        for line in Path(stack.process(name).log).read_text().splitlines()
+        if '"peer_ranks_started"' in line
     ]
+    pids = started[-1]["pids"] if started else []  # a one-rank worker starts none
+    return [psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)]
 
 
 def layout_flags(layout: str) -> list[str]:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from services.stack.fork_server import ForkServerClient, import_time_env
+from common.fork_protocol import import_time_env
+from services.stack.fork_server import ForkServerClient
 from services.stack.launcher import ROOT, free_port
 
 WORKER = "services.worker"
@@ -55,6 +56,31 @@ def test_a_child_gets_its_env_and_log_and_its_exit_code_is_reported(server, tmp_
     text = log.read_text()
     assert "configuration error: TANDEM_WORKER_ROLE" in text and "'painter'" in text, text
     assert "RuntimeWarning" not in text, text  # runpy ran the module afresh, cleanly
+
+
+def test_a_child_inherits_the_descriptors_it_is_given_and_only_it_holds_them(server):
+    """What a worker's ranks need (their step and answer pipes, the worker's log): the
+    child writes to the pipe it was given, and the pipe ends once the child has exited,
+    so neither the server nor anyone else kept a copy of its write end."""
+    read_end, write_end = os.pipe()
+    env = {**server.env, "TANDEM_MODEL": "/nowhere", "TANDEM_WORKER_ROLE": "painter"}
+    try:
+        pid = server.spawn(WORKER, ["--port", str(free_port())], env, str(ROOT),
+                           fds={1: write_end, 2: write_end}, new_session=False)  # fmt: skip
+    finally:
+        os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        text = pipe.read().decode()  # returns at end of file: every write end is closed
+    assert "configuration error: TANDEM_WORKER_ROLE" in text, text
+    assert _wait_exit_code(server, pid) == 2
+    with pytest.raises(RuntimeError, match="import-time environment differs"):
+        server.spawn(
+            WORKER,
+            [],
+            {**env, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "") + "7"},
+            str(ROOT),
+            os.devnull,
+        )
 
 
 def test_a_forked_worker_serves_in_its_own_session_and_dies_by_signal(

@@ -14,6 +14,13 @@ import sys
 import threading
 
 from common.config import config_argv
+from common.fork_protocol import (
+    RANK_MODULE,
+    RANK_SERVER_ENV,
+    ForkedProcess,
+    ForkServerConnection,
+    ForkServerError,
+)
 from common.log import get_logger
 from common.model_config import ModelConfig
 from common.pb.tandem.internal.v1 import worker_pb2
@@ -36,19 +43,18 @@ class PeerRanks:
         self.world_size = config.world_size
         self._closing = False
         self._pipes: list[int] = []
-        self._procs: list[subprocess.Popen] = []
+        self._procs: list[subprocess.Popen | ForkedProcess] = []
         # (transfer tag, "sent" or "received", rank) -> its future, on the event loop
         self._expected: dict[tuple[int, str, int], asyncio.Future] = {}
         self.store = None
         for rank in range(1, self.world_size):
             read_fd, write_fd = os.pipe()
             answer_read, answer_write = os.pipe()
-            command = [
-                sys.executable, "-m", "services.worker.parallel.peer",
+            args = [
                 "--rank", str(rank), "--store-port", str(store_port), "--step-fd", str(read_fd),
                 "--answer-fd", str(answer_write), *config_argv(config),
             ]  # fmt: skip
-            self._procs.append(subprocess.Popen(command, pass_fds=(read_fd, answer_write)))
+            self._procs.append(_start_rank(args, (read_fd, answer_write)))
             os.close(read_fd)
             os.close(answer_write)
             self._pipes.append(write_fd)
@@ -56,6 +62,7 @@ class PeerRanks:
                 target=self._read_answers, args=(rank, answer_read), name=f"rank-{rank}-answers",
                 daemon=True,
             ).start()  # fmt: skip
+        log.info("peer_ranks_started", pids=self.pids)
         for rank, proc in enumerate(self._procs, start=1):
             threading.Thread(
                 target=self._watch, args=(rank, proc), name=f"rank-{rank}-watch", daemon=True
@@ -65,7 +72,7 @@ class PeerRanks:
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
 
-    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+    def _watch(self, rank: int, proc: subprocess.Popen | ForkedProcess) -> None:
         code = proc.wait()
         if not self._closing:
             log.error("rank_exited", rank=rank, returncode=code, action="stopping the worker")
@@ -118,6 +125,23 @@ class PeerRanks:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def _start_rank(args: list[str], pass_fds: tuple[int, ...]) -> subprocess.Popen | ForkedProcess:
+    """`python -m services.worker.parallel.peer ARGS` with these descriptors: forked by the
+    fork server named in TANDEM_RANK_FORK_SERVER where there is one (test stacks: the
+    rank's imports are ~3 s), else a fresh interpreter."""
+    socket_path = os.environ.get(RANK_SERVER_ENV)
+    if socket_path:
+        server = ForkServerConnection(RANK_MODULE, socket_path)
+        fds = {fd: fd for fd in (*pass_fds, 1, 2)}  # the rank logs where the worker does
+        try:
+            pid = server.spawn(RANK_MODULE, args, os.environ, os.getcwd(), fds=fds,
+                               new_session=False)  # fmt: skip
+            return ForkedProcess(server, pid)
+        except ForkServerError as exc:
+            log.warning("rank_fork_refused", error=str(exc), action="starting it directly")
+    return subprocess.Popen([sys.executable, "-m", RANK_MODULE, *args], pass_fds=pass_fds)
 
 
 class RankTransferError(RuntimeError):
