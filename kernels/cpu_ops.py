@@ -4,7 +4,8 @@ They are compiled on first use with torch's extension builder (`-O3 -march=nativ
 through torch's own runtime, so they share its intra-op threads) into a folder under
 `.tandem/build/torch_extensions/` named by a hash of the sources, flags and torch version
 (a change builds anew), and later loaded straight from the shared library there
-(milliseconds). Building takes ~15 s once per machine; `make venv` does it ahead of time.
+(milliseconds). Building takes ~30 s once per machine (two units, `UNITS`, compiled in
+parallel); `make venv` does it ahead of time.
 Concurrent first uses build once: the build holds an `flock` (released by the kernel if
 the builder dies, unlike the extension builder's own lock file, which a killed build
 leaves behind and every later build would wait on forever: a stale one is removed). When
@@ -39,6 +40,12 @@ SOURCES = tuple(
     )
 )
 # Headers the sources include (hashed with them: a change builds anew).
+# What the compiler is given: two units, each including three of SOURCES (torch's headers
+# parsed twice rather than six times; the units build in parallel).
+UNITS = tuple(
+    Path(__file__).resolve().parent / "cpu" / name
+    for name in ("unit_linear_attention.cpp", "unit_sampling_norm.cpp")
+)
 HEADERS = tuple(
     Path(__file__).resolve().parent / "cpu" / name
     for name in ("claimed_parallel.h", "counter_hash.h")
@@ -71,7 +78,7 @@ def available() -> bool:
 def build_directory() -> Path:
     """Where this exact build (sources, flags, torch version) lives."""
     digest = hashlib.sha256()
-    for source in SOURCES + HEADERS:
+    for source in SOURCES + HEADERS + UNITS:
         digest.update(source.read_bytes())
     digest.update(" ".join(CFLAGS + LDFLAGS).encode())
     digest.update(torch.__version__.encode())
@@ -107,7 +114,7 @@ def _build(directory: Path) -> None:
         (directory / "lock").unlink(missing_ok=True)  # a killed build's stale baton
         load(
             name=NAME,
-            sources=[str(s) for s in SOURCES],
+            sources=[str(s) for s in UNITS],
             extra_cflags=list(CFLAGS),
             extra_ldflags=list(LDFLAGS),
             build_directory=str(directory),
