@@ -40,15 +40,15 @@ SOURCES = tuple(
     )
 )
 # Headers the sources include (hashed with them: a change builds anew).
+HEADERS = tuple(
+    Path(__file__).resolve().parent / "cpu" / name
+    for name in ("claimed_parallel.h", "counter_hash.h")
+)
 # What the compiler is given: two units, each including three of SOURCES (torch's headers
 # parsed twice rather than six times; the units build in parallel).
 UNITS = tuple(
     Path(__file__).resolve().parent / "cpu" / name
     for name in ("unit_linear_attention.cpp", "unit_sampling_norm.cpp")
-)
-HEADERS = tuple(
-    Path(__file__).resolve().parent / "cpu" / name
-    for name in ("claimed_parallel.h", "counter_hash.h")
 )
 BUILD_DIR = ROOT / ".tandem" / "build" / "torch_extensions"
 NAME = "tandem_cpu_kernels"

@@ -206,9 +206,10 @@ class BackgroundStream:
 # tests/unit/test_gemm_plan.py, tests/service/test_compute_lock.py and the stacks started
 # through the CLI (tests/service/test_stack_cli.py).
 TEST_CPU_GEMM = os.environ.get("TANDEM_CPU_GEMM", "tandem")
-# Test stacks fork their workers from one process that imported torch once
-# (services/stack/fork_server.py): ~3 s less per worker start; TANDEM_TEST_FORK_SERVER=0
-# starts every worker as a fresh interpreter, as `make up` does.
+# Test stacks fork their services (and workers their ranks) from fork servers that imported
+# each service's modules once (services/stack/fork_server.py): a stack starts in ~2 s
+# instead of ~7.7; TANDEM_TEST_FORK_SERVER=0 starts every process as a fresh interpreter,
+# as `make up` does.
 TEST_FORK_SERVER = os.environ.get("TANDEM_TEST_FORK_SERVER", "1") != "0"
 
 

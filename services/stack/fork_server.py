@@ -73,7 +73,6 @@ class ForkServerClient(ForkServerConnection):
         if module not in PRELOADS:
             raise ValueError(f"no fork server for {module!r}; there are: {sorted(PRELOADS)}")
         self.env = dict(env)
-        self.signature = import_time_env(env)
         self.directory = Path(tempfile.mkdtemp(prefix="tandem-fork-"))
         super().__init__(module, str(self.directory / "server.sock"))
         self.log_path = self.directory / "server.log"
@@ -93,13 +92,6 @@ class ForkServerClient(ForkServerConnection):
                 self.process.kill()
                 raise RuntimeError(f"fork server did not start: {self.log_path.read_text()}")
             time.sleep(0.05)
-
-    def serves(self, module: str, env: Mapping[str, str]) -> bool:
-        return (
-            module == self.module
-            and self.process.poll() is None
-            and import_time_env(env) == self.signature
-        )
 
 
 _shared: dict[tuple[str, frozenset[tuple[str, str]]], ForkServerClient] = {}

@@ -22,10 +22,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from common.fork_protocol import RANK_MODULE, RANK_SERVER_ENV
+from common.fork_protocol import RANK_MODULE, RANK_SERVER_ENV, ForkedProcess, ForkServerError
 from common.healthcheck import health_status, http_health_status
 from common.tls import TlsSettings
-from services.stack.fork_server import ForkServerClient, shared_fork_server
+from services.stack.fork_server import shared_fork_server
 
 ROOT = Path(__file__).resolve().parents[2]
 STATE_FILE = "stack.json"
@@ -302,7 +302,7 @@ class Stack:
         self.processes = processes
         self._env = dict(env) if env is not None else None
         self._fork_servers = False  # start the services through fork servers (`start`)
-        self._forked: dict[int, ForkServerClient] = {}  # pid -> the server that forked it
+        self._forked: dict[int, ForkedProcess] = {}  # the children of fork servers, by pid
         # The probes speak TLS exactly when the services were started with it.
         self.tls = TlsSettings.from_env(self._env) if env is not None else None
 
@@ -313,11 +313,15 @@ class Stack:
         server = None
         if self._fork_servers and argv[1:2] == ["-m"]:
             server = shared_fork_server(argv[2], env, str(ROOT))
-        if server is not None and server.serves(argv[2], env):
-            env = self._with_rank_server(argv, env)
-            pid = server.spawn(argv[2], argv[3:], env, str(ROOT), str(log_path))
-            self._forked[pid] = server
-            return Process(name, address, pid, str(log_path), probe, self._metrics_at(name))
+        if server is not None:
+            try:
+                pid = server.spawn(argv[2], argv[3:], self._with_rank_server(argv, env),
+                                   str(ROOT), str(log_path))  # fmt: skip
+            except ForkServerError:
+                pass  # refused (an import-time variable differs): start it fresh below
+            else:
+                self._forked[pid] = ForkedProcess(server, pid)
+                return Process(name, address, pid, str(log_path), probe, self._metrics_at(name))
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen(
                 argv,
@@ -335,7 +339,7 @@ class Stack:
         if argv[2] != "services.worker" or not any("parallel-size" in a for a in argv):
             return env
         server = shared_fork_server(RANK_MODULE, env, str(ROOT))
-        if server is None or not server.serves(RANK_MODULE, env):
+        if server is None:
             return env
         return {**env, RANK_SERVER_ENV: server.socket_path}
 
@@ -363,13 +367,12 @@ class Stack:
         while time.monotonic() < deadline:
             try:
                 pid, status = os.waitpid(process.pid, os.WNOHANG)
-            except ChildProcessError:  # not our child: the fork server's, or another's
-                known, code = (False, None)
-                if process.pid in self._forked:
-                    known, code = self._forked[process.pid].exit_code(process.pid)
-                if known and code is not None:
-                    return code
-                if not known and not self.alive(process):
+            except ChildProcessError:  # not our child: a fork server's, or another's
+                forked = self._forked.get(process.pid)
+                if forked is not None:
+                    if forked.poll() is not None:
+                        return forked.returncode
+                elif not self.alive(process):
                     return None
             else:
                 if pid:

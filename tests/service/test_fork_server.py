@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from common.fork_protocol import import_time_env
+from common.fork_protocol import ForkServerError, import_time_env
 from services.stack.fork_server import ForkServerClient
 from services.stack.launcher import ROOT, free_port
 
@@ -73,7 +73,7 @@ def test_a_child_inherits_the_descriptors_it_is_given_and_only_it_holds_them(ser
         text = pipe.read().decode()  # returns at end of file: every write end is closed
     assert "configuration error: TANDEM_WORKER_ROLE" in text, text
     assert _wait_exit_code(server, pid) == 2
-    with pytest.raises(RuntimeError, match="import-time environment differs"):
+    with pytest.raises(ForkServerError, match="import-time environment differs"):
         server.spawn(
             WORKER,
             [],
@@ -102,16 +102,14 @@ def test_a_forked_worker_serves_in_its_own_session_and_dies_by_signal(
         os.kill(pid, 0)
 
 
-def test_what_cannot_be_forked_faithfully_is_left_to_the_caller(server):
-    assert server.serves(WORKER, server.env)
+def test_what_cannot_be_forked_faithfully_is_refused_naming_why(server, tmp_path):
     for name in ("OMP_NUM_THREADS", "GOMP_SPINCOUNT", "PYTHONHASHSEED", "TRITON_INTERPRET"):
         changed = {**server.env, name: server.env.get(name, "") + "7"}
-        assert not server.serves(WORKER, changed), name
-    # Run-time settings (flags' environment variables) do not matter.
-    assert server.serves(WORKER, {**server.env, "TANDEM_WORKER_ROLE": "decode"})
-    assert not server.serves("services.gateway", server.env)  # one service per server
+        with pytest.raises(ForkServerError, match=rf"differs here: \['{name}'\]"):
+            server.spawn(WORKER, [], changed, str(ROOT), str(tmp_path / "never.log"))
+    assert not (tmp_path / "never.log").exists()  # refused before any fork
     assert import_time_env({"OMP_X": "1", "TANDEM_Y": "2"}) == {"OMP_X": "1"}
-    with pytest.raises(RuntimeError, match="not served"):
+    with pytest.raises(ForkServerError, match="not served"):  # one service per server
         server.spawn("services.gateway", [], server.env, str(ROOT), os.devnull)
 
 
