@@ -1,6 +1,7 @@
 """TLS / mutual TLS on every gRPC hop and bearer-token auth on the public APIs.
 
-A throwaway CA (and an unrelated second one) issue certificates here. One real stack
+A throwaway CA (and an unrelated second one, `tests/throwaway_pki.py`) issue the
+certificates; the settings themselves are tested in test_security_settings.py. One real stack
 (workers, scheduler, gateway, HTTPS front as processes) runs with mutual TLS and an API key:
 greedy output over it equals HF `generate`; plaintext clients, clients trusting another CA
 and clients without a certificate are refused by every service; calls without the right
@@ -9,41 +10,32 @@ bearer token are UNAUTHENTICATED (HTTP 401) while health stays open.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import datetime
 import http.client
-import ipaddress
 import json
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import httpx2
 import openai
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from common.config import load_config
-from common.grpc_server import ServiceHost, open_sync_channel
+from common.grpc_server import open_sync_channel
 from common.healthcheck import health_status, http_health_status
 from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
 from common.tls import TlsSettings
-from services.gateway.config import GatewayConfig
 from services.stack.launcher import Stack
 from tests.hf_reference import hf_greedy, hf_tokenizer
+from tests.throwaway_pki import Pki, make_pki
 
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "tandem-test-key-4f9c"
@@ -51,237 +43,9 @@ MODEL = "tiny-llama"
 DENIED = "missing or invalid bearer token"
 
 
-# --- a throwaway PKI -----------------------------------------------------------------------
-
-
-def _name(common_name: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-
-
-def _save(path: Path, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate) -> None:
-    path.with_suffix(".pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    path.with_suffix(".key").write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-
-
-def _builder(subject: str, issuer: x509.Name, key) -> x509.CertificateBuilder:
-    now = datetime.datetime.now(datetime.UTC)
-    return (
-        x509.CertificateBuilder()
-        .subject_name(_name(subject))
-        .issuer_name(issuer)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-    )
-
-
-@dataclass(frozen=True)
-class Authority:
-    key: ec.EllipticCurvePrivateKey
-    cert: x509.Certificate
-    path: Path  # the CA certificate's PEM file
-
-    @classmethod
-    def create(cls, folder: Path, name: str) -> Authority:
-        key = ec.generate_private_key(ec.SECP256R1())
-        cert = (
-            _builder(name, _name(name), key)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256())
-        )
-        _save(folder / name, key, cert)
-        return cls(key, cert, folder / f"{name}.pem")
-
-    def issue(
-        self, folder: Path, name: str, sans: list[x509.GeneralName] | None = None
-    ) -> tuple[str, str]:
-        """A leaf for servers and clients alike; returns (cert file, key file)."""
-        key = ec.generate_private_key(ec.SECP256R1())
-        if sans is None:
-            sans = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-        usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-        cert = (
-            _builder(name, self.cert.subject, key)
-            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
-            .sign(self.key, hashes.SHA256())
-        )
-        _save(folder / name, key, cert)
-        return str(folder / f"{name}.pem"), str(folder / f"{name}.key")
-
-
-@dataclass(frozen=True)
-class Pki:
-    ca: Authority
-    other_ca: Authority
-    service: tuple[str, str]  # every Tandem process
-    client: tuple[str, str]  # the test's clients
-    rogue: tuple[str, str]  # issued by the other CA
-
-    def tls(self, identity: tuple[str, str] | None, ca: Authority | None = None) -> TlsSettings:
-        cert, key = identity or (None, None)
-        return TlsSettings(cert_file=cert, key_file=key, ca_file=str((ca or self.ca).path))
-
-    def env(self) -> dict[str, str]:
-        return {
-            "TANDEM_TLS_CERT": self.service[0],
-            "TANDEM_TLS_KEY": self.service[1],
-            "TANDEM_TLS_CA": str(self.ca.path),
-            "TANDEM_TLS_CLIENT_AUTH": "1",
-        }
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> Pki:
-    folder = tmp_path_factory.mktemp("pki")
-    ca = Authority.create(folder, "ca")
-    other = Authority.create(folder, "other-ca")
-    return Pki(
-        ca=ca,
-        other_ca=other,
-        service=ca.issue(folder, "service"),
-        client=ca.issue(folder, "client"),
-        rogue=other.issue(folder, "rogue"),
-    )
-
-
-# --- TlsSettings ---------------------------------------------------------------------------
-
-
-def test_nothing_set_means_plaintext():
-    tls = TlsSettings.from_env({})
-    assert not tls.enabled and not tls.client_auth
-    assert TlsSettings.from_env({"TANDEM_TLS_CLIENT_AUTH": "false"}) == tls
-
-
-def test_a_full_mutual_tls_environment_is_accepted(pki):
-    tls = TlsSettings.from_env(pki.env())
-    assert tls.enabled and tls.can_serve and tls.client_auth
-    assert tls.server_credentials() is not None and tls.channel_credentials() is not None
-    client_only = TlsSettings.from_env({"TANDEM_TLS_CA": str(pki.ca.path)})
-    assert client_only.enabled and not client_only.can_serve
-    with pytest.raises(ValueError, match="a server needs its own certificate"):
-        client_only.server_credentials()
-
-
-@pytest.mark.parametrize(
-    "env, message",
-    [
-        ({"TANDEM_TLS_CERT": "{cert}"}, "TANDEM_TLS_CERT is set but TANDEM_TLS_KEY is not"),
-        ({"TANDEM_TLS_KEY": "{key}"}, "TANDEM_TLS_KEY is set but TANDEM_TLS_CERT is not"),
-        (
-            {"TANDEM_TLS_CERT": "{cert}", "TANDEM_TLS_KEY": "{key}", "TANDEM_TLS_CLIENT_AUTH": "1"},
-            "TANDEM_TLS_CLIENT_AUTH needs TANDEM_TLS_CA",
-        ),
-        (
-            {"TANDEM_TLS_CA": "{ca}", "TANDEM_TLS_CLIENT_AUTH": "true"},
-            "TANDEM_TLS_CLIENT_AUTH needs TANDEM_TLS_CERT and TANDEM_TLS_KEY",
-        ),
-        ({"TANDEM_TLS_CA": "{ca}", "TANDEM_TLS_CLIENT_AUTH": "maybe"}, "must be true or false"),
-        ({"TANDEM_TLS_CA": "/nonexistent/ca.pem"}, "TANDEM_TLS_CA: cannot read"),
-        (
-            {"TANDEM_TLS_CERT": "{cert}", "TANDEM_TLS_KEY": "/nonexistent/key.pem"},
-            "TANDEM_TLS_KEY: cannot read",
-        ),
-        ({"TANDEM_TLS_CA": "{garbage}"}, "TANDEM_TLS_CA: .* is not a PEM file"),
-        (
-            {"TANDEM_TLS_CERT": "{cert}", "TANDEM_TLS_KEY": "{other_key}"},
-            "are not a PEM certificate and its unencrypted private key",
-        ),
-        ({"TANDEM_TLS_CA": "{key}"}, "TANDEM_TLS_CA: .* holds no usable PEM CA certificate"),
-        ({"TANDEM_TLS_SERVER_NAME": "localhost"}, "TANDEM_TLS_SERVER_NAME is set but TLS is off"),
-    ],
-)
-def test_inconsistent_settings_raise_naming_the_variable(pki, tmp_path, env, message):
-    garbage = tmp_path / "garbage.pem"
-    garbage.write_text("not a certificate\n")
-    paths = {
-        "cert": pki.service[0],
-        "key": pki.service[1],
-        "other_key": pki.rogue[1],
-        "ca": str(pki.ca.path),
-        "garbage": str(garbage),
-    }
-    env = {name: value.format(**paths) for name, value in env.items()}
-    with pytest.raises(ValueError, match=message):
-        TlsSettings.from_env(env)
-
-
-def test_server_name_override_checks_the_certificate_against_that_name(pki, tmp_path):
-    """A certificate issued only for `tandem.internal` fails against 127.0.0.1 unless the
-    client checks it against TANDEM_TLS_SERVER_NAME."""
-    named = pki.ca.issue(tmp_path, "named", sans=[x509.DNSName("tandem.internal")])
-    ca = str(pki.ca.path)
-    server = TlsSettings(cert_file=named[0], key_file=named[1], ca_file=ca)
-
-    def check(address: str, tls: TlsSettings) -> str:
-        try:
-            with open_sync_channel(address, tls) as channel:
-                reply = health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(), timeout=5
-                )
-            return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-        except grpc.RpcError as exc:
-            return exc.code().name
-
-    async def scenario() -> tuple[str, str]:
-        host = ServiceHost(["tandem.test.Nothing"], tls=server)
-        port = host.bind("127.0.0.1", 0)
-        await host.start()
-        await host.set_serving(True)
-        try:
-            address = f"127.0.0.1:{port}"
-            plain_name = await asyncio.to_thread(check, address, TlsSettings(ca_file=ca))
-            overridden = TlsSettings(ca_file=ca, server_name="tandem.internal")
-            return plain_name, await asyncio.to_thread(check, address, overridden)
-        finally:
-            await host.stop(0)
-
-    assert asyncio.run(scenario()) == ("UNAVAILABLE", "SERVING")
-
-
-# --- the gateway's API key setting -----------------------------------------------------------
-
-
-def test_api_key_comes_from_flag_env_or_file_and_stays_out_of_repr(tmp_path):
-    key_file = tmp_path / "key"
-    key_file.write_text(f"  {API_KEY}\n")
-    from_env = load_config(GatewayConfig, ["--model", "m"], env={"TANDEM_API_KEY": API_KEY})
-    from_flag = load_config(GatewayConfig, ["--model", "m", "--api-key", API_KEY], env={})
-    from_file = load_config(
-        GatewayConfig, ["--model", "m"], env={"TANDEM_API_KEY_FILE": str(key_file)}
-    )
-    for config in (from_env, from_flag, from_file):
-        assert config.resolved_api_key == API_KEY
-        assert API_KEY not in repr(config)
-    assert load_config(GatewayConfig, ["--model", "m"], env={}).resolved_api_key == ""
-
-
-@pytest.mark.parametrize(
-    "argv, file_text, message",
-    [
-        (["--api-key", "k", "--api-key-file", "{file}"], "k", "api_key or api_key_file, not both"),
-        (["--api-key-file", "/nonexistent/key"], None, "api_key_file: cannot read"),
-        (["--api-key-file", "{file}"], "  \n", "api_key_file: .* is empty"),
-        (["--api-key", "two words"], None, "api_key must be printable ASCII without spaces"),
-        (["--api-key", "clé"], None, "api_key must be printable ASCII"),
-        (["--api-key", "k" * 4097], None, "api_key must be at most 4096 characters"),
-    ],
-)
-def test_bad_api_key_settings_raise_naming_the_setting(tmp_path, argv, file_text, message):
-    key_file = tmp_path / "key"
-    if file_text is not None:
-        key_file.write_text(file_text)
-    argv = ["--model", "m", *(a.format(file=key_file) for a in argv)]
-    with pytest.raises(ValueError, match=message):
-        load_config(GatewayConfig, argv, env={})
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 # --- one stack: mutual TLS on every hop, an API key on the public APIs ---------------------

@@ -1,6 +1,6 @@
 """Continuous batching in one pool: budget, chunking, decode priority, admission, prefix
-hits, preemption (recompute and swap), async placeholders, drops, a draining pool's
-requests leaving with their KV."""
+hits, preemption (recompute and swap), async placeholders, drops, LoRA slots. Requests
+leaving a pool with their KV are in test_pool_scheduler_handoff.py."""
 
 from common.prefix_hash import root_hash
 from services.scheduler.block_manager import BlockManager
@@ -41,6 +41,16 @@ def step(s: PoolScheduler, token: int = 7):
 
 def scheduled(plan):
     return [(i.request.request_id, i.num_new_tokens) for i in plan.scheduled]
+
+
+def arrived(s: PoolScheduler, rid: str, prompt_len: int, max_tokens: int = 50, first: int = 1):
+    """A request that reaches a decode pool with its KV (first token sampled elsewhere)."""
+    r = make_request(rid, prompt_len, max_tokens=max_tokens, first=first)
+    r.append_token(5)
+    r.num_computed_tokens = r.num_tokens - 1
+    s.blocks.allocate(rid, r.num_computed_tokens)
+    s.add(r)
+    return r
 
 
 def test_prompt_is_chunked_under_the_token_budget_and_blocks_grow_with_it():
@@ -432,110 +442,6 @@ def test_update_ignores_a_token_for_a_request_that_started_over():
     r.num_pending_tokens = 0  # its worker failed; the request starts over elsewhere
     update = s.update(result_for(plan))
     assert update.unexpected == ["a"] and r.output_token_ids == []
-
-
-def test_blocks_of_a_cancelled_receive_are_held_until_a_step_carries_its_tag():
-    s = sched(num_blocks=4, block_size=4)
-    s.blocks.allocate("moving", 12)  # a receive into three blocks, then given up
-    s.cancel_transfer(0xAB, "moving")
-    assert not s.blocks.has("moving") and s.blocks.num_free_blocks == 1  # still held
-    plan = s.schedule()  # nothing runs, yet the tag must reach the worker
-    assert not plan.is_empty and plan.cancelled_transfer_tags == [0xAB]
-    assert s.blocks.num_free_blocks == 4 and s.blocks.num_requests == 0
-    s.update(StepResult(step_id=1, sampled={}, execute_seconds=0.0))
-    assert s.schedule().is_empty
-
-
-def test_a_lost_worker_frees_blocks_held_for_cancelled_receives_at_once():
-    s = sched(num_blocks=4, block_size=4)
-    s.blocks.allocate("moving", 8)
-    s.cancel_transfer(7, "moving")
-    s.forget_cancelled_transfers()
-    assert s.blocks.num_free_blocks == 4 and s.schedule().is_empty
-
-
-# -- a draining decode pool hands its requests on with their KV ------------------------------
-def arrived(s: PoolScheduler, rid: str, prompt_len: int, max_tokens: int = 50, first: int = 1):
-    """A request that reaches a decode pool with its KV (first token sampled elsewhere)."""
-    r = make_request(rid, prompt_len, max_tokens=max_tokens, first=first)
-    r.append_token(5)
-    r.num_computed_tokens = r.num_tokens - 1
-    s.blocks.allocate(rid, r.num_computed_tokens)
-    s.add(r)
-    return r
-
-
-def test_a_draining_pool_hands_a_request_on_only_once_no_step_in_flight_computes_for_it():
-    s = sched()
-    a, b = arrived(s, "a", 6), arrived(s, "b", 6, first=50)
-    first, second = s.schedule(), s.schedule()  # async: two decode steps in flight
-    assert scheduled(second) == [("a", 1), ("b", 1)]
-    s.migrating = True
-    assert s.take_migrations() == [] and s.schedule().is_empty  # nothing new runs
-    assert s.update(result_for(first)).ready_for_handoff == []  # `second` computes for them
-    update = s.update(result_for(second, token=9))
-    assert update.ready_for_handoff == [a, b] and s.num_migrations_out == 2
-    for r in (a, b):  # out of the queues, KV kept; the next pool computes one token
-        assert r.output_token_ids == [5, 7, 9] and r.num_pending_tokens == 0
-        assert r.num_computed_tokens == r.num_known_tokens - 1 == 8
-        assert not s.holds(r) and s.blocks.table(r.request_id) and not r.is_finished
-    assert s.schedule().is_empty  # both stay in the worker's batch while their KV moves
-    s.blocks.free("a")  # a's KV arrived elsewhere
-    assert s.schedule().dropped_request_ids == ["a"]
-    s.blocks.free("b")
-    assert s.schedule().dropped_request_ids == ["b"]
-    assert s.blocks.num_free_blocks == s.blocks.num_blocks
-    s.check_integrity()
-
-
-def test_a_draining_pool_finishes_last_tokens_and_hands_on_kv_that_arrived_late():
-    s = sched()
-    done = arrived(s, "done", 6, max_tokens=2)
-    plan = s.schedule()  # samples done's last token
-    s.migrating = True
-    late = arrived(s, "late", 6, first=50)  # its transfer ended after the drain began
-    assert s.take_migrations() == [late]
-    update = s.update(result_for(plan))
-    assert update.finished == [done] and update.ready_for_handoff == []
-    assert not s.blocks.has("done") and s.blocks.has("late")
-    s.blocks.free("late")
-    assert s.schedule().dropped_request_ids == ["done"]  # late never reached the worker
-
-
-def test_a_move_called_off_leaves_the_request_running_where_the_worker_still_holds_it():
-    s = sched()
-    a = arrived(s, "a", 6)
-    s.update(result_for(s.schedule()))
-    s.migrating = True
-    assert s.take_migrations() == [a]
-    s.migrating = False  # the drain ended before a decode pool pulled it
-    s.take_back(a)
-    plan = s.schedule()
-    (item,) = plan.scheduled
-    assert (item.request, item.is_new, item.num_new_tokens) == (a, False, 1)
-    assert plan.dropped_request_ids == [] and s.num_migrations_out == 1
-
-
-def test_a_draining_pool_swaps_a_swapped_request_back_in_for_one_step_then_hands_it_on():
-    s = sched(
-        num_blocks=4,
-        block_size=4,
-        budget=64,
-        preemption_mode="swap",
-        swap_blocks=BlockManager(8, 4, enable_caching=False),
-    )
-    a, b = make_request("a", 8, max_tokens=8), make_request("b", 7, max_tokens=8, first=50)
-    s.add(a)
-    s.add(b)
-    step(s)
-    assert step(s).swapped_out == [b]
-    s.migrating = True
-    assert s.take_migrations() == [a]  # b's KV is in swap space
-    s.blocks.free("a")  # a's KV moved: room for b
-    plan = s.schedule()
-    assert plan.swap_in and scheduled(plan) == [("b", 1)] and plan.dropped_request_ids == ["a"]
-    assert s.update(result_for(plan)).ready_for_handoff == [b]
-    assert s.blocks.has("b") and not s.swap_blocks.has("b")
 
 
 def test_prompt_tokens_computed_counts_prompts_and_recomputes_not_arrived_kv():
