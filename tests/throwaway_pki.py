@@ -1,5 +1,6 @@
 """A throwaway PKI for TLS tests: a CA (and an unrelated second one) that issue leaf
-certificates for servers and clients alike, written as PEM files into a folder."""
+certificates for servers and clients alike, written as PEM files into a folder; and a
+health check over given TLS settings."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.grpc_server import open_sync_channel
 from common.tls import TlsSettings
 
 
@@ -111,3 +115,15 @@ def make_pki(folder: Path) -> Pki:
         client=ca.issue(folder, "client"),
         rogue=other.issue(folder, "rogue"),
     )
+
+
+def check_health(address: str, tls: TlsSettings) -> str:
+    """The Health status over `tls`, or the gRPC status code's name when the call fails."""
+    try:
+        with open_sync_channel(address, tls) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    except grpc.RpcError as exc:
+        return exc.code().name

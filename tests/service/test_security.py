@@ -35,7 +35,7 @@ from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
 from common.tls import TlsSettings
 from services.stack.launcher import Stack
 from tests.hf_reference import hf_greedy, hf_tokenizer
-from tests.throwaway_pki import Pki, make_pki
+from tests.throwaway_pki import Pki, check_health, make_pki
 
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "tandem-test-key-4f9c"
@@ -76,18 +76,6 @@ def expected(model_dir: Path, prompt: str, max_tokens: int) -> tuple[list[int], 
     tokenizer = hf_tokenizer(str(model_dir))
     ids = hf_greedy(model_dir, tokenizer.encode(prompt), max_tokens)
     return ids, tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def check_health(address: str, tls: TlsSettings) -> str:
-    """The Health status over `tls`, or the gRPC status code's name when the call fails."""
-    try:
-        with open_sync_channel(address, tls) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=5
-            )
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    except grpc.RpcError as exc:
-        return exc.code().name
 
 
 def test_greedy_over_mutual_tls_equals_hf(stack, pki, tiny_llama_dir):

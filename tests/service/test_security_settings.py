@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import pytest
 from cryptography import x509
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.config import load_config
-from common.grpc_server import ServiceHost, open_sync_channel
+from common.grpc_server import ServiceHost
 from common.tls import TlsSettings
 from services.gateway.config import GatewayConfig
-from tests.throwaway_pki import Pki, make_pki
+from tests.throwaway_pki import Pki, check_health, make_pki
 
 API_KEY = "tandem-test-key-4f9c"
 
@@ -95,16 +93,6 @@ def test_server_name_override_checks_the_certificate_against_that_name(pki, tmp_
     ca = str(pki.ca.path)
     server = TlsSettings(cert_file=named[0], key_file=named[1], ca_file=ca)
 
-    def check(address: str, tls: TlsSettings) -> str:
-        try:
-            with open_sync_channel(address, tls) as channel:
-                reply = health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(), timeout=5
-                )
-            return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-        except grpc.RpcError as exc:
-            return exc.code().name
-
     async def scenario() -> tuple[str, str]:
         host = ServiceHost(["tandem.test.Nothing"], tls=server)
         port = host.bind("127.0.0.1", 0)
@@ -112,9 +100,9 @@ def test_server_name_override_checks_the_certificate_against_that_name(pki, tmp_
         await host.set_serving(True)
         try:
             address = f"127.0.0.1:{port}"
-            plain_name = await asyncio.to_thread(check, address, TlsSettings(ca_file=ca))
+            plain_name = await asyncio.to_thread(check_health, address, TlsSettings(ca_file=ca))
             overridden = TlsSettings(ca_file=ca, server_name="tandem.internal")
-            return plain_name, await asyncio.to_thread(check, address, overridden)
+            return plain_name, await asyncio.to_thread(check_health, address, overridden)
         finally:
             await host.stop(0)
 
