@@ -128,9 +128,9 @@ class ForkedProcess:
 
 def _exists(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # PermissionError: it exists, as another user's
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     return True

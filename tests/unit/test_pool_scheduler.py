@@ -24,6 +24,17 @@ def sched(num_blocks=64, block_size=4, budget=32, max_seqs=8, **kwargs) -> PoolS
     return PoolScheduler(BlockManager(num_blocks, block_size), budget, max_seqs, **kwargs)
 
 
+def swap_sched(swap_blocks: int = 8) -> PoolScheduler:
+    """Four 4-token blocks that preempt by swapping into `swap_blocks` blocks of swap space."""
+    return sched(
+        num_blocks=4,
+        block_size=4,
+        budget=64,
+        preemption_mode="swap",
+        swap_blocks=BlockManager(swap_blocks, 4, enable_caching=False),
+    )
+
+
 def result_for(plan, token: int = 7) -> StepResult:
     """What a worker answers for a plan: `token` for every request the step samples."""
     sampled = {i.request.request_id: token for i in plan.scheduled if i.samples}
@@ -181,13 +192,7 @@ def test_lone_request_that_cannot_grow_preempts_itself():
 
 
 def test_swap_preemption_moves_kv_out_and_back_keeping_progress():
-    s = sched(
-        num_blocks=4,
-        block_size=4,
-        budget=64,
-        preemption_mode="swap",
-        swap_blocks=BlockManager(8, 4, enable_caching=False),
-    )
+    s = swap_sched()
     # a grows to 8 + 8 tokens = all 4 blocks; b (7 + 3 tokens) must make room.
     a, b = make_request("a", 8, max_tokens=8), make_request("b", 7, max_tokens=3, first=50)
     s.add(a)
@@ -218,13 +223,7 @@ def test_swap_preemption_moves_kv_out_and_back_keeping_progress():
 
 
 def test_swap_falls_back_to_recompute_when_swap_space_is_full():
-    s = sched(
-        num_blocks=4,
-        block_size=4,
-        budget=64,
-        preemption_mode="swap",
-        swap_blocks=BlockManager(1, 4, enable_caching=False),
-    )
+    s = swap_sched(swap_blocks=1)
     a, b = make_request("a", 8, max_tokens=20), make_request("b", 7, max_tokens=20, first=50)
     s.add(a)
     s.add(b)

@@ -2,7 +2,6 @@
 carries its tag (or the worker is lost), and a draining decode pool hands its requests on
 with their KV once no step in flight computes for them."""
 
-from services.scheduler.block_manager import BlockManager
 from services.scheduler.worker_types import StepResult
 from tests.unit.test_pool_scheduler import (
     arrived,
@@ -11,6 +10,7 @@ from tests.unit.test_pool_scheduler import (
     sched,
     scheduled,
     step,
+    swap_sched,
 )
 
 
@@ -87,13 +87,7 @@ def test_a_move_called_off_leaves_the_request_running_where_the_worker_still_hol
 
 
 def test_a_draining_pool_swaps_a_swapped_request_back_in_for_one_step_then_hands_it_on():
-    s = sched(
-        num_blocks=4,
-        block_size=4,
-        budget=64,
-        preemption_mode="swap",
-        swap_blocks=BlockManager(8, 4, enable_caching=False),
-    )
+    s = swap_sched()
     a, b = make_request("a", 8, max_tokens=8), make_request("b", 7, max_tokens=8, first=50)
     s.add(a)
     s.add(b)
