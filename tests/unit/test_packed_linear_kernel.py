@@ -2,7 +2,9 @@
 float64: every row count a plan can hand it (the even split into blocks of at most 6 rows
 makes each count a different set of micro-kernels), output widths that are and are not a
 multiple of the 16-column panels, depths that are and are not a multiple of the 128-deep
-chunks, bias and none, strided inputs; and the errors it gives for inputs it cannot take.
+chunks and of the four values of k the decode loop takes at a time (134: a last chunk of 6,
+four unrolled and two alone), bias and none, strided inputs; and the errors it gives for
+inputs it cannot take.
 
 The kernel sums each output over k in order with FMAs, so it is compared within float32
 rounding of a K-term dot product, not bit for bit.
@@ -32,7 +34,9 @@ def _close(got: torch.Tensor, want: torch.Tensor, depth: int) -> None:
     torch.testing.assert_close(got, want, atol=2e-6 * depth, rtol=1e-5)
 
 
-@pytest.mark.parametrize("depth,width", [(48, 64), (300, 37), (256, 16), (129, 200), (512, 8)])
+@pytest.mark.parametrize(
+    "depth,width", [(48, 64), (300, 37), (256, 16), (129, 200), (134, 24), (512, 8)]
+)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_every_row_count_up_to_a_plan_limit(depth, width, with_bias):
     gen = torch.Generator().manual_seed(depth * width)
