@@ -9,8 +9,9 @@
 //   then any a preempted thread has not started (claimed_parallel.h);
 // - rows go through in blocks of 6 (12 accumulator registers: 6 rows x 16 columns), each
 //   block over a 128-deep chunk of the panel while that chunk sits in L1;
-// - the first block of a chunk prefetches the weights 512 rows ahead, four rows (lines)
-//   per four values of k, so memory streams while the later blocks compute from L1;
+// - every block of a chunk prefetches its share of the weights 512 rows ahead (the first
+//   of three blocks two rows (lines) per four values of k, the others one), so memory
+//   streams evenly while the blocks compute from L1;
 // - x is repacked per call as [K][rows of the block], so a block's broadcasts read one
 //   contiguous run instead of 6 rows a whole row apart.
 // Each output is a float32 sum over k in order (FMA-contracted), like any BLAS product's
@@ -50,19 +51,22 @@ constexpr int64_t kGroupBytes = 256 * 1024;  // weights of one many_rows claim (
 // One block of R rows times one panel over `depth` values of k. `x`: the block's packed
 // rows [depth][R]; `w`: the panel's rows [depth][16]; `c`: the R output rows (row stride
 // `ldc`), read back unless `init` (one row, for every row: the bias or zeros) starts them.
-// A block that `Fetches` asks for the weight rows kAhead floats ahead (one cache line per
-// row of the panel); which block fetches is a template argument, not a per-k countdown:
-// the countdown's branch cost the decode loop ~25% of its arithmetic (6x16 block over a
-// 128-deep chunk in L1, one thread: 60-67 -> 80-94 GFLOPS, against ~93 for bare FMAs).
-// Decode-sized blocks (x repacked) take k four at a time; a 16-row product over a 32m
-// model's weights, 2 threads, interleaved in one process: 19.6 -> 15.4 and 15.4 -> 13.3
-// ms. Prompt-sized blocks (x read in place, 6 rows a whole row apart) keep one k at a
-// time: unrolled, 128 rows went 48.7 -> 53.9 ms.
+// Prefetching: a prompt-sized block (x read in place, 6 rows a whole row apart; one k at a
+// time: unrolled, 128 rows went 48.7 -> 53.9 ms) with `Fetch` != 0 asks for the weight
+// row kAhead floats ahead of each k. A decode-sized block (x repacked) takes k four at a
+// time and asks for `Fetch` consecutive lines from `fetch` per four values of k. How many
+// is a template argument, not a per-k countdown: the countdown's branch cost the decode
+// loop ~25% of its arithmetic (6x16 block over a 128-deep chunk in L1, one thread: 60-67
+// -> 80-94 GFLOPS, against ~93 for bare FMAs). Spread over the blocks, not all from the
+// first: that burst ran out of outstanding misses and memory idled while the later blocks
+// computed (a 16-row product over a 32m model's weights, 2 threads, interleaved in one
+// process: 9.97 -> 8.67 and 11.98 -> 9.36 ms; 32 rows 18.9 -> 16.1).
 #if defined(__AVX2__) && defined(__FMA__)
 #define TANDEM_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
-template <int R, bool Rows, bool Fetches>
+template <int R, bool Rows, int Fetch>
 inline void block(const float* __restrict x, int64_t ldx, const float* __restrict w,
-                  int64_t depth, float* __restrict c, int64_t ldc, const float* init) {
+                  int64_t depth, float* __restrict c, int64_t ldc, const float* init,
+                  const char* fetch) {
 #define TANDEM_DECL(i)                                                   \
   __m256 c##i##0 = _mm256_setzero_ps(), c##i##1 = _mm256_setzero_ps(); \
   if (R > i) {                                                         \
@@ -87,20 +91,20 @@ inline void block(const float* __restrict x, int64_t ldx, const float* __restric
   int64_t k = 0;
   if (Rows) {  // prompts: x's rows read in place
     for (; k < depth;) {
-      if (Fetches) {
+      if (Fetch != 0) {
         _mm_prefetch(reinterpret_cast<const char*>(w + k * kPanel + kAhead), _MM_HINT_T0);
       }
       TANDEM_K
     }
   } else {
     for (; k + 4 <= depth;) {
-      if (Fetches) {
-        const char* ahead = reinterpret_cast<const char*>(w + k * kPanel + kAhead);
-        _mm_prefetch(ahead, _MM_HINT_T0);
-        _mm_prefetch(ahead + 64, _MM_HINT_T0);
-        _mm_prefetch(ahead + 128, _MM_HINT_T0);
-        _mm_prefetch(ahead + 192, _MM_HINT_T0);
+      if (Fetch >= 1) _mm_prefetch(fetch, _MM_HINT_T0);
+      if (Fetch >= 2) _mm_prefetch(fetch + 64, _MM_HINT_T0);
+      if (Fetch >= 4) {
+        _mm_prefetch(fetch + 128, _MM_HINT_T0);
+        _mm_prefetch(fetch + 192, _MM_HINT_T0);
       }
+      fetch += Fetch * 64;
       TANDEM_K TANDEM_K TANDEM_K TANDEM_K
     }
     while (k < depth) TANDEM_K
@@ -118,9 +122,9 @@ inline void block(const float* __restrict x, int64_t ldx, const float* __restric
 }
 #undef TANDEM_ROWS
 #else
-template <int R, bool Rows, bool Fetches>
+template <int R, bool Rows, int Fetch>
 inline void block(const float* x, int64_t ldx, const float* w, int64_t depth, float* c,
-                  int64_t ldc, const float* init) {
+                  int64_t ldc, const float* init, const char* fetch) {
   float acc[R][kPanel];
   for (int i = 0; i < R; ++i) {
     const float* from = init != nullptr ? init : c + i * ldc;
@@ -138,16 +142,27 @@ inline void block(const float* x, int64_t ldx, const float* w, int64_t depth, fl
 }
 #endif
 
-template <bool Rows, bool Fetches>
+template <bool Rows, int Fetch>
 void run_block(int64_t rows, const float* x, int64_t ldx, const float* w, int64_t depth,
-               float* c, int64_t ldc, const float* init) {
+               float* c, int64_t ldc, const float* init, const char* fetch = nullptr) {
   switch (rows) {
-    case 6: block<6, Rows, Fetches>(x, ldx, w, depth, c, ldc, init); break;
-    case 5: block<5, Rows, Fetches>(x, ldx, w, depth, c, ldc, init); break;
-    case 4: block<4, Rows, Fetches>(x, ldx, w, depth, c, ldc, init); break;
-    case 3: block<3, Rows, Fetches>(x, ldx, w, depth, c, ldc, init); break;
-    case 2: block<2, Rows, Fetches>(x, ldx, w, depth, c, ldc, init); break;
-    default: block<1, Rows, Fetches>(x, ldx, w, depth, c, ldc, init); break;
+    case 6: block<6, Rows, Fetch>(x, ldx, w, depth, c, ldc, init, fetch); break;
+    case 5: block<5, Rows, Fetch>(x, ldx, w, depth, c, ldc, init, fetch); break;
+    case 4: block<4, Rows, Fetch>(x, ldx, w, depth, c, ldc, init, fetch); break;
+    case 3: block<3, Rows, Fetch>(x, ldx, w, depth, c, ldc, init, fetch); break;
+    case 2: block<2, Rows, Fetch>(x, ldx, w, depth, c, ldc, init, fetch); break;
+    default: block<1, Rows, Fetch>(x, ldx, w, depth, c, ldc, init, fetch); break;
+  }
+}
+
+// A decode-sized block (x repacked) prefetching `lines` weight rows per four values of k.
+void run_fetching_block(int lines, int64_t rows, const float* x, const float* w, int64_t depth,
+                        float* c, int64_t ldc, const float* init, const char* fetch) {
+  switch (lines) {
+    case 4: run_block<false, 4>(rows, x, 0, w, depth, c, ldc, init, fetch); break;
+    case 2: run_block<false, 2>(rows, x, 0, w, depth, c, ldc, init, fetch); break;
+    case 1: run_block<false, 1>(rows, x, 0, w, depth, c, ldc, init, fetch); break;
+    default: run_block<false, 0>(rows, x, 0, w, depth, c, ldc, init, fetch); break;
   }
 }
 
@@ -177,9 +192,9 @@ void many_rows(const float* xs, int64_t ldx, int64_t rows, const float* w_base, 
           const int64_t ldc = last ? kPanel : out_features;
           // The first block streams the group's weights in: it prefetches every row ahead.
           if (b == 0) {
-            run_block<true, true>(r, xs + m * ldx, ldx, w, depth, c, ldc, start + p * kPanel);
+            run_block<true, 1>(r, xs + m * ldx, ldx, w, depth, c, ldc, start + p * kPanel);
           } else {
-            run_block<true, false>(r, xs + m * ldx, ldx, w, depth, c, ldc, start + p * kPanel);
+            run_block<true, 0>(r, xs + m * ldx, ldx, w, depth, c, ldc, start + p * kPanel);
           }
         }
       }
@@ -259,6 +274,12 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
       for (int64_t k = 0; k < depth; ++k) dst[k * r + i] = src[k];
     }
   }
+  // Lines each block prefetches per four values of k, four in all (one per panel row):
+  // 4 | 2 + 2 | 2 + 1 + 1 | 1 + 1 + 1 + 1 (+ 0 ...); and where in the chunk ahead its share
+  // starts, in lines per four values of k.
+  std::vector<int> fetch_lines(blocks, 0), fetch_first_line(blocks, 0);
+  for (int line = 0; line < 4; ++line) ++fetch_lines[blocks >= 4 ? line : line * blocks / 4];
+  for (int b = 1; b < blocks; ++b) fetch_first_line[b] = fetch_first_line[b - 1] + fetch_lines[b - 1];
   // Panels are claimed ~64 KiB of weights at a time (claimed_parallel.h): a thread that is
   // preempted holds up the others by at most that much.
   const int64_t grain = std::max<int64_t>(1, kClaimBytes / (depth * kPanel * 4));
@@ -275,16 +296,15 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
         // The first chunk starts every row from the panel's one row of `start`; later
         // chunks add to what the block stored.
         const float* first = k0 == 0 ? start.data() + p * kPanel : nullptr;
-        // The first block of a chunk asks for the weights ahead; the others find the
-        // chunk in L1.
+        // Every block asks for its share of the chunk 512 rows ahead (lines spread
+        // evenly over the chunk's time: a burst from one block runs out of misses).
+        const char* ahead = reinterpret_cast<const char*>(w + k0 * kPanel + kAhead);
         for (int b = 0; b < blocks; ++b) {
           const int64_t m = first_row[b], r = first_row[b + 1] - m;
           const float* xb = xp.data() + m * depth + k0 * r;
-          if (b == 0) {
-            run_block<false, true>(r, xb, 0, w + k0 * kPanel, chunk, c + m * ldc, ldc, first);
-          } else {
-            run_block<false, false>(r, xb, 0, w + k0 * kPanel, chunk, c + m * ldc, ldc, first);
-          }
+          const char* at = ahead + fetch_first_line[b] * (chunk / 4) * 64;
+          run_fetching_block(fetch_lines[b], r, xb, w + k0 * kPanel, chunk, c + m * ldc, ldc,
+                             first, at);
         }
       }
       if (partial) {
