@@ -41,6 +41,7 @@ from services.worker.models.gemm_plan import GemmPlan
 from services.worker.models.linear import MergedLinear
 from services.worker.models.rms_norm import RMSNorm
 from services.worker.models.rope import RotaryEmbedding, rotate
+from services.worker.models.weight_arena import WeightArena
 from services.worker.parallel.pipeline_stage import PipelineStage
 from services.worker.parallel.tp_group import TpGroup, TpShard
 
@@ -285,6 +286,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False, dtype=dtype)
         self.tie_weights()
         self.merged = False
+        self.weight_arena: WeightArena | None = None  # the packed weights' memory (CPU)
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head when the config asks for it."""
@@ -316,7 +318,13 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(cpu_gemm, GemmPlan)
             else plan_for(cpu_gemm, [m.weight for m in layers])
         )
-        return sum(m.pack(plan) for m in layers), plan
+        packed_bytes = sum(m.pack(plan) for m in layers)
+        if plan.packed_format == "tandem":  # plain float32 panels: into huge pages
+            packed = [m for m in layers if m.packed is not None]
+            self.weight_arena = WeightArena([m.packed for m in packed])
+            for m, view in zip(packed, self.weight_arena.views, strict=True):
+                m.packed = view
+        return packed_bytes, plan
 
     def forward(
         self,
