@@ -29,12 +29,12 @@ if the loader did not.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from common.model_config import ModelConfig
 from services.worker.kv_cache import KvCache
 from services.worker.models.attention_backend import AttentionBackend, CpuAttention
+from services.worker.models.activation import silu_and_mul
 from services.worker.models.attention_metadata import AttentionMetadata
 from services.worker.models.cpu_gemm import plan_for
 from services.worker.models.gemm_plan import GemmPlan
@@ -159,8 +159,7 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(x)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate).mul_(up)))
+        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
