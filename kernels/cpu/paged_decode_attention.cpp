@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include "claimed_parallel.h"
+#include "vec_exp.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -64,26 +65,11 @@ inline void prefetch_row(const void* start, int64_t bytes) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// e^x for x <= 0 (a score minus its row's maximum), 8 lanes: x = n ln2 + r with |r| <=
-// ln2 / 2, e^r by Cephes' degree-7 polynomial (within 2 ulp of expf), times 2^n; below
-// -87.3 (where expf leaves the normal range) the lane gives e^-87.3 ~ 1e-38 instead of a
+// e^x for x <= 0 (a score minus its row's maximum), 8 lanes (vec_exp.h); below -87.3
+// (where expf leaves the normal range) the lane gives e^-87.3 ~ 1e-38 instead of a
 // denormal or 0: a weight that small vanishes in the sum next to the maximum's 1.
 inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i scale = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+  return tandem_cpu::exp_in_range(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)));
 }
 
 // The eight sums of eight vectors' lanes, as one vector (lane j: the sum of v[j]).

@@ -4,17 +4,15 @@
 // `F.silu(gate).mul_(up)` on the strided halves of x is two ops, an intermediate tensor and
 // a parallel region each; at a decode batch (16 rows, I = 2752) they took ~50 us per layer
 // for ~0.2 MB of data. Here a row is one pass, silu(g) = g / (1 + e^-g) as torch computes
-// it, with e^t from a degree-7 polynomial (Cephes', within 2 ulp of expf; torch's own is
-// SLEEF's, so results can differ from `F.silu` in the last bit). Rows run over torch's
+// it, with e^t from vec_exp.h's polynomial (within 2 ulp of expf; torch's own is SLEEF's,
+// so results can differ from `F.silu` in the last bit). Rows run over torch's
 // intra-op threads only when there are enough of them (prompts); a decode batch stays on
 // the calling thread.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "vec_exp.h"
 
 #include <algorithm>
 #include <cmath>
@@ -23,36 +21,17 @@ namespace {
 
 constexpr int64_t kSiluSerialElements = 1 << 16;  // below this, no parallel region
 
-#if defined(__AVX2__) && defined(__FMA__)
-// e^t for 8 lanes, t clamped to [-87.3, 88.3] (the float range of 2^n below): t = n ln2 + r
-// with |r| <= ln2 / 2, e^r by the polynomial, times 2^n.
-inline __m256 exp_clamped(__m256 t) {
-  t = _mm256_min_ps(_mm256_max_ps(t, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(t, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), t);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i scale = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
-}
-#endif
-
 void silu_mul_row(const float* gate, const float* up, float* out, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   const __m256 one = _mm256_set1_ps(1.0f);
   const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 low = _mm256_set1_ps(-87.3f), high = _mm256_set1_ps(88.3f);
   for (; i + 8 <= n; i += 8) {
     const __m256 g = _mm256_loadu_ps(gate + i);
-    const __m256 e = exp_clamped(_mm256_xor_ps(g, sign));  // e^-g
+    // e^-g, with -g kept where 2^n is a normal float (beyond, silu is ~0 or ~g anyway)
+    const __m256 t = _mm256_min_ps(_mm256_max_ps(_mm256_xor_ps(g, sign), low), high);
+    const __m256 e = tandem_cpu::exp_in_range(t);
     const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, e));
     _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
   }
