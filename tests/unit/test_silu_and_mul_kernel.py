@@ -47,7 +47,9 @@ def test_prompt_rows_in_parallel_equal_rows_alone():
     """A row's result does not depend on which thread or which call computes it."""
     gate_up = torch.randn(300, 2 * 2752, generator=torch.Generator().manual_seed(1))
     together = torch.ops.tandem_cpu.silu_and_mul(gate_up)
-    alone = torch.cat([torch.ops.tandem_cpu.silu_and_mul(gate_up[i : i + 1]) for i in (0, 150, 299)])
+    alone = torch.cat(
+        [torch.ops.tandem_cpu.silu_and_mul(gate_up[i : i + 1]) for i in (0, 150, 299)]
+    )
     assert torch.equal(together[[0, 150, 299]], alone)
 
 

@@ -33,8 +33,8 @@ from torch import nn
 
 from common.model_config import ModelConfig
 from services.worker.kv_cache import KvCache
-from services.worker.models.attention_backend import AttentionBackend, CpuAttention
 from services.worker.models.activation import silu_and_mul
+from services.worker.models.attention_backend import AttentionBackend, CpuAttention
 from services.worker.models.attention_metadata import AttentionMetadata
 from services.worker.models.cpu_gemm import plan_for
 from services.worker.models.gemm_plan import GemmPlan

@@ -52,4 +52,3 @@ class WeightArena:
             view = raw[offset : offset + size].view(w.dtype).view(w.shape)
             view.copy_(w)
             self.views.append(view)
-
