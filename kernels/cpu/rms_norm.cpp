@@ -8,8 +8,9 @@
 // torch's intra-op threads only when there are enough of them (prompts); a decode batch
 // stays on the calling thread, with no parallel region to wait at.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "row_parallel.h"
 
 #include <cmath>
 #include <tuple>
@@ -46,18 +47,6 @@ void check(const at::Tensor& x, const at::Tensor& weight, const char* name) {
               ": weight must match the last dimension");
 }
 
-template <typename Row>
-void over_rows(int64_t rows, int64_t n, const Row& row) {
-  const int64_t grain = std::max<int64_t>(1, kSerialElements / std::max<int64_t>(1, n));
-  if (rows <= grain) {
-    for (int64_t r = 0; r < rows; ++r) row(r);
-    return;
-  }
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) row(r);
-  });
-}
-
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check(x, weight, "rms_norm");
   auto out = at::empty_like(x);
@@ -67,7 +56,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const float* ws = weight.data_ptr<float>();
   float* os = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
-  over_rows(rows, n, [&](int64_t r) { normalize_row(xs + r * n, ws, os + r * n, n, e); });
+  tandem_cpu::over_rows(rows, n, kSerialElements, [&](int64_t r) {
+    normalize_row(xs + r * n, ws, os + r * n, n, e);
+  });
   return out;
 }
 
@@ -88,7 +79,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& residual, cons
   float* ss = sum.data_ptr<float>();
   float* os = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
-  over_rows(rows, n, [&](int64_t r) {
+  tandem_cpu::over_rows(rows, n, kSerialElements, [&](int64_t r) {
     float* s = ss + r * n;
     for (int64_t i = 0; i < n; ++i) s[i] = rs[r * n + i] + xs[r * n + i];
     normalize_row(s, ws, os + r * n, n, e);

@@ -9,12 +9,11 @@
 // intra-op threads only when there are enough of them (prompts); a decode batch stays on
 // the calling thread.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "row_parallel.h"
 #include "vec_exp.h"
 
-#include <algorithm>
 #include <cmath>
 
 namespace {
@@ -51,15 +50,9 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   const int64_t rows = n == 0 ? 0 : x.numel() / width;
   const float* xs = x.data_ptr<float>();
   float* os = out.data_ptr<float>();
-  auto run = [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) silu_mul_row(xs + r * width, xs + r * width + n, os + r * n, n);
-  };
-  const int64_t grain = std::max<int64_t>(1, kSiluSerialElements / std::max<int64_t>(1, n));
-  if (rows <= grain) {
-    run(0, rows);
-  } else {
-    at::parallel_for(0, rows, grain, run);
-  }
+  tandem_cpu::over_rows(rows, n, kSiluSerialElements, [&](int64_t r) {
+    silu_mul_row(xs + r * width, xs + r * width + n, os + r * n, n);
+  });
   return out;
 }
 
