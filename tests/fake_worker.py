@@ -25,7 +25,9 @@ deterministic "model" so token streams can be checked exactly:
 Test controls: `kill()` / `revive()`, `set_health()`, `step_delay_s`, `hold_steps()` /
 `release_steps()`, `hang_transfers()` / `fail_transfers()` / `heal_transfers()` (all
 transfers or some tags), `after_kv_received` (a hook run when a receive has written),
-`refuse_lora` (add_lora refuses). LoRA adapters are held by name (`lora_adapters`, those of
+`during_send` (a hook awaited inside `send_step` once the plan is queued, before the call
+returns: what happens meanwhile happens while the engine awaits its send), `refuse_lora`
+(add_lora refuses). LoRA adapters are held by name (`lora_adapters`, those of
 its `WorkerInfo` at start and after a revive); a plan that schedules a request on an
 adapter it does not hold is a plan error.
 What tests read: `steps`, `planned_request_ids`, `batch`, `kv`, `cancelled_tags_received`,
@@ -128,6 +130,8 @@ class FakeWorker(FakeStepExecution, FakeKvTransfers):
         # Awaited by a receive after it wrote its blocks, before it answers (tests use it
         # to make something happen exactly then).
         self.after_kv_received: Callable[[int], Awaitable[None]] | None = None
+        # Awaited by send_step with the plan once it is queued, before the call returns.
+        self.during_send: Callable[[Any], Awaitable[None]] | None = None
         self.refuse_pulls = False  # receive_kv with a source: the pool cannot be mapped
         self.refuse_lora: str | None = None  # add_lora refuses, saying this
         # LoRA adapters held (name -> folder; "" for those of its start), like --lora-modules
@@ -306,8 +310,11 @@ class FakeWorker(FakeStepExecution, FakeKvTransfers):
             )
         )
         self.fabric.notify()
+        step_id = self._step_id
+        if self.during_send is not None:
+            await self.during_send(plan)
         await asyncio.sleep(0)
-        return self._step_id
+        return step_id
 
     async def receive_step(self) -> StepResult:
         self._check_alive()

@@ -118,22 +118,31 @@ class SchedulerSession:
         """Send a request; its updates come through the returned iterator."""
         updates = RequestUpdates(self, request.request_id, max(1, request.n))
         self._open[request.request_id] = updates
-        await self._write(scheduler_pb2.SessionRequest(submit=request))
+        try:
+            await self._write(scheduler_pb2.SessionRequest(submit=request))
+        except BaseException:  # cancelled while written: abort whatever reached it
+            updates.close()
+            raise
         return updates
 
     def abort_soon(self, request_id: str) -> None:
+        abort = scheduler_pb2.AbortRequest(request_id=request_id)
         task = asyncio.get_running_loop().create_task(
-            self._write(
-                scheduler_pb2.SessionRequest(
-                    abort=scheduler_pb2.AbortRequest(request_id=request_id)
-                ),
-                quiet=True,
-            )
+            self._write_now(scheduler_pb2.SessionRequest(abort=abort), quiet=True)
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _write(self, message: scheduler_pb2.SessionRequest, quiet: bool = False) -> None:
+        """Write on the shared stream. Shielded: gRPC cancels the whole call when a write is
+        cancelled, so a caller cancelled meanwhile (its client went away) must not take
+        the write with it, or every request on the session would fail."""
+        write = asyncio.get_running_loop().create_task(self._write_now(message, quiet))
+        self._tasks.add(write)
+        write.add_done_callback(self._tasks.discard)
+        await asyncio.shield(write)
+
+    async def _write_now(self, message: scheduler_pb2.SessionRequest, quiet: bool) -> None:
         async with self._write_lock:
             call = self._ensure_open()
             try:

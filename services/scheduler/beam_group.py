@@ -185,7 +185,7 @@ class BeamSteps:
             self._beam_step(group, handle.pool)
 
     def _beam_step(self, group: BeamGroup, pool) -> None:
-        handle = self._handles.get(group.leader.request_id)
+        handle = self._handle_of(group.leader)
         if handle is None or handle.done:
             return
         children, parents, done = group.step(pool.blocks)
@@ -220,7 +220,7 @@ class BeamSteps:
                 self._beam_restart(group, "its decode worker drains")
 
     def _beam_restart(self, group: BeamGroup, why: str) -> None:
-        handle = self._handles.get(group.leader.request_id)
+        handle = self._handle_of(group.leader)
         if handle is None or handle.done:
             return
         if group.num_restarts >= MAX_BEAM_RESTARTS:

@@ -30,6 +30,7 @@ from common.log import bind_request, get_logger
 from common.prefix_hash import root_hash
 from common.tracing import enabled as tracing_enabled
 from services.scheduler.beam_group import BeamSteps
+from services.scheduler.finish_log import log_finished
 from services.scheduler.grammar_gate import GrammarGate
 from services.scheduler.handle import Finished, RequestHandle, Stage, Tokens
 from services.scheduler.handoff import KvHandoff
@@ -65,17 +66,6 @@ class Resilience:
     health_interval_s: float = 1.0
     health_timeout_s: float = 5.0
     health_max_misses: int = 5
-
-
-def _spec_fields(request) -> dict:
-    """A request's speculative decoding, for its finish log line (nothing without it)."""
-    if not request.num_draft_tokens:
-        return {}
-    return {
-        "draft_tokens": request.num_draft_tokens,
-        "accepted_tokens": request.num_accepted_tokens,
-        "acceptance_rate": round(request.num_accepted_tokens / request.num_draft_tokens, 3),
-    }
 
 
 class Engine(Recovery, BeamSteps):
@@ -183,16 +173,23 @@ class Engine(Recovery, BeamSteps):
         if trace is not None:
             trace.adopt(samples)
         handles = []
-        for request in samples:
-            handle = RequestHandle(request=request, pool=pool, events=events, trace=trace)
-            self._handles[request.request_id] = handle
-            pool.scheduler.add(request)
-            handles.append(handle)
+        try:
+            for request in samples:
+                handle = RequestHandle(request=request, pool=pool, events=events, trace=trace)
+                self._handles[request.request_id] = handle
+                handles.append(handle)
+                pool.scheduler.add(request)
+        except Exception:  # all or nothing: what was queued leaves without a word
+            for handle in handles:
+                self._release(handle)
+                handle.finish()
+                self._handles.pop(handle.request.request_id, None)
+            raise
         pool.wakeup.set()
         return handles
 
     def _grammar_ready(self, request: Request, refusal: str | None) -> None:
-        handle = self._handles.get(request.request_id)
+        handle = self._handle_of(request)
         if handle is None:
             return  # aborted while its grammar compiled
         if refusal is not None:
@@ -205,10 +202,16 @@ class Engine(Recovery, BeamSteps):
         return sum(h.request.lora_name == lora_name for h in self._handles.values())
 
     def abort(self, request_id: str) -> bool:
+        """End a running request now (the client cancelled): its blocks, queues and
+        transfers are released at once; a step in flight that carries it is dropped from
+        the worker's batch by the next plan, and its tokens are discarded."""
         handle = self._handles.get(request_id)
         if handle is None:
             return False
-        self._finish(handle, FinishReason.ABORT)
+        try:
+            self._finish(handle, FinishReason.ABORT)
+        except Exception as exc:
+            self._fail_alone(handle.request, exc)
         return True
 
     @property
@@ -308,7 +311,9 @@ class Engine(Recovery, BeamSteps):
                 self._loops.pop(id(pool), None)  # this task ends here: nothing to cancel
                 self._fail_pool(pool, str(exc))
                 return
-            except Exception as exc:  # a bug must fail requests, not stop the service
+            except Exception as exc:  # a bug in the pool's own plan or update (a request's
+                # own bookkeeping fails that request alone: `_fail_alone`); its requests
+                # fail rather than the service stopping
                 log.exception("step_failed", worker_id=pool.info.worker_id)
                 for handle in [h for h in self._handles.values() if h.pool is pool]:
                     self._finish(handle, FinishReason.ABORT, ("INTERNAL", f"step failed: {exc}"))
@@ -324,17 +329,13 @@ class Engine(Recovery, BeamSteps):
             plan = pool.scheduler.schedule()
             self._beam_restarts(plan.swapped_out)  # a beam search restarts when it loses a beam
             for victim in self._beam_restarts(plan.preempted):
-                self._requeue(self._handles[victim.request_id])
+                self._requeue(self._handle_of(victim))
             if not plan.is_empty:
+                chunks = self._prompt_chunks(pool, plan)  # noted before the send's await
                 step_id = await pool.client.send_step(plan)
                 if tracing_enabled():  # one check per step
                     note_scheduled(plan, self._handles, pool.info.worker_id, step_id)
-                if not pool.scheduler.runs_decodes:  # prompt chunks: stream their KV
-                    for item in plan.scheduled:
-                        handle = self._handles[item.request.request_id]
-                        if item.samples:  # the prompt's last chunk
-                            handle.prompt_step = (pool, step_id)
-                        self.handoff.stream(handle, step_id, last=bool(item.samples))
+                self._stream_chunks(pool, step_id, chunks)
                 return
         if pool.scheduler.num_steps_in_flight:
             result = await self._next_result(pool)
@@ -347,6 +348,33 @@ class Engine(Recovery, BeamSteps):
         pool.idle_since_last_result = True
         await asyncio.sleep(0)  # never starve other tasks, even if woken already
         await pool.wakeup.wait()
+
+    def _prompt_chunks(self, pool: Pool, plan) -> list[tuple[RequestHandle, int, bool]]:
+        """The prompt chunks a prefill pool's plan computes, as (handle, its `moves` now,
+        last chunk), noted before the plan is sent (none in a pool that decodes)."""
+        if pool.scheduler.runs_decodes:
+            return []
+        chunks = []
+        for item in plan.scheduled:
+            handle = self._handle_of(item.request)
+            if handle is not None:
+                chunks.append((handle, handle.moves, item.samples))
+        return chunks
+
+    def _stream_chunks(self, pool: Pool, step_id: int, chunks) -> None:
+        """Step `step_id` is sent: each prompt chunk's KV may stream to its decode pool now
+        (the hand-off's `stream`). A request that moved while the send was awaited (the
+        client cancelled it, or it started over) is left alone: what it held is released,
+        and the next plan drops it from the worker's batch."""
+        for handle, moves, last in chunks:
+            if handle.moves != moves:
+                continue
+            try:
+                if last:  # the prompt's last chunk
+                    handle.prompt_step = (pool, step_id)
+                self.handoff.stream(handle, step_id, last=last)
+            except Exception as exc:
+                self._fail_alone(handle.request, exc)
 
     async def _next_result(self, pool: Pool) -> StepResult | None:
         """The oldest step's result; None when, waiting for it with room for another plan,
@@ -373,33 +401,68 @@ class Engine(Recovery, BeamSteps):
         return await receiving
 
     def _apply(self, pool: Pool, result: StepResult) -> None:
-        """Route what the pool's scheduler made of a step's result."""
+        """Route what the pool's scheduler made of a step's result. An unexpected error in
+        one request's part fails that request alone (INTERNAL), never its neighbours."""
         update = pool.scheduler.update(result)
         for request_id in update.unexpected:
             log.warning("unexpected_token", request_id=request_id, step=result.step_id)
         for item in update.tokens:
-            request = item.request
-            if request.beam is not None:
-                self._beam_token(pool, item)  # beam_group.py
-                continue
-            handle = self._handles[request.request_id]
-            handle.events.put_nowait(
-                Tokens(
-                    request.index,
-                    [item.token_id],
-                    [item.logprob] if item.logprob else [],
-                    item.prompt_logprobs,
-                    max(0, request.num_cached_tokens)
-                    if len(request.output_token_ids) == 1
-                    else None,
-                )
-            )
-            if handle.pool is not pool:
-                handle.pool.wakeup.set()  # preempted meanwhile: it waited for this token
-            if item.finish_reason is not None:
-                self._finish(handle, item.finish_reason)
+            try:
+                self._route_token(pool, item)
+            except Exception as exc:
+                self._fail_alone(item.request, exc)
+        for request, exc in update.failed:
+            self._fail_alone(request, exc)
         for request in update.ready_for_handoff:
-            self.handoff.enqueue(self._handles[request.request_id])
+            try:
+                self.handoff.enqueue(self._handle_of(request))
+            except Exception as exc:
+                self._fail_alone(request, exc)
+
+    def _route_token(self, pool: Pool, item) -> None:
+        """One sampled token (`item`: a SampledToken) to its request's stream."""
+        request = item.request
+        if request.beam is not None:
+            self._beam_token(pool, item)  # beam_group.py
+            return
+        handle = self._handle_of(request)
+        handle.events.put_nowait(
+            Tokens(
+                request.index,
+                [item.token_id],
+                [item.logprob] if item.logprob else [],
+                item.prompt_logprobs,
+                max(0, request.num_cached_tokens) if len(request.output_token_ids) == 1 else None,
+            )
+        )
+        if handle.pool is not pool:
+            handle.pool.wakeup.set()  # preempted meanwhile: it waited for this token
+        if item.finish_reason is not None:
+            self._finish(handle, item.finish_reason)
+
+    def _handle_of(self, request: Request) -> RequestHandle | None:
+        """The request's handle while it runs; None once it ended (a handle that now
+        holds the same id belongs to a later request)."""
+        handle = self._handles.get(request.request_id)
+        return handle if handle is not None and handle.request is request else None
+
+    def _fail_alone(self, request: Request, exc: Exception) -> None:
+        """A bug met in one request's bookkeeping: that request (a beam's: its search)
+        ends with INTERNAL; the pool and the other requests go on."""
+        leader = request.beam.leader if request.beam is not None else request
+        with bind_request(leader.request_id, leader.trace_id):
+            log.error("request_failed", error=repr(exc), exc_info=exc)
+        handle = self._handle_of(leader)
+        if handle is None:
+            return
+        error = ("INTERNAL", f"request failed: {exc!r}")
+        try:
+            self._finish(handle, FinishReason.ABORT, error)
+        except Exception:  # its release failed too: end its stream all the same
+            log.exception("request_release_failed", request_id=leader.request_id)
+            if not handle.done:
+                handle.stage = Stage.DONE
+                self._emit_finish(handle, FinishReason.ABORT, error)
 
     def _requeue(self, handle: RequestHandle) -> None:
         """A preempted request recomputes from its prompt + tokens so far in a prefill pool."""
@@ -468,23 +531,7 @@ class Engine(Recovery, BeamSteps):
         now = time.monotonic()
         if self.on_finish is not None:
             self.on_finish(request, now)
-        n_out = len(request.output_token_ids)
-        first = request.first_token_time
-        with bind_request(request.request_id, request.trace_id):
-            log.info(
-                "request_finished",
-                finish_reason=request.finish_reason.value,
-                prompt_tokens=len(request.prompt_token_ids),
-                output_tokens=n_out,
-                cached_tokens=cached,
-                preemptions=request.num_preemptions,
-                ttft_ms=round((first - request.arrival_time) * 1e3, 2) if first else None,
-                mean_itl_ms=round((now - first) * 1e3 / (n_out - 1), 2)
-                if first and n_out > 1
-                else None,
-                error=error[1] if error else None,
-                **_spec_fields(request),
-            )
+        log_finished(request, error, now)
 
     def _spawn(self, coro, name: str) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro, name=name)

@@ -140,6 +140,9 @@ class RequestHandle:
     prompt_step: tuple[Pool, int] | None = None
     # The client request's span (None: not traced); stage changes are events on it.
     trace: RequestTrace | None = None
+    # Stage changes so far. Code that notes it before an await knows afterwards whether
+    # the request was cancelled, finished or started over meanwhile (it changed).
+    moves: int = 0
 
     def ready_step_in(self, pool: Pool) -> int:
         """The step of `pool` after which the request's KV there is final (0: already)."""
@@ -157,6 +160,7 @@ class RequestHandle:
                 f"request {self.request.request_id}: no move {self.stage.name} -> {stage.name}"
             )
         self.stage = stage
+        self.moves += 1
         if self.trace is not None:
             self.trace.stage(self.request, stage.value)
 

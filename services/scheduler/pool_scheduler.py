@@ -230,30 +230,41 @@ class PoolScheduler(Migration):
             if request.num_pending_tokens <= 0:  # its worker failed and it started over
                 update.unexpected.append(request_id)
                 continue
-            request.num_pending_tokens -= 1
-            reason = self._apply_accepted(request, result, update)
-            if reason is None:
-                reason = request.append_token(token)
-                prompt_logprobs = []
-                if (
-                    request.sampling.prompt_logprobs is not None
-                    and not request.prompt_logprobs_sent
-                ):
-                    prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
-                update.tokens.append(
-                    SampledToken(
-                        request, token, result.logprobs.get(request_id), prompt_logprobs, reason
-                    )
-                )
-            if reason is not None:
-                if self.holds(request):
-                    self.release(request)
-                update.finished.append(request)
-            elif not self.runs_decodes and self.is_running(request):
-                self.detach(request)
-                update.ready_for_handoff.append(request)
+            try:
+                self._apply_sampled(request, token, result, update)
+            except Exception as exc:  # a bug in one request's bookkeeping fails it alone
+                self.release(request)
+                update.failed.append((request, exc))
         update.ready_for_handoff.extend(self.take_migrations())
         return update
+
+    def _apply_sampled(
+        self, request: Request, token: int, result: StepResult, update: StepUpdate
+    ) -> None:
+        """One request's sampled token (after the proposals it accepted, if any)."""
+        request.num_pending_tokens -= 1
+        reason = self._apply_accepted(request, result, update)
+        if reason is None:
+            reason = request.append_token(token)
+            prompt_logprobs = []
+            if request.sampling.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+                prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
+            update.tokens.append(
+                SampledToken(
+                    request,
+                    token,
+                    result.logprobs.get(request.request_id),
+                    prompt_logprobs,
+                    reason,
+                )
+            )
+        if reason is not None:
+            if self.holds(request):
+                self.release(request)
+            update.finished.append(request)
+        elif not self.runs_decodes and self.is_running(request):
+            self.detach(request)
+            update.ready_for_handoff.append(request)
 
     def _apply_accepted(self, request: Request, result: StepResult, update: StepUpdate):
         """Proposals the request accepted in this step, before its sampled token: each is a

@@ -133,7 +133,7 @@ class Recovery:
         if pool.scheduler.migrating:
             self._beam_leave(pool)
         for request in pool.scheduler.take_migrations():
-            self.handoff.enqueue(self._handles[request.request_id])
+            self.handoff.enqueue(self._handle_of(request))
 
     async def _rejoin(self, pool: Pool) -> None:
         """A failed worker answers again: start it over with an empty pool."""

@@ -8,7 +8,7 @@ import dataclasses
 
 import grpc
 
-from common.log import bind_request
+from common.log import bind_request, get_logger
 from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
 from common.sampling import MAX_BEAM_WIDTH, MAX_INTERNAL_LOGPROBS, MAX_SAMPLES, SamplingParams
 from common.sampling_pb import ROLE_TO_PB, sampling_from_pb
@@ -28,6 +28,8 @@ from services.scheduler.worker_types import (
     ModelShape,
     WorkerUnavailableError,
 )
+
+log = get_logger(__name__)
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
@@ -105,6 +107,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 refuse("RESOURCE_EXHAUSTED", str(exc))
             except WorkerUnavailableError as exc:
                 refuse("UNAVAILABLE", str(exc))
+            except Exception as exc:  # a bug: this request fails, the session goes on
+                log.exception("submit_failed")
+                refuse("INTERNAL", f"submit failed: {exc!r}")
             else:
                 state.opened(request.request_id, handles, max(len(handles), request.n))
 

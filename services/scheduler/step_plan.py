@@ -83,3 +83,6 @@ class StepUpdate:
     ready_for_handoff: list[Request] = field(default_factory=list)
     # Tokens for requests with none pending (they started over after a failure): dropped.
     unexpected: list[str] = field(default_factory=list)
+    # Requests whose result could not be applied (a bug): out of this pool's queues, their
+    # blocks here freed; the caller fails each alone, not the pool.
+    failed: list[tuple[Request, Exception]] = field(default_factory=list)

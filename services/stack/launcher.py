@@ -362,34 +362,44 @@ class Stack:
         self._signal(self.process(name), sig)
 
     def wait_exit(self, name: str, timeout_s: float = 30.0) -> int | None:
-        """Wait until the service has exited; its exit code when it was our child."""
+        """Wait until the service has exited; its exit code when we or a fork server
+        started it."""
         process, deadline = self.process(name), time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        while True:
             try:
                 pid, status = os.waitpid(process.pid, os.WNOHANG)
             except ChildProcessError:  # not our child: a fork server's, or another's
-                forked = self._forked.get(process.pid)
-                if forked is not None:
-                    if forked.poll() is not None:
-                        return forked.returncode
-                elif not self.alive(process):
-                    return None
+                if not self.alive(process):
+                    forked = self._forked.get(process.pid)
+                    return None if forked is None else forked.returncode
             else:
                 if pid:
                     return os.waitstatus_to_exitcode(status)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} still running after {timeout_s}s")
             time.sleep(0.05)
-        raise TimeoutError(f"{name} still running after {timeout_s}s")
 
-    def restart(self, name: str, ready_timeout_s: float = 120.0) -> Process:
+    def restart(
+        self, name: str, ready_timeout_s: float = 120.0, exit_timeout_s: float = 10.0
+    ) -> Process:
         """Start a stopped or killed service again with its original command line."""
-        return self.restart_all([name], ready_timeout_s)[0]
+        return self.restart_all([name], ready_timeout_s, exit_timeout_s)[0]
 
-    def restart_all(self, names: list[str], ready_timeout_s: float = 120.0) -> list[Process]:
-        """`restart` several services at once: all are started, then all waited for."""
+    def restart_all(
+        self, names: list[str], ready_timeout_s: float = 120.0, exit_timeout_s: float = 10.0
+    ) -> list[Process]:
+        """`restart` several services at once: all are started, then all waited for. One
+        killed a moment ago may not have exited yet: each is given up to `exit_timeout_s`
+        in all; one still running after that is refused (RuntimeError), never killed."""
         olds = [self.process(name) for name in names]
+        deadline = time.monotonic() + exit_timeout_s
         for old in olds:
-            if self.alive(old):
-                raise RuntimeError(f"{old.name} is still running (pid {old.pid})")
+            try:
+                self.wait_exit(old.name, max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise RuntimeError(
+                    f"{old.name} is still running (pid {old.pid}) after {exit_timeout_s}s"
+                ) from None
         argvs = {n: argv for n, _, argv in _commands(self.spec)}
         news = [self._launch(old.name, old.address, argvs[old.name]) for old in olds]
         for old, new in zip(olds, news, strict=True):
@@ -464,6 +474,11 @@ class Stack:
         return cls(StackSpec(**spec), Path(run_dir), [Process(**p) for p in state["processes"]])
 
     def alive(self, process: Process) -> bool:
+        """Whether the service still runs (a zombie does not: the exited process that its
+        parent has not reaped yet still answers kill(0))."""
+        forked = self._forked.get(process.pid)
+        if forked is not None:  # its parent, the fork server, knows
+            return forked.poll() is None
         try:
             os.kill(process.pid, 0)
         except ProcessLookupError:
