@@ -12,7 +12,8 @@ when the test ends). Shared helper modules beside this file: `stack_client` (cal
 waits on a stack), `hf_reference` (the `transformers` reference), `fake_worker` (an
 in-memory worker for the scheduler's unit tests; its model, steps and KV fabric in
 `fake_model`, `fake_steps`, `fake_kv_fabric`), `engine_cluster` (the scheduler's Engine
-over fake workers, and the checks its in-process tests end with), `kv_peer` (a UCX peer
+over fake workers, and the checks its in-process tests end with), `fault_injection`
+(killing and freezing a stack's services, waiting for its pools), `kv_peer` (a UCX peer
 process).
 """
 

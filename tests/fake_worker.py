@@ -195,7 +195,7 @@ class FakeWorker(FakeStepExecution, FakeKvTransfers):
         self.fabric.notify()
 
     def set_health(self, status: str) -> None:
-        """'SERVING' or 'NOT_SERVING' (draining)."""
+        """'SERVING' or 'NOT_SERVING' (draining: its step results say so too)."""
         self._health = status
         self.fabric.notify()
 
@@ -493,6 +493,7 @@ class FakeWorker(FakeStepExecution, FakeKvTransfers):
                         logprobs=self.logprob_results.pop(plan.step_id, {}),
                         accepted={r: [(t, None) for t in ts] for r, ts in accepted.items()},
                         spec=spec,
+                        draining=self._health == "NOT_SERVING",  # as a real worker says
                     )
                 )
                 self.executed_step_id = plan.step_id

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,6 +91,66 @@ def pool_stats(stack: Stack, scheduler: str | None = None) -> scheduler_pb2.GetP
         )
     assert not stats.integrity_errors, list(stats.integrity_errors)
     return stats
+
+
+def worker_names(stack: Stack, *roles: str) -> list[str]:
+    """The stack's workers of those roles ("prefill", "decode", "both"), by service name."""
+    return [p.name for p in stack.processes if p.name.split("-")[0] in roles]
+
+
+@contextmanager
+def frozen(stack: Stack, names: list[str]) -> Iterator[None]:
+    """The services `names` stopped (SIGSTOP) for the block and continued (SIGCONT) after
+    it, also on failure. Keep it short: the scheduler fails a worker that misses several
+    health checks in a row (by default 5 of up to 5 s each)."""
+    try:
+        for name in names:
+            stack.signal(name, signal.SIGSTOP)
+        yield
+    finally:
+        for name in names:
+            stack.signal(name, signal.SIGCONT)
+
+
+@contextmanager
+def held_together(
+    stack: Stack, n: int, timeout_s: float = 10.0, scheduler: str | None = None
+) -> Iterator[None]:
+    """Queue `n` requests in the scheduler before any of their prompt steps runs, whatever
+    the box's load: every worker that runs prompts (prefill and both roles) is `frozen`
+    while the block starts the requests (on threads: it must not wait for their results),
+    and thawed once the scheduler holds all n (GetPoolStats `num_requests`: one per
+    sample, one per beam search), at most `timeout_s` later (it takes well under a second
+    unless the gateway compiles a grammar first: about one).
+
+    Tests that need a preemption use it so that the preemption follows from arithmetic:
+    requests queued together reach the decode pool within the few prefill steps their
+    prompts take (their tokens over the step budget), so requests that each decode for
+    many more steps than that, and whose KV together outgrows the pool, cannot avoid it.
+    `scheduler`: that scheduler's address (default the stack's first)."""
+    prompt_workers = worker_names(stack, "prefill", "both")
+    assert prompt_workers, "the stack has no worker that runs prompts"
+    baseline = pool_stats(stack, scheduler).num_requests
+    with frozen(stack, prompt_workers):
+        yield
+        deadline = time.monotonic() + timeout_s
+        while (held := pool_stats(stack, scheduler).num_requests - baseline) < n:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the scheduler holds {held} of {n} requests")
+            time.sleep(0.01)
+
+
+def generate_together(
+    stack: Stack, requests: list[generate_pb2.GenerateRequest], timeout: float = 120.0
+) -> list[Completion]:
+    """`requests` (n = 1, no beam search) through the stack's gateway, each on its own
+    thread, all queued in the scheduler before any prompt step runs (`held_together`);
+    their completions, in order."""
+    address = stack.spec.gateway_address
+    with ThreadPoolExecutor(len(requests)) as pool:
+        with held_together(stack, len(requests)):
+            futures = [pool.submit(generate, address, r, timeout) for r in requests]
+        return [f.result() for f in futures]
 
 
 def worker_active_requests(stack: Stack, skip: tuple[str, ...] = ()) -> dict[str, int]:

@@ -343,6 +343,8 @@ class Engine(Recovery, BeamSteps):
                 return  # woken with room for a plan: plan before the result comes
             pool.counters.record_step(result, pool.idle_since_last_result)
             pool.idle_since_last_result = False
+            if result.draining and not pool.draining:  # sooner than its health check says
+                self._set_draining(pool, True)
             self._apply(pool, result)
             return
         pool.idle_since_last_result = True

@@ -146,4 +146,5 @@ def step_result_from_pb(response: worker_pb2.StepResponse) -> StepResult:
             p.request_id: (p.start, [logprob_from_pb(e) for e in p.entries])
             for p in response.prompt_logprobs
         },
+        draining=response.draining,
     )

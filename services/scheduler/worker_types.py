@@ -122,6 +122,8 @@ class StepResult:
     # token (with their logprobs where it asked), and its counts.
     accepted: dict[str, list[tuple[int, Logprob | None]]] = field(default_factory=dict)
     spec: dict[str, SpecCounts] = field(default_factory=dict)
+    # The worker was draining (SIGTERM) when it sent this result.
+    draining: bool = False
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,9 @@ async def serve(config: WorkerConfig) -> None:
                 metrics=f"{config.host}:{metrics.port}" if metrics else "off",
             )
             log.info("shutting_down", signal=await wait_for_shutdown_signal())
-            # Drain: NOT_SERVING tells the scheduler to place nothing new here; the
-            # requests this worker holds run to the end.
+            # Drain: NOT_SERVING (and `draining` on every step result) tells the scheduler
+            # to place nothing new here; the requests this worker holds run to the end.
+            servicer.draining = True
             await host.set_serving(False)
             drained = await servicer.drain(config.drain_timeout_s)
             log.info("drained" if drained else "drain_timed_out")

@@ -59,6 +59,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._metrics: WorkerMetrics | None = None
         self._step_stream_id = 0
         self._open_streams = 0
+        # Set on SIGTERM: every step result says so from then on (StepResponse.draining).
+        self.draining = False
 
     @property
     def metrics(self) -> WorkerMetrics:
@@ -193,7 +195,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                         requests=len(worker.batch),
                         new=[(r.request_id, len(r.token_ids), str(r.sampling)) for r in new][:8],
                     )
-                yield step_response_pb(step_id, output)
+                response = step_response_pb(step_id, output)
+                response.draining = self.draining
+                yield response
         finally:
             reader.cancel()
 

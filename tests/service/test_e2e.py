@@ -20,9 +20,11 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
+from services.stack.launcher import Stack
 from tests.hf_reference import hf_greedy, hf_tokenizer
 from tests.stack_client import (
     generate,
+    generate_together,
     greedy_request,
     log_lines_since,
     log_size,
@@ -70,7 +72,12 @@ def expected(model_dir: Path, prompt: str | list[int], max_tokens: int) -> tuple
     return ids, tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def run_concurrently(address: str, workload) -> list:
+def run_concurrently(address: str, workload, held: Stack | None = None) -> list:
+    """Greedy requests for every (prompt, max_tokens) at once. `held`: the stack behind
+    `address`, whose scheduler then queues them all before any prompt step runs
+    (`held_together`), however loaded the box: for tests that need them to overlap."""
+    if held is not None:
+        return generate_together(held, [greedy_request(p, n) for p, n in workload])
     barrier = threading.Barrier(len(workload))
 
     def one(item):
@@ -250,11 +257,14 @@ def test_small_pools_force_chunking_and_preemption_yet_outputs_equal_hf(
     # recomputed on the prefill worker. A 24-token budget chunks every longer prompt.
     # (The session's small-pools stack: SMALL_POOLS are these flags; its log is shared,
     # so only the lines this test caused are read.)
+    # Certain, not timing: the 8 are queued before the first prompt step (`held`), so all
+    # reach the decode pool within the ~8 prefill steps of their 192 prompt tokens, and 7
+    # of them then decode 48 tokens each, to 4-6 blocks (37 blocks in all vs 10).
     stack = small_pools_stack()
     mark = log_size(stack)
     tokenizer = hf_tokenizer(str(tiny_llama_dir))
     workload = [(p, min(48, 96 - len(tokenizer.encode(p)))) for p, _ in WORKLOAD[:8]]
-    results = run_concurrently(stack.spec.gateway_address, workload)
+    results = run_concurrently(stack.spec.gateway_address, workload, held=stack)
     for (prompt, max_tokens), got in zip(workload, results, strict=True):
         assert got.token_ids == expected(tiny_llama_dir, prompt, max_tokens)[0], prompt
     wait_until_idle(stack)

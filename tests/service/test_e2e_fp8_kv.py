@@ -36,7 +36,8 @@ def test_fp8_kv_serves_close_to_hf_and_leak_free(trained_llama_dir, tmp_path):
             assert described.model.dtype == "float8_e4m3fn"
             assert described.kv_cache.block_bytes * 4 == fp32_block * config.head_dim
         work = workload(hf_tokenizer(str(trained_llama_dir)))
-        results = run_concurrently(stack.spec.gateway_address, work)
+        # Queued together (`held`): their KV outgrows the decode pool (`workload`).
+        results = run_concurrently(stack.spec.gateway_address, work, held=stack)
         pairs = []
         for (prompt, max_tokens), got in zip(work, results, strict=True):
             assert len(got.token_ids) == max_tokens

@@ -191,7 +191,6 @@ def test_adapters_load_and_unload_at_run_time_under_load(tiny_llama_dir, adapter
     # loads "rt" into it before its first step.
     decode = next(p.name for p in stack.processes if p.name.startswith("decode"))
     stack.signal(decode, signal.SIGKILL)
-    stack.wait_exit(decode)
     wait_for(lambda: not all(p.healthy for p in pool_stats(stack).pools), timeout_s=60)
     stack.restart(decode)
     wait_for(lambda: all(p.healthy for p in pool_stats(stack).pools), timeout_s=60)

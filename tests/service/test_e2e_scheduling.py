@@ -30,7 +30,15 @@ SHARED = "Paged attention keeps keys and values in blocks; a block table maps po
 
 
 def workload(tokenizer) -> list[tuple[list[int], int]]:
-    """Prompts that share a 3-block prefix, plus unrelated ones; lengths fit context 96."""
+    """Prompts that share a 3-block prefix, plus unrelated ones; lengths fit context 96.
+
+    Sized to preempt on `SMALL_POOLS` when run `held` (queued together, see
+    `held_together`): 4 prompts of 51-62 tokens (4 blocks, 3 of them the shared prefix) and
+    3 of 2-8 tokens, each decoding 34-40 tokens, grow to 6 and 3 blocks: 24 blocks at the
+    least (the prefix held once) against a decode pool of 10 (two pools hold 20). Their
+    246 prompt tokens take at most 11 prefill steps of 24 (about 5 once the prefix is
+    cached), far fewer than the 34-40 decode steps each request then needs (without
+    speculative decoding): they overlap in the decode pool(s) and outgrow them."""
     shared = tokenizer.encode(SHARED)
     prefix = (shared * 4)[:48]
     suffixes = ["alpha beta", "gamma delta epsilon", "zeta", "eta theta iota kappa"]
@@ -54,11 +62,11 @@ def test_two_prefill_two_decode_with_prefix_hits_chunking_and_preemption(tiny_ll
         tiny_llama_dir, tmp_path / "run", prefill=2, decode=2, extra_args=SMALL_POOLS
     )
     try:
-        work = workload(hf_tokenizer(str(tiny_llama_dir)))
-        first = run_concurrently(stack.spec.gateway_address, work)
+        work = workload(hf_tokenizer(str(tiny_llama_dir)))  # its docstring: why it preempts
+        first = run_concurrently(stack.spec.gateway_address, work, held=stack)
         check_against_hf(tiny_llama_dir, work, first)
         wait_until_idle(stack)
-        second = run_concurrently(stack.spec.gateway_address, work)  # same prompts again
+        second = run_concurrently(stack.spec.gateway_address, work, held=stack)  # again
         check_against_hf(tiny_llama_dir, work, second)
         stats = wait_until_idle(stack)
         prefill = [p for p in stats.pools if p.role == 1]
@@ -112,8 +120,9 @@ def test_swap_preemption_keeps_outputs_exact(tiny_llama_dir, small_pools_stack):
     stack = small_pools_stack("swap")  # shared: counters and log compared with before
     was = next(p for p in pool_stats(stack).pools if p.role == 2)
     mark = log_size(stack)
-    work = workload(hf_tokenizer(str(tiny_llama_dir)))
-    check_against_hf(tiny_llama_dir, work, run_concurrently(stack.spec.gateway_address, work))
+    work = workload(hf_tokenizer(str(tiny_llama_dir)))  # its docstring: why it preempts
+    results = run_concurrently(stack.spec.gateway_address, work, held=stack)
+    check_against_hf(tiny_llama_dir, work, results)
     stats = wait_until_idle(stack)
     decode = next(p for p in stats.pools if p.role == 2)
     assert decode.preemptions > was.preemptions and decode.swap_outs > was.swap_outs
@@ -133,8 +142,11 @@ def test_both_role_worker_async_and_sync_scheduling_equal_hf(
         tiny_llama_dir, tmp_path / "run", prefill=0, decode=0, both=1, extra_args=args
     )
     try:
+        # One worker runs every step: the 7 queued together (`held`) are admitted within a
+        # few steps and grow a token a step each, to 24 blocks or more in a pool of 10.
         work = workload(hf_tokenizer(str(tiny_llama_dir)))
-        check_against_hf(tiny_llama_dir, work, run_concurrently(stack.spec.gateway_address, work))
+        results = run_concurrently(stack.spec.gateway_address, work, held=stack)
+        check_against_hf(tiny_llama_dir, work, results)
         (pool,) = wait_until_idle(stack).pools
         assert pool.steps > 0 and pool.preemptions > 0
         assert pool.mean_step_interval_ms > 0 and pool.mean_execute_ms > 0

@@ -7,17 +7,18 @@ proposals accepted, several tokens per step; the counts reach GetPoolStats, the 
 usage and the scheduler's log; every block comes back.
 
 Draft model (the target as its own draft on Llama; its first layer on Qwen2, with swap
-preemption): the same, across two decode workers, one of them SIGKILLed mid-generation (its
-requests recompute on the other, draft KV and all)."""
+preemption): the same, across two decode workers, one of them SIGKILLed with requests on it
+(they recompute on the other, draft KV and all)."""
 
 from __future__ import annotations
 
 import json
-import signal
+import time
 
 import grpc
 import pytest
 
+from tests.fault_injection import kill_busiest
 from tests.hf_reference import hf_generate, hf_greedy, hf_tokenizer
 from tests.service.test_e2e import run_concurrently
 from tests.service.test_e2e_scheduling import (
@@ -29,11 +30,13 @@ from tests.service.test_e2e_scheduling import (
 from tests.stack_client import (
     SAMPLE_PROMPTS,
     BackgroundStream,
+    frozen,
     generate,
     greedy_request,
     pool_stats,
     start_stack,
     wait_until_idle,
+    worker_names,
 )
 
 NGRAM = json.dumps(
@@ -64,9 +67,10 @@ def test_ngram_speculation_is_hf_exact_and_accepts_repeating_output(arch, reques
     stack = start_stack(model_dir, tmp_path / "run", extra_args=pools)
     try:
         work = workload(hf_tokenizer(str(model_dir)))
-        check_against_hf(model_dir, work, run_concurrently(stack.spec.gateway_address, work))
+        address = stack.spec.gateway_address
+        check_against_hf(model_dir, work, run_concurrently(address, work, held=stack))
         # The same prompts again: prefix hits on both sides.
-        check_against_hf(model_dir, work, run_concurrently(stack.spec.gateway_address, work))
+        check_against_hf(model_dir, work, run_concurrently(address, work, held=stack))
         rounds = [biased(model_dir, prompt, n) for prompt, n in work[-3:]]
         for req, want in rounds:
             got = generate(stack.spec.gateway_address, req)
@@ -77,7 +81,10 @@ def test_ngram_speculation_is_hf_exact_and_accepts_repeating_output(arch, reques
         (decode,) = [p for p in stats.pools if p.role == 2]
         assert decode.spec_decode_num_draft_tokens >= decode.spec_decode_num_accepted_tokens > 0
         assert decode.spec_decode_num_steps > 0
-        assert decode.preemptions > 0  # the small decode pool preempted meanwhile
+        # Queued together (`held`), all 7 reach the decode pool within a few prefill steps;
+        # the 4 long ones alone arrive with 7 blocks (one shared 3-block prefix) and each
+        # needs a 5th after 2-13 tokens and a 6th before its last: 15 in a pool of 10.
+        assert decode.preemptions > 0
         assert all(p.num_free_blocks == p.num_blocks for p in stats.pools)
         lines = [x for x in finished_lines(stack) if "accepted_tokens" in x]
         assert lines and all(0 <= x["acceptance_rate"] <= 1 for x in lines)
@@ -111,8 +118,11 @@ def test_draft_model_speculation_is_hf_exact_through_preemption_and_a_killed_dec
     try:
         tokenizer = hf_tokenizer(str(model_dir))
         work = workload(tokenizer)
-        check_against_hf(model_dir, work, run_concurrently(stack.spec.gateway_address, work))
-        check_against_hf(model_dir, work, run_concurrently(stack.spec.gateway_address, work))
+        address = stack.spec.gateway_address
+        # Queued together (`held`): 24 blocks or more at the end (`workload`) in two decode
+        # pools of 10; the long prompts go where their prefix is and outgrow that pool.
+        check_against_hf(model_dir, work, run_concurrently(address, work, held=stack))
+        check_against_hf(model_dir, work, run_concurrently(address, work, held=stack))
         stats = wait_until_idle(stack)
         decodes = [p for p in stats.pools if p.role == 2]
         drafted = sum(p.spec_decode_num_draft_tokens for p in decodes)
@@ -125,21 +135,24 @@ def test_draft_model_speculation_is_hf_exact_through_preemption_and_a_killed_dec
             assert sum(p.swap_outs for p in decodes) > 0
         assert all(p.num_free_blocks == p.num_blocks for p in stats.pools)
 
-        # A decode worker killed mid-generation: its requests finish exactly elsewhere.
+        # A decode worker killed with requests on it: they finish exactly elsewhere. Both
+        # decode workers stay frozen until the 4 prompts (their first tokens streamed)
+        # have their KV reserved in the decode pools; the one holding most (2 or more)
+        # is killed then, so its requests certainly start over on the other, draft KV
+        # and all, however fast they would otherwise have ended.
         prompts = [tokenizer.encode(p) for p in SAMPLE_PROMPTS[:4]]
-        streams = [
-            BackgroundStream(stack.spec.gateway_address, greedy_request(p, 48), 120)
-            for p in prompts
-        ]
-        for stream in streams:
-            stream.wait_tokens(2)
-        by_name = {p.worker_id: p for p in pool_stats(stack).pools}
-        victim = max(
-            (p.name for p in stack.processes if p.name.startswith("decode-")),
-            key=lambda n: by_name[n].num_requests,
-        )
-        stack.signal(victim, signal.SIGKILL)
-        stack.wait_exit(victim)
+        with frozen(stack, worker_names(stack, "decode")):
+            streams = [
+                BackgroundStream(stack.spec.gateway_address, greedy_request(p, 48), 120)
+                for p in prompts
+            ]
+            for stream in streams:
+                stream.wait_tokens(1)
+            deadline = time.monotonic() + 10
+            while sum(p.num_requests for p in pool_stats(stack).pools if p.role == 2) < 4:
+                assert time.monotonic() < deadline, "the prompts did not reach the decode pools"
+                time.sleep(0.01)
+            victim = kill_busiest(stack, "decode")
         for prompt, stream in zip(prompts, streams, strict=True):
             stream.result()
             assert stream.code == grpc.StatusCode.OK, stream.details

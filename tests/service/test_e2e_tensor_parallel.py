@@ -121,7 +121,9 @@ def test_parallel_layouts_are_hf_exact_with_chunking_and_preemption(
             assert ranks == sorted(int(layout[2:]) for layout in layouts[role][: len(named)])
         work = workload(hf_tokenizer(str(folder)))
         for _ in range(2):  # the second round meets cached prefixes
-            check_against_hf(folder, work, run_concurrently(stack.spec.gateway_address, work))
+            # Queued together (`held`): their KV outgrows the decode pools (`workload`).
+            results = run_concurrently(stack.spec.gateway_address, work, held=stack)
+            check_against_hf(folder, work, results)
             pools = wait_until_idle(stack).pools
         decoding = [p for p in pools if p.role != types_pb2.WORKER_ROLE_PREFILL]
         assert all(p.steps > 0 for p in pools), "placement used every worker"

@@ -21,10 +21,20 @@ from common.healthcheck import health_status
 from common.pb.tandem.internal.v1 import types_pb2
 from common.pb.tandem.v1 import generate_pb2
 from services.stack.launcher import Stack
+from tests.fault_injection import (
+    assert_all_alive,
+    assert_all_alive_but,
+    kill_busiest,
+    names,
+    pools_by_name,
+    wait_for,
+    wait_healthy_pools,
+)
 from tests.hf_reference import hf_greedy, hf_tokenizer
 from tests.stack_client import (
     SAMPLE_PROMPTS,
     BackgroundStream,
+    frozen,
     generate,
     greedy_request,
     pool_stats,
@@ -73,46 +83,6 @@ def reference(tiny_llama_dir):
     }
 
 
-def names(stack: Stack, role: str) -> list[str]:
-    return [p.name for p in stack.processes if p.name.startswith(f"{role}-")]
-
-
-def pools_by_name(stack: Stack) -> dict[str, object]:
-    return {p.worker_id: p for p in pool_stats(stack).pools}
-
-
-def assert_all_alive(stack: Stack) -> None:
-    dead = [p.name for p in stack.processes if not stack.alive(p)]
-    assert not dead, f"processes exited: {dead}"
-
-
-def assert_all_alive_but(stack: Stack, killed: str) -> None:
-    dead = [p.name for p in stack.processes if not stack.alive(p)]
-    assert dead == [killed], f"exited: {dead}, expected only {killed}"
-
-
-def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"{what} not true after {timeout_s}s")
-
-
-def wait_healthy_pools(stack: Stack, timeout_s: float = 30.0) -> None:
-    """Every worker is back in the scheduler's pools and the scheduler serves."""
-    wait_for(
-        lambda: (
-            all(p.healthy and not p.draining for p in pool_stats(stack).pools)
-            and health_status(stack.spec.scheduler_address) == "SERVING"
-        ),
-        timeout_s,
-        "every pool healthy",
-    )
-
-
 def start_streams(stack: Stack, max_tokens: int = LONG_OUTPUT, timeout: float = 120.0):
     return [
         BackgroundStream(stack.spec.gateway_address, greedy_request(p, max_tokens), timeout)
@@ -127,24 +97,6 @@ def assert_exact(streams, reference) -> None:
         expected = reference[prompt][: len(stream.token_ids)]
         assert stream.token_ids == expected, prompt
         assert len(stream.token_ids) == len(reference[prompt]), prompt
-
-
-def kill_busiest(stack: Stack, role: str) -> str:
-    """Freeze every worker of `role`, SIGKILL the one holding most requests, thaw the
-    rest; returns the killed one's name. The freeze makes 'mid-request' certain."""
-    workers = names(stack, role)
-    for name in workers:
-        stack.signal(name, signal.SIGSTOP)
-    try:
-        pools = pools_by_name(stack)
-        victim = max(workers, key=lambda n: pools[n].num_requests)
-        assert pools[victim].num_requests > 0, "no request in flight on any worker"
-        stack.signal(victim, signal.SIGKILL)
-    finally:
-        for name in workers:
-            stack.signal(name, signal.SIGCONT)
-    stack.wait_exit(victim)
-    return victim
 
 
 def test_decode_worker_killed_mid_generation_requests_finish_exactly_elsewhere(stack, reference):
@@ -447,7 +399,10 @@ def test_constrained_requests_survive_a_killed_decode_worker(stack, tiny_llama_d
 
     wait_healthy_pools(stack)
     before = pool_stats(stack)
-    regex = "[a-z ]{90}[.]"
+    # No token of this byte-level BPE holds a space after its first character: each " x"
+    # costs a token or two, so a request still has 44 steps or more to go after 3 tokens,
+    # and the frozen victim (`kill_busiest`) surely holds some.
+    regex = "[a-z]( [a-z]){45}[.]"
     requests = []
     for i, prompt in enumerate(PROMPTS[:4]):
         request = greedy_request(prompt, 120)
@@ -541,9 +496,14 @@ def test_beam_searches_start_over_when_their_decode_worker_drains(stack, tiny_ll
             "beams decoding",
             interval_s=0.01,
         )
-        pools = pools_by_name(stack)
-        draining = max(names(stack, "decode"), key=lambda n: pools[n].num_requests)
-        stack.signal(draining, signal.SIGTERM)
+        # Frozen while told: the searches (80 steps each) are a few steps in, and the
+        # scheduler learns of the drain from the next step result (`draining`), a step or
+        # two later, not at its next health check: the victim surely holds beams then.
+        with frozen(stack, names(stack, "decode")):
+            pools = pools_by_name(stack)
+            draining = max(names(stack, "decode"), key=lambda n: pools[n].num_requests)
+            assert pools[draining].num_requests >= 4
+            stack.signal(draining, signal.SIGTERM)
         results = [f.result() for f in futures]
     assert_hf_beams(tiny_llama_dir, results)
     assert stack.wait_exit(draining) == 0
@@ -552,4 +512,30 @@ def test_beam_searches_start_over_when_their_decode_worker_drains(stack, tiny_ll
     wait_until_idle(stack, skip=(draining,))
     stack.restart(draining)
     wait_healthy_pools(stack)
+    assert_all_alive(stack)
+
+
+def test_restart_waits_for_a_just_killed_service_and_refuses_a_running_one(stack, reference):
+    """`restart` at once after a SIGKILL waits for the exit (the worker may still be dying,
+    or be a zombie its parent, the fork server, has not reaped: both answer kill(0)), then
+    starts it; a service still running after `exit_timeout_s` is refused and left alone."""
+    wait_healthy_pools(stack)
+    victim = names(stack, "decode")[0]
+    old = stack.process(victim)
+    stack.signal(victim, signal.SIGKILL)
+    new = stack.restart(victim)  # no wait_exit first
+    assert new.pid != old.pid and not stack.alive(old) and stack.process(victim) is new
+    wait_healthy_pools(stack)
+    completion = generate(stack.spec.gateway_address, greedy_request(PROMPTS[1], 24))
+    assert completion.token_ids == reference[PROMPTS[1]][:24]
+
+    running = names(stack, "prefill")[0]
+    pid = stack.process(running).pid
+    refused_at = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"{running} is still running \(pid {pid}\)"):
+        stack.restart(running, exit_timeout_s=0.3)
+    assert time.monotonic() - refused_at >= 0.3  # it waited, then refused
+    assert stack.process(running).pid == pid and stack.alive(stack.process(running))
+    assert health_status(stack.process(running).address) == "SERVING"
+    wait_until_idle(stack)
     assert_all_alive(stack)

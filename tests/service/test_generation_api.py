@@ -23,7 +23,7 @@ from tests.hf_reference import (
     hf_model,
     hf_tokenizer,
 )
-from tests.stack_client import pool_stats, start_stack, wait_until_idle
+from tests.stack_client import held_together, pool_stats, start_stack, wait_until_idle
 
 PROMPT = "Once upon a time, the scheduler"
 MESSAGES = [
@@ -339,16 +339,23 @@ def seeded(seed: int, n: int | None = None, prompt=PROMPT) -> generate_pb2.Gener
     return request(prompt, **fields)
 
 
-def concurrently(address: str, requests: list) -> list[Result]:
+def concurrently(address: str, requests: list, held=None) -> list[Result]:
+    """`requests` (n = 1) at once. `held`: the stack behind `address`, whose scheduler then
+    queues them all before any prompt step runs (`held_together`), however loaded the box."""
     barrier = threading.Barrier(len(requests))
 
     def one(req):
         with grpc.insecure_channel(address) as channel:
-            barrier.wait()
+            if held is None:
+                barrier.wait()
             return run(generate_pb2_grpc.GenerateServiceStub(channel), req)
 
     with ThreadPoolExecutor(len(requests)) as pool:
-        return list(pool.map(one, requests))
+        if held is None:
+            return list(pool.map(one, requests))
+        with held_together(held, len(requests)):
+            futures = [pool.submit(one, r) for r in requests]
+        return [f.result() for f in futures]
 
 
 def noise_requests(tok, count: int) -> list:
@@ -410,9 +417,13 @@ def test_usage_counts_cached_tokens_and_timings_are_ordered(stub, tok):
 
 def test_seeded_outputs_survive_preemption_on_a_both_worker(stub, tok, tiny_llama_dir, tmp_path):
     # The same seeded requests on one 'both' worker with a pool so small that some are
-    # preempted and recomputed: the tokens equal the disaggregated stack's.
+    # preempted and recomputed: the tokens equal the disaggregated stack's. Certain: the 6
+    # (13-18 token prompts: 3 steps of 32) are queued together (`held_together`), and one
+    # worker runs every step, so all 6 decode 24 tokens side by side, to 3 blocks each:
+    # 18 blocks in a pool of 10.
     requests = [seeded(21 + i, prompt=PROMPT + " " * i) for i in range(6)]
     want = [run(stub, r).ids[0] for r in requests]
+    assert all(len(w) == 24 for w in want)  # (none ends early: the arithmetic above)
     stack = start_stack(
         tiny_llama_dir,
         tmp_path / "both",
@@ -425,7 +436,7 @@ def test_seeded_outputs_survive_preemption_on_a_both_worker(stub, tok, tiny_llam
         },
     )
     try:
-        got = concurrently(stack.spec.gateway_address, requests)
+        got = concurrently(stack.spec.gateway_address, requests, held=stack)
         assert [g.ids[0] for g in got] == want
         stats = wait_until_idle(stack)
         assert stats.pools[0].preemptions > 0

@@ -260,6 +260,37 @@ def test_draining_decode_worker_gets_no_handoffs():
     run(scenario())
 
 
+def test_a_drain_is_learned_from_the_next_step_result():
+    """Health checks every minute: only the step results (`draining`) can tell the engine
+    that d0 drains. Its requests move to d1 with their KV, a step or two later."""
+
+    async def scenario():
+        slow = Resilience(health_interval_s=60.0, health_timeout_s=1.0, health_max_misses=2)
+        async with cluster(
+            worker_info("p0", "prefill"),
+            worker_info("d0", "decode"),
+            worker_info("d1", "decode"),
+            resilience=slow,
+        ) as c:
+            d0, d1 = c.worker("d0"), c.worker("d1")
+            cases = [(prompt(60 + i, 6), 40) for i in range(4)]
+            handles = [submit(c, f"r{i}", p, n) for i, (p, n) in enumerate(cases)]
+            await until(lambda: len(d0.batch) >= 1 and len(d0.steps) >= 3)
+            held = set(d0.batch)
+            d0.hold_steps()
+            d0.set_health("NOT_SERVING")  # no health check comes for a minute
+            d0.release_steps()
+            streams = await asyncio.gather(*(collect(h.events) for h in handles))
+            for stream, (p, n) in zip(streams, cases, strict=True):
+                assert_exact(stream, p, n)
+            assert c.pool("d0").draining and not c.pool("d1").draining
+            assert held <= d1.planned_request_ids  # moved, KV and all
+            assert c.pool("d0").scheduler.num_migrations_out >= len(held)
+            await assert_clean(c)
+
+    run(scenario())
+
+
 def test_every_prompt_worker_draining_stops_serving():
     async def scenario():
         async with cluster(worker_info("w0")) as c:
@@ -282,7 +313,10 @@ def test_preemption_under_a_tiny_block_pool_keeps_exact_streams(mode):
     async def scenario():
         info = worker_info("w0", num_blocks=10, num_swap_blocks=32 if mode == "swap" else 0)
         async with cluster(info, preemption_mode=mode) as c:
-            cases = [(prompt(40 + i, 5), 14) for i in range(4)]  # 5 blocks each at the end
+            # Certain: all 4 are submitted before the engine runs a step, their 20 prompt
+            # tokens fit one step's budget (64), and one worker runs every step: they
+            # decode side by side, to 5 blocks each (19 tokens): 20 blocks in 10.
+            cases = [(prompt(40 + i, 5), 14) for i in range(4)]
             handles = [submit(c, f"r{i}", p, n) for i, (p, n) in enumerate(cases)]
             streams = await asyncio.gather(*(collect(h.events) for h in handles))
             for stream, (p, n) in zip(streams, cases, strict=True):
@@ -301,6 +335,8 @@ def test_decode_pool_preemption_recomputes_through_the_prefill_pool():
         async with cluster(
             worker_info("p0", "prefill"), worker_info("d0", "decode", num_blocks=8)
         ) as c:
+            # Certain: the 3 prompts run in the first prefill step and reach d0 together (2
+            # blocks each: 6 of 8), then decode side by side to 5 blocks each: 15 in 8.
             cases = [(prompt(50 + i, 5), 14) for i in range(3)]
             handles = [submit(c, f"r{i}", p, n) for i, (p, n) in enumerate(cases)]
             streams = await asyncio.gather(*(collect(h.events) for h in handles))

@@ -107,6 +107,9 @@ def test_preemption_with_proposals_in_flight_keeps_exact_streams(mode):
         decode = spec_decode("d0", num_blocks=9, num_swap_blocks=swap)
         prefill = worker_info("p0", "prefill", num_swap_blocks=swap)
         async with cluster(prefill, decode, preemption_mode=mode) as c:
+            # Certain: the 4 prompts run in the first prefill step and reach d0 together (2
+            # blocks each: 8 of 9), then decode side by side (proposals only take more)
+            # to 6 blocks each: 24 blocks in 9.
             cases = [(prompt(60 + i, 5), 18) for i in range(4)]
             handles = [submit(c, f"r{i}", p, n) for i, (p, n) in enumerate(cases)]
             streams = await asyncio.gather(*(collect(h.events) for h in handles))
