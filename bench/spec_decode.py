@@ -6,7 +6,8 @@ Random-weight models never repeat their prompt or themselves, so the workload ma
 output repeat (`--sampling repeat:N`: greedy, with the request's first N prompt tokens pushed
 up by logit_bias; logit_bias shifts logits and costs the same with speculation on or off;
 N = 1 makes every proposal right, the upper bound; N = 2 gives partial acceptance).
-Modes alternate (off, on, off, on, ...) because the box drifts between runs. Acceptance
+Modes alternate (off, on, off, on, ...; with `--without-switch` a third, the same config
+without `disable_by_batch_size`) because the box drifts between runs. Acceptance
 comes from the requests' usage (proposed and accepted tokens) and the decode pool's
 `GetPoolStats` (mean accepted length = 1 + accepted / verifying steps). JSON goes to
 bench/results/spec_decode_cpu.json.
@@ -73,6 +74,11 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1, help="runs per mode, alternating")
+    parser.add_argument(
+        "--without-switch",
+        action="store_true",
+        help="also run the config without disable_by_batch_size (speculation at any batch)",
+    )
     parser.add_argument("--out", default=str(RESULTS / "spec_decode_cpu.json"))
     args = parser.parse_args()
     model = bench_model(args.model)
@@ -86,26 +92,37 @@ def main() -> None:
         build_workload("mixed", vocab, MixedParams(num_requests=n, **shape), seed=c)
         for c, n in LOADS
     ]
-    runs = {"off": [], "on": []}
+    configs = {"off": ""}
+    configs["on"] = args.speculative_config
+    if args.without_switch:  # the same config with speculation on at every batch size
+        unswitched = {**json.loads(args.speculative_config)}
+        unswitched.pop("disable_by_batch_size", None)
+        configs["on_no_switch"] = json.dumps(unswitched)
+    runs = {mode: [] for mode in configs}
     for _ in range(args.repeats):
-        runs["off"].append(run_mode(model, "", requests_by_load, args.sampling))
-        runs["on"].append(run_mode(model, args.speculative_config, requests_by_load, args.sampling))
+        for mode, config in configs.items():
+            runs[mode].append(run_mode(model, config, requests_by_load, args.sampling))
     ratios = {}
-    for concurrency, _ in LOADS:
-        key = f"c{concurrency}"
-        off = [r[key]["tpot_ms"]["p50"] for r in runs["off"]]
-        on = [r[key]["tpot_ms"]["p50"] for r in runs["on"]]
-        ratios[key] = {
-            "tpot_p50_off_over_on": [round(a / b, 3) for a, b in zip(off, on, strict=True)],
-            "throughput_on_over_off": [
-                round(b[key]["output_tokens_per_s"] / a[key]["output_tokens_per_s"], 3)
-                for a, b in zip(runs["off"], runs["on"], strict=True)
-            ],
-        }
+    for mode in [m for m in configs if m != "off"]:
+        for concurrency, _ in LOADS:
+            key = f"c{concurrency}"
+            off = [r[key] for r in runs["off"]]
+            on = [r[key] for r in runs[mode]]
+            ratios.setdefault(mode, {})[key] = {
+                "tpot_p50_off_over_on": [
+                    round(a["tpot_ms"]["p50"] / b["tpot_ms"]["p50"], 3)
+                    for a, b in zip(off, on, strict=True)
+                ],
+                "throughput_on_over_off": [
+                    round(b["output_tokens_per_s"] / a["output_tokens_per_s"], 3)
+                    for a, b in zip(off, on, strict=True)
+                ],
+                "acceptance_rate": [b["acceptance_rate"] for b in on],
+            }
     report = {
         "benchmark": "spec_decode",
         "model": args.model,
-        "speculative_config": json.loads(args.speculative_config),
+        "speculative_config": {m: json.loads(c) if c else None for m, c in configs.items()},
         "sampling": args.sampling,
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,

@@ -27,7 +27,7 @@ class Migration:
         frees them once its KV has moved). Oldest first."""
         if not self.migrating:
             return []
-        busy = {rid for _, step, _ in self._in_flight for rid in step}
+        busy = {rid for _, step, _, _ in self._in_flight for rid in step}
         ready = [
             r
             for r in (*self.running, *self.waiting)

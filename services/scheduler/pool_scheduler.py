@@ -30,6 +30,7 @@ from services.scheduler.block_manager import BlockManager
 from services.scheduler.lookahead import Lookahead, SpecDecodeCounters
 from services.scheduler.pool_migration import Migration
 from services.scheduler.request import Request
+from services.scheduler.spec_goodput import StepCost, acceptance, pool_acceptance, worth
 from services.scheduler.step_plan import PoolStepPlan, SampledToken, ScheduledRequest, StepUpdate
 from services.scheduler.worker_types import StepResult
 
@@ -55,6 +56,7 @@ class PoolScheduler(Migration):
         `lookahead`: the worker verifies proposals (speculative decoding). `max_loras`:
         distinct LoRA adapters the running requests may use at once (0: no limit)."""
         self.lookahead = lookahead
+        self.step_cost = StepCost()  # what a row costs a step here (spec_goodput.py)
         self.max_loras = max_loras
         self.blocks = blocks
         self.swap_blocks = swap_blocks
@@ -71,10 +73,9 @@ class PoolScheduler(Migration):
         # blocks they were writing into stay held under a key of their own.
         self._pending_cancels: list[int] = []
         self._held_for_cancels: list[str] = []
-        # Per step sent and not yet answered, oldest first: the requests it computes.
-        # Per step in flight: its number and the requests it computes.
-        # (step number, its requests, proposal slots per request) of each step in flight
-        self._in_flight: deque[tuple[int, dict[str, Request], dict[str, int]]] = deque()
+        # Per step sent and not yet answered, oldest first: its number, the requests it
+        # computes, their proposal slots (those with any), and the tokens it computes.
+        self._in_flight: deque[tuple[int, dict[str, Request], dict[str, int], int]] = deque()
         self._num_planned = 0
         # Draining: requests leave with their KV (pool_migration.py); those that left
         # stay in the worker's batch until their blocks here are freed.
@@ -200,6 +201,7 @@ class PoolScheduler(Migration):
                     self._num_planned,
                     {s.request.request_id: s.request for s in plan.scheduled},
                     {rid: k for rid, k in slots.items() if k},
+                    plan.num_scheduled_tokens,
                 )
             )
         return plan
@@ -213,7 +215,10 @@ class PoolScheduler(Migration):
         aborted while the step ran is dropped."""
         if not self._in_flight:
             raise ValueError(f"step {result.step_id}: no step of this pool is in flight")
-        _, scheduled, slots = self._in_flight.popleft()
+        _, scheduled, slots, num_tokens = self._in_flight.popleft()
+        if self.lookahead is not None:  # rows the worker ran: tokens, then proposals
+            drafts = sum(c.num_draft_tokens for c in result.spec.values())
+            self.step_cost.observe(num_tokens + drafts, result.execute_seconds)
         update = StepUpdate()
         for request_id, k in slots.items():  # this step's proposals are accounted for now
             request = scheduled[request_id]
@@ -293,6 +298,7 @@ class PoolScheduler(Migration):
     def _schedule_running(self, plan: PoolStepPlan) -> int:
         budget = self.max_num_batched_tokens
         later_decodes = sum(1 for r in self.running if self.schedulable_tokens(r) == 1)
+        bar, pool_rate = self._slot_bar() if self.lookahead else (0.0, 0.0)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -313,6 +319,7 @@ class PoolScheduler(Migration):
                     lookahead = self.lookahead.slots(
                         request, budget - 1 - later_decodes, len(self.running)
                     )
+                    lookahead = worth(request, lookahead, bar, pool_rate)
             else:  # a prompt chunk leaves one token per decode behind it
                 num_new = min(todo, budget - later_decodes)
                 if num_new <= 0:
@@ -334,6 +341,15 @@ class PoolScheduler(Migration):
             budget -= num_new + lookahead
             self._commit(plan, request, num_new, start, lookahead=lookahead)
         return budget
+
+    def _slot_bar(self) -> tuple[float, float]:
+        """What a proposal slot must bring in this step (spec_goodput.py), and the pool's
+        acceptance rate."""
+        counts = self.spec_decode
+        pool_rate = pool_acceptance(counts.num_draft_tokens, counts.num_accepted_tokens)
+        alphas = [acceptance(r, pool_rate) for r in self.running if r.beam is None]
+        k = self.lookahead.num_speculative_tokens
+        return self.step_cost.bar(len(self.running), alphas, k), pool_rate
 
     def _swap_in(self, plan: PoolStepPlan, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:

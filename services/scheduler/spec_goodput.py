@@ -1,0 +1,125 @@
+"""Whether a proposal slot pays for itself, step by step (speculative decoding that is never
+slower than plain decoding).
+
+A slot costs the worker one more row in the step if the proposer fills it, and brings a
+token only if every proposal before it is accepted as well: with a request's acceptance
+rate `alpha` (per proposal), its j-th slot brings `alpha**j` tokens on average. A step's
+time is about `a + b * rows`. A step of `n` plain rows plus the slots chosen brings `E`
+tokens in `t`; a slot raises the step's tokens per second exactly when its expected
+tokens exceed `b * E / t`. The best set of slots is found by Dinkelbach's iteration:
+start from the plain step's `E / t`, take every slot above `b * E / t`, recompute `E / t`
+with them, repeat (a few rounds converge). So one stream (the rows are a small share of
+the step) speculates even at low acceptance, and a full batch only where proposals mostly
+land. A slot must beat the bar by `MARGIN`: near the break-even a slot brings nothing on
+average, and costs beyond the worker's step time are not in the fit.
+
+`a` and `b` are fitted online from the pool's own steps (`execute_seconds` against the rows
+the worker ran, recent steps weighing most); until the rows have varied enough to fit a
+line, every slot is given. A request whose slots are all refused still gets one every
+`PROBE_PERIOD` tokens, so a change in its acceptance is noticed. A request's acceptance is
+its own proposals' (accepted / proposed), starting from the pool's. Pure Python.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from services.scheduler.request import Request
+
+PROBE_PERIOD = 64
+# A slot must beat the bar by this factor (see the module docstring).
+MARGIN = 1.1
+ROUNDS = 4
+# Weight of the pool's acceptance in a request's estimate, in proposals.
+PRIOR_PROPOSALS = 4.0
+# Each step's weight in the fit decays by this much per later step (~50 steps count).
+DECAY = 0.98
+# The fit needs the rows' spread (their standard deviation) to be at least this: a step of
+# a few rows costs about the same whatever their number (the weights are read once), and a
+# line through such steps fits noise.
+MIN_ROW_SPREAD = 3.0
+# The pool's acceptance starts at PRIOR_RATE, weighted as this many proposals.
+PRIOR_RATE = 0.5
+POOL_PRIOR_PROPOSALS = 32.0
+
+
+@dataclass
+class StepCost:
+    """A step's execute time as `a + b * rows`, fitted with exponential forgetting; the last
+    fit is kept while the recent steps all had about the same rows."""
+
+    weight: float = 0.0
+    sum_x: float = 0.0
+    sum_y: float = 0.0
+    sum_xx: float = 0.0
+    sum_xy: float = 0.0
+    fitted: tuple[float, float] | None = None
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows <= 0 or seconds <= 0:
+            return
+        self.weight = self.weight * DECAY + 1.0
+        self.sum_x = self.sum_x * DECAY + rows
+        self.sum_y = self.sum_y * DECAY + seconds
+        self.sum_xx = self.sum_xx * DECAY + rows * rows
+        self.sum_xy = self.sum_xy * DECAY + rows * seconds
+        mean_x, mean_y = self.sum_x / self.weight, self.sum_y / self.weight
+        var_x = self.sum_xx / self.weight - mean_x * mean_x
+        if var_x < MIN_ROW_SPREAD**2:
+            return  # keep the last fit
+        b = (self.sum_xy / self.weight - mean_x * mean_y) / var_x
+        b = max(b, 0.0)
+        a = max(mean_y - b * mean_x, 1e-6)
+        self.fitted = (a, b)
+
+    def bar(self, plain_rows: int, alphas: list[float], max_slots: int) -> float:
+        """What a slot's expected tokens must exceed in a step of `plain_rows` rows whose
+        decoding requests have these acceptance rates and up to `max_slots` slots each
+        (0 before any fit: every slot is given)."""
+        if self.fitted is None or plain_rows <= 0 or self.fitted[1] == 0.0:
+            return 0.0
+        a, b = self.fitted
+        bar = b * plain_rows / (a + b * plain_rows)
+        for _ in range(ROUNDS):
+            tokens, rows = float(plain_rows), float(plain_rows)
+            for alpha in alphas:
+                paid = _paid(alpha, bar, max_slots)
+                if paid:
+                    tokens += alpha * (1.0 - alpha**paid) / (1.0 - alpha) if alpha < 1 else paid
+                    rows += paid
+            bar = b * tokens / (a + b * rows)
+        return bar
+
+
+def _paid(alpha: float, bar: float, max_slots: int) -> int:
+    """Slots j = 1.. whose alpha**j beats bar * MARGIN, at most max_slots."""
+    floor = bar * MARGIN
+    if alpha <= floor or max_slots <= 0:
+        return 0
+    if alpha >= 1.0 or floor <= 0.0:
+        return max_slots
+    return min(max_slots, int(math.log(floor) / math.log(alpha) - 1e-12))
+
+
+def pool_acceptance(num_draft_tokens: int, num_accepted_tokens: int) -> float:
+    """The pool's acceptance per proposal, from PRIOR_RATE towards what it measured."""
+    prior = POOL_PRIOR_PROPOSALS * PRIOR_RATE
+    return (num_accepted_tokens + prior) / (num_draft_tokens + POOL_PRIOR_PROPOSALS)
+
+
+def acceptance(request: Request, pool_rate: float) -> float:
+    """The request's acceptance per proposal: its own, weighted against the pool's."""
+    prior = PRIOR_PROPOSALS * pool_rate
+    return (request.num_accepted_tokens + prior) / (request.num_draft_tokens + PRIOR_PROPOSALS)
+
+
+def worth(request: Request, slots: int, bar: float, pool_rate: float) -> int:
+    """Of `slots` allowed, those whose expected tokens beat `bar`; a probe slot every
+    PROBE_PERIOD tokens when none does."""
+    if slots <= 0 or bar <= 0.0:
+        return slots
+    paid = _paid(acceptance(request, pool_rate), bar, slots)
+    if paid == 0 and request.num_tokens % PROBE_PERIOD == 0:
+        return 1
+    return paid

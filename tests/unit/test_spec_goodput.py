@@ -1,0 +1,107 @@
+"""Proposal slots that pay for themselves (services/scheduler/spec_goodput.py): the step
+cost's online fit, the row share a slot must beat, how many slots a request's acceptance
+earns (all of them at one stream, none in a full batch of poor proposals, a probe now and
+then), and the pool scheduler using it."""
+
+import random
+
+import pytest
+
+from services.scheduler.lookahead import Lookahead
+from services.scheduler.spec_goodput import MARGIN, PROBE_PERIOD, StepCost, acceptance, worth
+from services.scheduler.worker_types import SpecCounts, StepResult
+from tests.unit.test_pool_scheduler import make_request, sched
+
+
+def fitted(a: float, b: float, noise: float = 0.0, steps: int = 200) -> StepCost:
+    rng, cost = random.Random(7), StepCost()
+    for _ in range(steps):
+        rows = rng.randint(1, 80)
+        cost.observe(rows, (a + b * rows) * (1 + rng.uniform(-noise, noise)))
+    return cost
+
+
+def test_the_step_cost_fit_finds_the_line_and_keeps_it_through_steady_batches():
+    assert StepCost().bar(16, [0.5] * 16, 4) == 0.0  # nothing fitted: every slot is given
+    cost = fitted(0.005, 0.0003)
+    a, b = cost.fitted
+    assert a == pytest.approx(0.005, rel=1e-6) and b == pytest.approx(0.0003, rel=1e-6)
+    assert cost.bar(16, [], 4) == pytest.approx(0.0048 / 0.0098)  # no slot: the plain step
+    noisy = fitted(0.005, 0.0003, noise=0.15)
+    assert noisy.fitted[1] == pytest.approx(0.0003, rel=0.15)
+    for _ in range(500):  # a steady batch: the rows no longer vary, the last fit stays
+        cost.observe(16, 0.0098)
+    assert cost.fitted[0] == pytest.approx(a, rel=1e-3) and cost.fitted[1] == pytest.approx(
+        b, rel=1e-3
+    )
+
+
+def test_the_bar_is_the_best_tokens_per_second_and_slots_must_beat_it():
+    cost = fitted(0.005, 0.0003)
+    # One stream: rows are nearly free (bar ~0.06): a poor request still speculates.
+    assert cost.bar(1, [0.23], 4) < 0.1
+    # Sixteen poor requests: no slot beats the plain step's bar (~0.49).
+    assert cost.bar(16, [0.23] * 16, 4) == pytest.approx(0.0048 / 0.0098)
+    # Sixteen good ones: every slot pays, and the bar rises with the tokens they bring
+    # (Dinkelbach: it converges to the best tokens per second times b).
+    good = cost.bar(16, [0.94] * 16, 4)
+    paid = [j for j in range(1, 5) if 0.94**j > good * MARGIN]  # the slots that beat it
+    tokens = 16 * (1 + sum(0.94**j for j in paid))
+    assert good == pytest.approx(0.0003 * tokens / (0.005 + 0.0003 * (16 + 16 * len(paid))))
+    assert len(paid) >= 3 and good > 0.6
+
+    low, high = make_request("low", 6, 100), make_request("high", 6, 100)
+    low.num_draft_tokens, low.num_accepted_tokens = 400, 92  # 0.23
+    high.num_draft_tokens, high.num_accepted_tokens = 400, 376  # 0.94
+    one = cost.bar(1, [0.23], 4)
+    assert worth(low, 4, one, 0.5) == len([j for j in (1, 2, 3) if 0.2327**j > one * MARGIN])
+    assert worth(low, 4, one, 0.5) >= 1
+    assert worth(high, 4, one, 0.5) == 4
+    assert worth(high, 4, good, 0.5) == len(paid)
+    full = cost.bar(16, [0.23] * 16, 4)
+    low.output_token_ids = [1]  # 7 tokens: not a probe position
+    assert worth(low, 4, full, 0.5) == 0
+    low.output_token_ids = [1] * (PROBE_PERIOD - 6)  # every PROBE_PERIOD tokens: one probe
+    assert worth(low, 4, full, 0.5) == 1
+    assert worth(low, 4, 0.0, 0.5) == 4  # no fit yet: all
+    assert worth(low, 0, full, 0.5) == 0
+    fresh = make_request("fresh", 6, 100)  # no proposals yet: the pool's rate
+    assert acceptance(fresh, 0.9) == pytest.approx(0.9)
+    assert worth(fresh, 4, full, 0.9) == 4 and worth(fresh, 4, full, 0.2) == 0
+
+
+def test_the_pool_stops_speculating_for_a_full_batch_of_poor_proposals():
+    """Steps of 16 decodes that verify poor proposals teach the pool what a row costs; the
+    next steps plan slots only at probe positions. One stream keeps its slots."""
+    s = sched(lookahead=Lookahead(4), budget=256, max_seqs=16)
+    rids = [f"r{i}" for i in range(16)]
+    for rid in rids:
+        s.add(make_request(rid, 5, 200))
+    s.schedule()
+    s.update(StepResult(0, dict.fromkeys(rids, 50), 0.01))
+    rng = random.Random(3)
+    for _ in range(30):  # every request proposes 4, one in four accepted at most
+        plan = s.schedule()
+        rows = sum(i.num_new_tokens for i in plan.scheduled)
+        drafts = {i.request.request_id: i.num_lookahead_tokens for i in plan.scheduled}
+        accepted = {rid: [(51, None)] if rng.random() < 0.25 else [] for rid in drafts}
+        spec = {rid: SpecCounts(k, len(accepted[rid])) for rid, k in drafts.items() if k}
+        seconds = 0.005 + 0.0003 * (rows + sum(drafts.values()))
+        s.update(
+            StepResult(0, dict.fromkeys(drafts, 52), seconds,
+                       accepted={r: a for r, a in accepted.items() if r in spec}, spec=spec)
+        )  # fmt: skip
+    plan = s.schedule()
+    probes = [i for i in plan.scheduled if i.request.num_tokens % PROBE_PERIOD == 0]
+    assert sum(i.num_lookahead_tokens for i in plan.scheduled) == len(probes)
+    assert s.step_cost.fitted is not None
+    assert s.step_cost.fitted[1] == pytest.approx(0.0003, rel=0.05)
+    alone = sched(lookahead=Lookahead(4))
+    alone.step_cost = s.step_cost  # the same worker's costs, one request
+    request = make_request("solo", 5, 200)
+    request.num_draft_tokens, request.num_accepted_tokens = 40, 10
+    alone.add(request)
+    alone.schedule()
+    alone.update(StepResult(0, {"solo": 50}, 0.01))
+    (item,) = alone.schedule().scheduled
+    assert item.num_lookahead_tokens >= 1
