@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -16,6 +17,7 @@ from pathlib import Path
 from subprocess import Popen
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from common.pb.tandem.internal.v1 import (
     scheduler_pb2,
@@ -91,6 +93,26 @@ def pool_stats(stack: Stack, scheduler: str | None = None) -> scheduler_pb2.GetP
         )
     assert not stats.integrity_errors, list(stats.integrity_errors)
     return stats
+
+
+def scrape(address: str) -> dict[tuple[str, tuple], float]:
+    """Every sample at http://address/metrics: (name, sorted labels) -> value."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def total(samples: dict, name: str, **labels: str) -> float:
+    """Sum of the samples called `name` whose labels include `labels`."""
+    return sum(
+        value
+        for (n, items), value in samples.items()
+        if n == name and labels.items() <= dict(items).items()
+    )
 
 
 def worker_names(stack: Stack, *roles: str) -> list[str]:

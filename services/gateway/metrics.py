@@ -2,13 +2,15 @@
 
 Tokens and finishes (vLLM's prompt/generation token counters and `request_success_total`),
 time to first token, inter-token latency and end-to-end latency as the client sees them
-(measured where `Timings` are), and refused calls by reason. One observation per message
-(ITL) or per request (the rest): nothing per token.
+(measured where `Timings` are), refused calls by reason, and the requests open on each
+scheduler. One observation per message (ITL) or per request (the rest): nothing per token.
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from collections.abc import Callable
+
+from prometheus_client import Counter, Gauge, Histogram
 
 from common.metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, name
 from common.pb.tandem.v1 import generate_pb2
@@ -45,6 +47,12 @@ E2E = Histogram(
     "time from the call's arrival to its last message",
     ["model_name"],
     buckets=REQUEST_LATENCY_BUCKETS,
+)
+
+SCHEDULER_REQUESTS = Gauge(
+    name("scheduler_requests_open"),
+    "requests this gateway has open on each scheduler (the load its routing balances)",
+    ["scheduler"],
 )
 
 FINISH_LABELS = {
@@ -91,3 +99,8 @@ class GatewayMetrics:
 def rejected(code_name: str) -> None:
     """A Generate call refused with status `code_name` ('INVALID_ARGUMENT', ...)."""
     REJECTED.labels(code_name.lower()).inc()
+
+
+def watch_scheduler(address: str, open_requests: Callable[[], int]) -> None:
+    """Report `open_requests()` as the scheduler's `scheduler_requests_open`."""
+    SCHEDULER_REQUESTS.labels(address).set_function(open_requests)

@@ -27,6 +27,7 @@ from common.lifecycle import StartupError
 from common.log import get_logger
 from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
 from common.tls import TlsSettings
+from services.gateway.metrics import watch_scheduler
 from services.gateway.scheduler_router import RouterConfig, SchedulerRouter, prompt_block_hashes
 from services.gateway.scheduler_session import SchedulerError, SchedulerSession
 
@@ -96,6 +97,7 @@ class Schedulers:
             backend.session = SchedulerSession(
                 backend.stub, lambda error, b=backend: self._broken(b, error), address
             )
+            watch_scheduler(address, lambda s=backend.session: s.num_open)
             self.backends.append(backend)
         self.router = SchedulerRouter(router) if len(self.backends) > 1 else None
         self._identity: tuple | None = None

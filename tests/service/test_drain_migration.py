@@ -25,6 +25,7 @@ from tests.hf_reference import hf_greedy, hf_tokenizer
 from tests.stack_client import (
     SAMPLE_PROMPTS,
     BackgroundStream,
+    frozen,
     greedy_request,
     pool_stats,
     wait_until_idle,
@@ -33,9 +34,8 @@ from tests.stack_client import (
 # Six requests, two running per decode pool at a time: when the drain begins two run on
 # each pool and two wait for room, so the drained worker holds some and more may reach it.
 PROMPTS = SAMPLE_PROMPTS[:6]
-# Long outputs: the generation left when the drain begins (three rounds of two on the
-# remaining pool, about 950 steps) takes several times as long as the worker's exit
-# (health check, its 1 s idle settle, the gRPC grace period).
+# Long outputs: most requests still have hundreds of tokens to go when the drained worker
+# has handed its requests on (the other worker is then frozen while it exits).
 MAX_TOKENS = 320
 MAX_NUM_SEQS = "2"
 DECODE = types_pb2.WORKER_ROLE_DECODE
@@ -58,6 +58,8 @@ def stack(module_stacks, request):
                 "0.25",
                 "--worker-health-timeout-s",
                 "0.5",
+                "--worker-health-max-misses",  # the other worker's freeze is no failure
+                "20",
                 "--max-num-seqs",
                 MAX_NUM_SEQS,
             ],
@@ -78,11 +80,11 @@ def decode_names(stack: Stack) -> list[str]:
     return [p.name for p in stack.processes if p.name.startswith("decode-")]
 
 
-def wait_for(predicate, timeout_s: float, what: str) -> None:
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.05) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, f"{what} not true after {timeout_s}s"
-        time.sleep(0.05)
+        time.sleep(interval_s)
 
 
 def by_worker(stats) -> dict[str, object]:
@@ -106,12 +108,25 @@ def test_drained_decode_worker_hands_its_requests_over_with_their_kv(stack, refe
     assert held[draining].num_requests > 0, "no request on either decode worker"
 
     at_sigterm = pool_stats(stack)
+    moved_before = by_worker(at_sigterm)[draining].kv_migrations_out
     stack.signal(draining, signal.SIGTERM)
     sigterm_at = time.monotonic()
-    assert stack.wait_exit(draining, timeout_s=60) == 0
-    exited_at = time.monotonic()
-    tokens_at_exit = [len(s.token_ids) for s in streams]
-    still_running = sum(s.code is None for s in streams)
+
+    def handed_on() -> bool:  # every request it held moved, KV and all: it holds nothing
+        pool = by_worker(pool_stats(stack))[draining]
+        moved = pool.kv_migrations_out >= moved_before + held[draining].num_requests
+        return moved and pool.num_requests == 0 and pool.num_free_blocks == pool.num_blocks
+
+    wait_for(handed_on, 60, "what it held moved", interval_s=0.005)
+    # Then the other worker is frozen while the drained one exits: nothing can finish
+    # meanwhile. Four requests or more still had 320 tokens to go at the drain, two at a
+    # time there (640 steps and more), far more than the moment the poll above takes: the
+    # drained worker surely leaves while what it held is still generating elsewhere.
+    with frozen(stack, [other]):
+        assert stack.wait_exit(draining, timeout_s=60) == 0
+        exited_at = time.monotonic()
+        tokens_at_exit = [len(s.token_ids) for s in streams]
+        still_running = sum(s.code is None for s in streams)
 
     for prompt, stream in zip(PROMPTS, streams, strict=True):
         stream.result(timeout_s=300)

@@ -13,36 +13,15 @@ from pathlib import Path
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
 from common.sampling_pb import ROLE_FROM_PB
-from tests.stack_client import greedy_request, pool_stats, wait_until_idle
+from tests.stack_client import greedy_request, pool_stats, scrape, total, wait_until_idle
 
 API_KEY = "metrics-test-key"
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "tandem-dashboard.json"
 PREFIX = list(range(10, 50))  # 40 tokens: two full 16-token blocks to share
-
-
-def scrape(address: str) -> dict[tuple[str, tuple], float]:
-    """Every sample at http://address/metrics: (name, sorted labels) -> value."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def total(samples: dict, name: str, **labels: str) -> float:
-    """Sum of the samples called `name` whose labels include `labels`."""
-    return sum(
-        value
-        for (n, items), value in samples.items()
-        if n == name and labels.items() <= dict(items).items()
-    )
 
 
 def by_label(samples: dict, name: str, label: str) -> dict[str, float]:

@@ -31,6 +31,8 @@ from tests.stack_client import (
     generate,
     greedy_request,
     pool_stats,
+    scrape,
+    total,
     wait_until_idle,
 )
 from tests.unit.test_lora_batched import adapters, peft_merged_greedy  # noqa: F401  (fixture)
@@ -47,6 +49,7 @@ def stack(module_stacks):
         schedulers=2,
         ready_timeout_s=240,
         extra_args={"prefill": lora, "decode": lora, "gateway": ["--allow-runtime-lora-updating"]},
+        metrics=True,  # the gateway's requests open per scheduler
     )
 
 
@@ -231,7 +234,14 @@ def test_scheduler_killed_mid_load_fails_only_its_streams_and_the_survivor_takes
     on_survivor = streams(survivor_prompts, LONG_OUTPUT)
     for stream in on_survivor:
         stream.wait_tokens(2)  # the survivor streams meanwhile
-    time.sleep(0.2)
+    gateway = stack.process("gateway").metrics
+
+    def open_on_victim() -> float:
+        return total(scrape(gateway), "tandem:scheduler_requests_open", scheduler=victim)
+
+    # The retried requests are on the frozen victim's session (the gateway's gauge counts
+    # them) before it is killed: they must be retried, not routed elsewhere at first.
+    wait_for(lambda: open_on_victim() >= len(on_victim) + len(retried), "routed to the victim")
     stack.signal(victim_name, signal.SIGKILL)
     killed_at = time.monotonic()
     stack.wait_exit(victim_name)
