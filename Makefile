@@ -1,4 +1,4 @@
-# Tandem: `make up` serves the embedded default model, `make test` runs the suite.
+# Tandem: `make up` serves the default model (SmolLM2-135M-Instruct), `make test` runs the suite.
 # Both create the virtualenv (.venv) on first use; nothing else needs installing by hand.
 
 PYTHON ?= python3
@@ -10,7 +10,7 @@ UV_VERSION  := 0.13.9
 BUF    := .tools/node_modules/.bin/buf
 export BUF_CACHE_DIR := $(CURDIR)/.tools/buf-cache
 
-# make up knobs: MODEL=<HF folder>, GATEWAY_PORT, HTTP_PORT (the OpenAI-compatible API;
+# make up knobs: MODEL=<HF folder or .gguf file> (TOKENIZER=<folder> for a GGUF), GATEWAY_PORT, HTTP_PORT (the OpenAI-compatible API;
 # HTTP=0 leaves it off), SCHEDULERS=N schedulers behind the gateway (each with its own
 # workers), PREFILL/DECODE worker counts (per scheduler), BOTH>0 for single-device (no
 # disaggregation) workers, SPEC='<JSON>' for speculative decoding on the decode workers
@@ -23,6 +23,7 @@ export BUF_CACHE_DIR := $(CURDIR)/.tools/buf-cache
 # (scheduler), N+2... (workers); `make status` lists them (the HTTP front's GET /metrics
 # is always on HTTP_PORT).
 MODEL        ?=
+TOKENIZER    ?=
 GATEWAY_PORT ?= 50051
 HTTP_PORT    ?= 8000
 HTTP         ?= 1
@@ -64,6 +65,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m uv pip install --python $(PY) --quiet --compile-bytecode -e ".[dev]" \
 		|| $(PY) -m pip install --quiet --quiet -e ".[dev]"
 	$(PY) -m kernels.cpu_ops || echo "C++ CPU kernels unavailable: workers use the torch fallback"
+	$(PY) -m devtools.default_model fetch
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -84,7 +86,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 model: $(STAMP)
-	$(PY) -m devtools.checkpoint_builder --out .tandem/models/tandem-tiny-llama
+	$(PY) -m devtools.default_model build
 
 test: $(STAMP) $(BUF) protos-check lint-protos lint
 	TANDEM_BUF=$(CURDIR)/$(BUF) $(PY) -m pytest --durations=30 $(PYTEST_ARGS)
@@ -93,7 +95,8 @@ unit: $(STAMP)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 up: $(STAMP)
-	$(PY) -m services.stack up $(if $(MODEL),--model "$(MODEL)") --gateway-port $(GATEWAY_PORT) \
+	$(PY) -m services.stack up $(if $(MODEL),--model "$(MODEL)") \
+		$(if $(TOKENIZER),--tokenizer "$(TOKENIZER)") --gateway-port $(GATEWAY_PORT) \
 		$(if $(filter 0,$(HTTP)),--no-http,--http-port $(HTTP_PORT)) \
 		--schedulers $(SCHEDULERS) --prefill $(PREFILL) --decode $(DECODE) --both $(BOTH) \
 		--prefill-tp $(PREFILL_TP) --decode-tp $(DECODE_TP) --both-tp $(BOTH_TP) \

@@ -76,6 +76,21 @@ def log_level_setting():
     )
 
 
+def model_setting(help: str):
+    """`--model`: a Hugging Face folder or a GGUF file (one variable for every service)."""
+    return setting("", help, env="TANDEM_MODEL")
+
+
+def tokenizer_setting():
+    """`--tokenizer` (vLLM's): with a GGUF `--model`, a tokenizer folder to use instead of
+    the one the file carries."""
+    return setting(
+        "",
+        "with a .gguf --model: a tokenizer folder to use instead of the file's own",
+        env="TANDEM_TOKENIZER",
+    )
+
+
 def drain_timeout_setting(help: str):
     """Seconds a service drains on SIGTERM (one variable for every service)."""
     return setting(30.0, help, env="TANDEM_DRAIN_TIMEOUT_S")

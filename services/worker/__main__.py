@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+
+from common.gguf_checkpoint import resolve_model
 from common.grpc_server import ServiceHost
 from common.lifecycle import freeze_startup_heap, run_service, wait_for_shutdown_signal
 from common.log import get_logger, setup_logging
@@ -17,6 +21,9 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 async def serve(config: WorkerConfig) -> None:
     setup_logging("worker", config.log_level)
     log = get_logger("services.worker")
+    # A GGUF file is read through its converted folder (built on first use).
+    model = await asyncio.to_thread(resolve_model, config.model, config.tokenizer)
+    config = dataclasses.replace(config, model=model, tokenizer="")
     host = ServiceHost([SERVICE_NAME])
     servicer = WorkerServicer()
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, host.server)

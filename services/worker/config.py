@@ -10,8 +10,10 @@ from common.config import (
     host_setting,
     log_level_setting,
     metrics_port_setting,
+    model_setting,
     port_setting,
     setting,
+    tokenizer_setting,
 )
 from common.parallel_plan import Layout
 from common.speculative_config import SpeculativeConfig, parse_speculative_config
@@ -30,7 +32,8 @@ PACKED_WEIGHTS = ("auto", "on", "off")
 class WorkerConfig(ServiceConfig):
     """A Tandem worker: model weights, a paged KV pool, step execution and KV transfer."""
 
-    model: str = setting("", "model folder (Hugging Face layout)", env="TANDEM_MODEL")
+    model: str = model_setting("model: a Hugging Face folder, or a GGUF file (dequantized)")
+    tokenizer: str = tokenizer_setting()
     role: str = setting(
         "both", "which phases this worker runs", choices=ROLES, env="TANDEM_WORKER_ROLE"
     )
