@@ -68,7 +68,10 @@ def test_every_command_is_accepted_by_its_config_parser(compose):
     assert gateway.scheduler == (f"scheduler:{scheduler.port}",)
     assert http.gateway == f"gateway:{gateway.port}" and http.host == "0.0.0.0"
     assert services["openai-api"]["depends_on"] == {"gateway": {"condition": "service_healthy"}}
-    assert prefill.model == decode.model == gateway.model == "/models/tandem-tiny-llama"
+    assert prefill.model == decode.model == gateway.model == "/models/SmolLM2-135M-Instruct"
+    init = services["model-init"]["command"]  # builds that folder in the volume
+    assert init[:4] == ["python", "-m", "devtools.default_model", "build"]
+    assert init[init.index("--models") + 1] == "/models"
 
 
 def test_only_the_gateway_and_the_http_front_are_published_and_only_on_loopback(compose):
