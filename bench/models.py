@@ -1,9 +1,11 @@
 """The benchmark models: random-weight Llama checkpoints of realistic small sizes, built on
-first use under `.tandem/models/<name>` (nothing is downloaded).
+first use under `.tandem/models/<name>` (nothing is downloaded), and the real default model.
 
 `llama-32m` is the model of the performance issue (hidden 512, 8 layers, 8 heads / 4 KV
 heads, vocabulary 8192); `llama-150m` the larger one the same ratios must hold on (hidden
 1024, 12 layers). Both are float32, untied, with a BPE tokenizer trained on the bundled corpus.
+`smollm2-135m` is SmolLM2-135M-Instruct, the model `make up` serves (30 narrow layers:
+hidden 576, 9 heads / 3 KV heads, vocabulary 49,152, tied embeddings; `devtools.default_model`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,17 @@ BENCH_MODELS: dict[str, dict[str, Any]] = {
 }
 # llama-150m with a 4k context: the KV-streaming benchmark's 2,048-token prompts.
 BENCH_MODELS["llama-150m-4k"] = {**BENCH_MODELS["llama-150m"], "max_position_embeddings": 4096}
+# The real default model (built from its GGUF, not random).
+BENCH_MODELS["smollm2-135m"] = {
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "tie_word_embeddings": True,
+    "real": True,
+}
 
 
 def num_parameters(name: str) -> int:
@@ -53,7 +66,8 @@ def num_parameters(name: str) -> int:
     head_dim = h // s["num_attention_heads"]
     kv = s["num_key_value_heads"] * head_dim
     per_layer = 2 * h * h + 2 * h * kv + 3 * h * inner + 2 * h
-    return 2 * vocab * h + layers * per_layer + h
+    embeddings = (1 if s.get("tie_word_embeddings") else 2) * vocab * h
+    return embeddings + layers * per_layer + h
 
 
 def bench_model(name: str, models_dir: Path = MODELS_DIR) -> Path:
@@ -62,6 +76,10 @@ def bench_model(name: str, models_dir: Path = MODELS_DIR) -> Path:
 
     if name not in BENCH_MODELS:
         raise ValueError(f"unknown bench model {name!r}; known: {', '.join(BENCH_MODELS)}")
+    if BENCH_MODELS[name].get("real"):
+        from devtools.default_model import build
+
+        return build()
     out = models_dir / name
     if not is_complete_checkpoint(out):
         build_checkpoint(out, "llama", **BENCH_MODELS[name], seed=0)

@@ -211,8 +211,10 @@ def install_quantized(model, packed: dict[str, QuantizedWeight]) -> None:
                 for part in parts:
                     delattr(owner, part)
                 setattr(owner, merged_name, _merge(linears, quantized))
-        if model.lm_head is not None and not model.config.tie_word_embeddings:
+        if model.lm_head is not None:  # (a tied head: the embedding, never quantized)
             model.lm_head = _merge([model.lm_head], [remaining.pop("lm_head.weight", None)])
+            if model.config.tie_word_embeddings and not model.stage.is_first:
+                model.model.embed_tokens = None  # a last stage held it only for the head
     if remaining:
         raise ValueError(f"quantized layers the model does not have: {sorted(remaining)[:4]}")
     model.merged = True
