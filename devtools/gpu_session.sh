@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# One device call on a lent GPU machine (docs/performance.md, "GPU"): installs the wheels in
-# .whl/ (devtools/gpu_wheels.sh fetches them), then runs bench.gpu
+# One device call on a lent GPU machine (docs/performance.md, "GPU"): unpacks the wheels in
+# .whl/site.tar.xz (devtools/gpu_wheels.sh makes it), then runs bench.gpu
 # and the GPU tests, each under its own time limit, logging under $OUT.
 #   usage (device tool, carry [".whl"]): bash devtools/gpu_session.sh [bench_s] [tests_s] [pytest args...]
 set -u
 BENCH_S=${1:-200}; TESTS_S=${2:-250}; shift 2 2>/dev/null || shift $#
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
+mkdir -p /tmp/site && tar -C /tmp/site -xJf .whl/site.tar.xz || exit 1
+for w in .whl/*.whl; do [ -e "$w" ] && python3 -m zipfile -e "$w" /tmp/site; done  # any added since
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
 python3 -c "import torch, triton, transformers, grpc, google.protobuf as pb; \

@@ -2,8 +2,9 @@
 attention backend (weights via `models.weight_loader`), the KV pool sized from the memory
 actually left, the CPU swap space, and the decode CUDA graphs.
 
-On CUDA the pool gets `gpu_memory_utilization` of the device minus what this worker
-already uses (weights; other processes sharing the GPU do not count), minus the activation
+On CUDA the pool gets `gpu_memory_utilization` of the device minus what this worker's
+allocator already holds (weights; other processes sharing the GPU do not count, even
+while they start beside it), minus the activation
 peak of the largest step (measured by one profiling forward pass of `profile_num_tokens`
 tokens) and minus the memory the decode graphs take (measured by capturing them once over a
 one-block cache, then released). The graphs are then captured for real over the allocated
@@ -189,7 +190,6 @@ def load_worker(
     device = resolve_device(config.device) if ranks is None else ranks.device
     model_config = ModelConfig.from_folder(config.model)
     dtype = resolve_dtype(config.dtype, device, model_config.torch_dtype)
-    free_at_start = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
     backend = select_backend(config.attention_backend, device)
     if (
         config.kv_cache_dtype != "auto"
@@ -243,8 +243,10 @@ def load_worker(
     if device.type == "cuda":
         _release_cuda()
         free, total = torch.cuda.mem_get_info(device)
-        # This worker's share: other processes on the same GPU do not count against it.
-        used_here = free_at_start - free
+        # This worker's share: what its own allocator holds (weights so far). Other
+        # processes on the same GPU do not count against it, also while they start beside
+        # it (a drop in free memory since our start may be theirs).
+        used_here = torch.cuda.memory_reserved(device)
         budget = min(
             int(total * config.gpu_memory_utilization) - used_here, free - CUDA_HEADROOM_BYTES
         )
