@@ -17,8 +17,10 @@
 // Each output is a float32 sum over k in order (FMA-contracted), like any BLAS product's
 // rounding, not bit-identical to torch.mm.
 //
-// Built with -march=native: AVX2+FMA intrinsics where the CPU has them, a plain loop the
-// compiler vectorizes elsewhere.
+// Built with -march=native: AVX-512 where the CPU has it (a panel row is one 512-bit register;
+// blocks of up to 12 rows keep 12 accumulators in flight), else AVX2+FMA (two 256-bit halves,
+// blocks of up to 6 rows), else a plain loop the compiler vectorizes. Every output is the
+// same sum in the same order on all three: the results are bit-identical.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -26,7 +28,7 @@
 
 #include "claimed_parallel.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -37,7 +39,11 @@
 namespace {
 
 constexpr int64_t kPanel = 16;         // output columns per panel (two AVX2 registers)
+#if defined(__AVX512F__)
+constexpr int64_t kRowBlock = 12;      // rows per micro-kernel call (12 accumulators)
+#else
 constexpr int64_t kRowBlock = 6;       // rows per micro-kernel call (12 accumulators)
+#endif
 constexpr int64_t kChunk = 128;        // panel rows (k) per pass: 8 KiB, stays in L1
 constexpr int64_t kAhead = 512 * kPanel;  // floats ahead of the row being multiplied
 constexpr int64_t kClaimBytes = 64 * 1024;  // weights a thread claims at a time
@@ -61,7 +67,58 @@ constexpr int64_t kGroupBytes = 256 * 1024;  // weights of one many_rows claim (
 // first: that burst ran out of outstanding misses and memory idled while the later blocks
 // computed (a 16-row product over a 32m model's weights, 2 threads, interleaved in one
 // process: 9.97 -> 8.67 and 11.98 -> 9.36 ms; 32 rows 18.9 -> 16.1).
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
+#define TANDEM_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+template <int R, bool Rows, int Fetch>
+inline void block(const float* __restrict x, int64_t ldx, const float* __restrict w,
+                  int64_t depth, float* __restrict c, int64_t ldc, const float* init,
+                  const char* fetch) {
+#define TANDEM_DECL(i)                                          \
+  __m512 c##i = _mm512_setzero_ps();                            \
+  if (R > i) {                                                  \
+    const float* from = init != nullptr ? init : c + i * ldc;   \
+    c##i = _mm512_loadu_ps(from);                               \
+  }
+  TANDEM_ROWS(TANDEM_DECL)
+#define TANDEM_STEP(i) \
+  if (R > i) c##i = _mm512_fmadd_ps(_mm512_set1_ps(*X_AT(i, k)), w0, c##i);
+#define TANDEM_K                                          \
+  {                                                       \
+    const __m512 w0 = _mm512_loadu_ps(w + k * kPanel);    \
+    TANDEM_ROWS(TANDEM_STEP)                              \
+    ++k;                                                  \
+  }
+  int64_t k = 0;
+  if (Rows) {  // prompts: x's rows read in place
+    for (; k < depth;) {
+      if (Fetch != 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + k * kPanel + kAhead), _MM_HINT_T0);
+      }
+      TANDEM_K
+    }
+  } else {
+    for (; k + 4 <= depth;) {
+      if (Fetch >= 1) _mm_prefetch(fetch, _MM_HINT_T0);
+      if (Fetch >= 2) _mm_prefetch(fetch + 64, _MM_HINT_T0);
+      if (Fetch >= 4) {
+        _mm_prefetch(fetch + 128, _MM_HINT_T0);
+        _mm_prefetch(fetch + 192, _MM_HINT_T0);
+      }
+      fetch += Fetch * 64;
+      TANDEM_K TANDEM_K TANDEM_K TANDEM_K
+    }
+    while (k < depth) TANDEM_K
+  }
+#define TANDEM_STORE(i) \
+  if (R > i) _mm512_storeu_ps(c + i * ldc, c##i);
+  TANDEM_ROWS(TANDEM_STORE)
+#undef TANDEM_DECL
+#undef TANDEM_STEP
+#undef TANDEM_K
+#undef TANDEM_STORE
+}
+#undef TANDEM_ROWS
+#elif defined(__AVX2__) && defined(__FMA__)
 #define TANDEM_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
 template <int R, bool Rows, int Fetch>
 inline void block(const float* __restrict x, int64_t ldx, const float* __restrict w,
@@ -146,6 +203,14 @@ template <bool Rows, int Fetch>
 void run_block(int64_t rows, const float* x, int64_t ldx, const float* w, int64_t depth,
                float* c, int64_t ldc, const float* init, const char* fetch = nullptr) {
   switch (rows) {
+#if defined(__AVX512F__)
+    case 12: block<12, Rows, Fetch>(x, ldx, w, depth, c, ldc, init, fetch); break;
+    case 11: block<11, Rows, Fetch>(x, ldx, w, depth, c, ldc, init, fetch); break;
+    case 10: block<10, Rows, Fetch>(x, ldx, w, depth, c, ldc, init, fetch); break;
+    case 9: block<9, Rows, Fetch>(x, ldx, w, depth, c, ldc, init, fetch); break;
+    case 8: block<8, Rows, Fetch>(x, ldx, w, depth, c, ldc, init, fetch); break;
+    case 7: block<7, Rows, Fetch>(x, ldx, w, depth, c, ldc, init, fetch); break;
+#endif
     case 6: block<6, Rows, Fetch>(x, ldx, w, depth, c, ldc, init, fetch); break;
     case 5: block<5, Rows, Fetch>(x, ldx, w, depth, c, ldc, init, fetch); break;
     case 4: block<4, Rows, Fetch>(x, ldx, w, depth, c, ldc, init, fetch); break;
