@@ -30,7 +30,15 @@ from services.scheduler.block_manager import BlockManager
 from services.scheduler.lookahead import Lookahead, SpecDecodeCounters
 from services.scheduler.pool_migration import Migration
 from services.scheduler.request import Request
-from services.scheduler.spec_goodput import StepCost, acceptance, pool_acceptance, worth
+from services.scheduler.spec_goodput import (
+    DraftCost,
+    StepCost,
+    acceptance,
+    draft_passes,
+    pool_acceptance,
+    probe_draft,
+    worth,
+)
 from services.scheduler.step_plan import PoolStepPlan, SampledToken, ScheduledRequest, StepUpdate
 from services.scheduler.worker_types import StepResult
 
@@ -57,6 +65,7 @@ class PoolScheduler(Migration):
         distinct LoRA adapters the running requests may use at once (0: no limit)."""
         self.lookahead = lookahead
         self.step_cost = StepCost()  # what a row costs a step here (spec_goodput.py)
+        self.draft_cost = DraftCost()  # and a draft model's pass
         self.max_loras = max_loras
         self.blocks = blocks
         self.swap_blocks = swap_blocks
@@ -218,7 +227,9 @@ class PoolScheduler(Migration):
         _, scheduled, slots, num_tokens = self._in_flight.popleft()
         if self.lookahead is not None:  # rows the worker ran: tokens, then proposals
             drafts = sum(c.num_draft_tokens for c in result.spec.values())
-            self.step_cost.observe(num_tokens + drafts, result.execute_seconds)
+            rest = result.execute_seconds - result.propose_seconds
+            self.step_cost.observe(num_tokens + drafts, rest)
+            self.draft_cost.observe(result.propose_passes, result.propose_seconds)
         update = StepUpdate()
         for request_id, k in slots.items():  # this step's proposals are accounted for now
             request = scheduled[request_id]
@@ -298,7 +309,8 @@ class PoolScheduler(Migration):
     def _schedule_running(self, plan: PoolStepPlan) -> int:
         budget = self.max_num_batched_tokens
         later_decodes = sum(1 for r in self.running if self.schedulable_tokens(r) == 1)
-        bar, pool_rate = self._slot_bar() if self.lookahead else (0.0, 0.0)
+        bar, pool_rate, passes = self._slot_bar() if self.lookahead else (0.0, 0.0, 0)
+        probe = self.lookahead is not None and passes == 0 and probe_draft(self._num_planned)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -319,7 +331,10 @@ class PoolScheduler(Migration):
                     lookahead = self.lookahead.slots(
                         request, budget - 1 - later_decodes, len(self.running)
                     )
-                    lookahead = worth(request, lookahead, bar, pool_rate)
+                    allowed = lookahead
+                    lookahead = worth(request, allowed, bar, pool_rate, passes)
+                    if probe and allowed:
+                        lookahead, probe = 1, False
             else:  # a prompt chunk leaves one token per decode behind it
                 num_new = min(todo, budget - later_decodes)
                 if num_new <= 0:
@@ -342,14 +357,17 @@ class PoolScheduler(Migration):
             self._commit(plan, request, num_new, start, lookahead=lookahead)
         return budget
 
-    def _slot_bar(self) -> tuple[float, float]:
-        """What a proposal slot must bring in this step (spec_goodput.py), and the pool's
-        acceptance rate."""
+    def _slot_bar(self) -> tuple[float, float, int]:
+        """What a proposal slot must bring in this step (spec_goodput.py), the pool's
+        acceptance rate, and the slots a request may get (a draft model's passes)."""
         counts = self.spec_decode
         pool_rate = pool_acceptance(counts.num_draft_tokens, counts.num_accepted_tokens)
         alphas = [acceptance(r, pool_rate) for r in self.running if r.beam is None]
         k = self.lookahead.num_speculative_tokens
-        return self.step_cost.bar(len(self.running), alphas, k), pool_rate
+        rows = len(self.running)
+        bar = self.step_cost.bar(rows, alphas, k)
+        line, per_pass = self.step_cost.line(), self.draft_cost.seconds_per_pass
+        return bar, pool_rate, draft_passes(line, per_pass, rows, alphas, bar, k)
 
     def _swap_in(self, plan: PoolStepPlan, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:

@@ -17,7 +17,14 @@ average, and costs beyond the worker's step time are not in the fit.
 the worker ran, recent steps weighing most); until the rows have varied enough to fit a
 line, every slot is given. A request whose slots are all refused still gets one every
 `PROBE_PERIOD` tokens, so a change in its acceptance is noticed. A request's acceptance is
-its own proposals' (accepted / proposed), starting from the pool's. Pure Python.
+its own proposals' (accepted / proposed), starting from the pool's.
+
+A draft model costs more than rows: proposing k tokens is k forward passes of the draft,
+whatever the batch. The worker reports the seconds its proposals took and its passes;
+`DraftCost` keeps the seconds per pass, the rows are fitted on the rest of the step, and
+`draft_passes` caps the step's slots at the pass count P (0..k) with the best tokens per
+second, `E(P) / (a + b * rows(P) + c * P)`: a draft that seldom lands (a model's own first
+layers, untrained for it) drafts nothing, but for the probes. Pure Python.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ MIN_ROW_SPREAD = 3.0
 # The pool's acceptance starts at PRIOR_RATE, weighted as this many proposals.
 PRIOR_RATE = 0.5
 POOL_PRIOR_PROPOSALS = 32.0
+# Weight of a step's seconds per draft pass in DraftCost's running average.
+PASS_WEIGHT = 0.2
 
 
 @dataclass
@@ -73,6 +82,12 @@ class StepCost:
         a = max(mean_y - b * mean_x, 1e-6)
         self.fitted = (a, b)
 
+    def line(self) -> tuple[float, float] | None:
+        """The fit, or before one a flat line at the mean step time (None: no step yet)."""
+        if self.fitted is not None:
+            return self.fitted
+        return (self.sum_y / self.weight, 0.0) if self.weight > 0 else None
+
     def bar(self, plain_rows: int, alphas: list[float], max_slots: int) -> float:
         """What a slot's expected tokens must exceed in a step of `plain_rows` rows whose
         decoding requests have these acceptance rates and up to `max_slots` slots each
@@ -85,11 +100,61 @@ class StepCost:
             tokens, rows = float(plain_rows), float(plain_rows)
             for alpha in alphas:
                 paid = _paid(alpha, bar, max_slots)
-                if paid:
-                    tokens += alpha * (1.0 - alpha**paid) / (1.0 - alpha) if alpha < 1 else paid
-                    rows += paid
+                tokens += _expected(alpha, paid)
+                rows += paid
             bar = b * tokens / (a + b * rows)
         return bar
+
+
+@dataclass
+class DraftCost:
+    """Seconds per forward pass of the draft model, an average over recent steps (None until
+    a step with a draft pass is seen, and for proposers without a model)."""
+
+    seconds_per_pass: float | None = None
+
+    def observe(self, passes: int, seconds: float) -> None:
+        if passes <= 0 or seconds <= 0:
+            return
+        per_pass = seconds / passes
+        old = self.seconds_per_pass
+        self.seconds_per_pass = per_pass if old is None else old + PASS_WEIGHT * (per_pass - old)
+
+
+def draft_passes(
+    line: tuple[float, float] | None,
+    pass_seconds: float | None,
+    plain_rows: int,
+    alphas: list[float],
+    bar: float,
+    max_slots: int,
+) -> int:
+    """How many slots (draft passes) a step may give any request: the P in 1..max_slots with
+    the most expected tokens per second, each request taking min(P, its paid slots), if it
+    beats the plain step's rate by MARGIN; else 0. `line` is the step's `a + b * rows`
+    without the draft (None: nothing seen yet; every slot is given, as before any fit)."""
+    if pass_seconds is None or line is None or plain_rows <= 0 or not alphas:
+        return max_slots
+    a, b = line
+    plain = plain_rows / (a + b * plain_rows)
+    best, best_rate = 0, 0.0
+    for passes in range(1, max_slots + 1):
+        tokens, rows = float(plain_rows), float(plain_rows)
+        for alpha in alphas:
+            paid = min(passes, _paid(alpha, bar, max_slots) if bar > 0 else max_slots)
+            tokens += _expected(alpha, paid)
+            rows += paid
+        rate = tokens / (a + b * rows + pass_seconds * passes)
+        if rate > best_rate:
+            best, best_rate = passes, rate
+    return best if best_rate > plain * MARGIN else 0
+
+
+def _expected(alpha: float, slots: int) -> float:
+    """Tokens that `slots` proposals bring at acceptance `alpha`: alpha + ... + alpha**slots."""
+    if slots <= 0:
+        return 0.0
+    return alpha * (1.0 - alpha**slots) / (1.0 - alpha) if alpha < 1 else float(slots)
 
 
 def _paid(alpha: float, bar: float, max_slots: int) -> int:
@@ -114,12 +179,20 @@ def acceptance(request: Request, pool_rate: float) -> float:
     return (request.num_accepted_tokens + prior) / (request.num_draft_tokens + PRIOR_PROPOSALS)
 
 
-def worth(request: Request, slots: int, bar: float, pool_rate: float) -> int:
-    """Of `slots` allowed, those whose expected tokens beat `bar`; a probe slot every
-    PROBE_PERIOD tokens when none does."""
-    if slots <= 0 or bar <= 0.0:
-        return slots
-    paid = _paid(acceptance(request, pool_rate), bar, slots)
+def worth(request: Request, slots: int, bar: float, pool_rate: float, passes: int) -> int:
+    """Of `slots` allowed, those whose expected tokens beat `bar`, at most `passes`; a probe
+    slot every PROBE_PERIOD tokens when none beats it. With no pass allowed (a draft model
+    not worth its passes) the pool probes instead (`probe_draft`): a request's own probe
+    would cost a pass and catching its draft KV up, and a batch's requests would take turns."""
+    if slots <= 0 or passes <= 0:
+        return 0
+    paid = slots if bar <= 0.0 else _paid(acceptance(request, pool_rate), bar, slots)
     if paid == 0 and request.num_tokens % PROBE_PERIOD == 0:
         return 1
-    return paid
+    return min(paid, passes)
+
+
+def probe_draft(steps_planned: int) -> bool:
+    """Whether a pool whose draft model gets no pass probes it in this step (one request,
+    one slot: the pool's acceptance keeps being measured)."""
+    return steps_planned % PROBE_PERIOD == 0

@@ -136,6 +136,8 @@ def step_result_from_pb(response: worker_pb2.StepResponse) -> StepResult:
         step_id=response.step_id,
         sampled=sampled,
         execute_seconds=response.execute_seconds,
+        propose_seconds=response.propose_seconds,
+        propose_passes=response.propose_passes,
         logprobs=logprobs,
         accepted=accepted,
         spec={

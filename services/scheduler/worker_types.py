@@ -122,6 +122,9 @@ class StepResult:
     # token (with their logprobs where it asked), and its counts.
     accepted: dict[str, list[tuple[int, Logprob | None]]] = field(default_factory=dict)
     spec: dict[str, SpecCounts] = field(default_factory=dict)
+    # Of execute_seconds, a draft model's proposals, and its forward passes in them.
+    propose_seconds: float = 0.0
+    propose_passes: int = 0
     # The worker was draining (SIGTERM) when it sent this result.
     draining: bool = False
 

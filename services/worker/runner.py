@@ -50,6 +50,8 @@ class StepOutput:
     logprobs: dict[str, Logprob] = field(default_factory=dict)  # requests that asked
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     spec: dict[str, SpecOutcome] = field(default_factory=dict)
+    propose_seconds: float = 0.0  # of execute_seconds: the draft model's proposals
+    propose_passes: int = 0  # the draft's forward passes in them
 
     @property
     def accepted(self) -> dict[str, list[int]]:
@@ -197,7 +199,15 @@ class ModelRunner:
                     logprobs[work[i].request.request_id] = entries[k]
             outcomes = spec.outcomes(samplers, tokens, entries, sampled, logprobs)
         scored = prompt.from_host(values[len(sample_tensors) :]) if prompt is not None else {}
-        output = StepOutput(sampled, time.perf_counter() - start, logprobs, scored, outcomes)
+        output = StepOutput(
+            sampled,
+            time.perf_counter() - start,
+            logprobs,
+            scored,
+            outcomes,
+            spec.propose_seconds,
+            spec.propose_passes,
+        )
         if self.tokens is not None and self.tokens.pipeline:
             self.tokens.send_output(output)
         return output

@@ -39,6 +39,8 @@ def step_response_pb(step_id: int, output: StepOutput) -> worker_pb2.StepRespons
         step_id=step_id,
         sampled_tokens=sampled,
         execute_seconds=output.execute_seconds,
+        propose_seconds=output.propose_seconds,
+        propose_passes=output.propose_passes,
         prompt_logprobs=[
             worker_pb2.PromptLogprobs(
                 request_id=request_id,
@@ -72,4 +74,6 @@ def step_output_from_pb(pb: worker_pb2.StepResponse) -> StepOutput:
         p.request_id: PromptLogprobs(p.start, tuple(logprob_from_pb(e) for e in p.entries))
         for p in pb.prompt_logprobs
     }
-    return StepOutput(sampled, pb.execute_seconds, logprobs, prompt, spec)
+    return StepOutput(
+        sampled, pb.execute_seconds, logprobs, prompt, spec, pb.propose_seconds, pb.propose_passes
+    )

@@ -45,6 +45,7 @@ class Driver:
         self.batch = PersistentBatch(BLOCK, num_blocks, config.vocab_size)
         self.next_block = 0
         self.num_steps = 0
+        self.proposing: list[tuple[int, float, float]] = []  # passes, their s, the step's s
 
     def blocks(self, num_tokens: int) -> list[int]:
         count = -(-num_tokens // BLOCK)
@@ -57,6 +58,9 @@ class Driver:
         output = self.runner.execute(work)
         self.batch.complete(work, output.sampled, output.accepted)
         self.num_steps += 1
+        self.proposing.append(
+            (output.propose_passes, output.propose_seconds, output.execute_seconds)
+        )
         return output
 
     def generate(self, prompts, max_tokens, sampling, k=0) -> tuple[list[list[int]], int]:
@@ -163,6 +167,13 @@ def test_verified_proposals_give_plain_decodings_tokens(model, sampling, tiny_ll
             assert accepted == 0
         if isinstance(proposer, NgramProposer) and sampling == "biased":
             assert accepted > 0  # the repeating output's continuation is found
+        # A draft model's cost is reported for the scheduler: k passes a proposing step.
+        passes = [p for p, _, _ in driver.proposing]
+        if isinstance(proposer, DraftModelProposer):
+            assert max(passes) == k and all(0 < s < step for p, s, step in driver.proposing if p)
+        else:
+            assert passes == [0] * len(passes)
+            assert all(s == 0.0 for _, s, _ in driver.proposing)
 
 
 def target_probs(hf, tokens: list[int], top_k: int) -> torch.Tensor:

@@ -1,14 +1,23 @@
 """Proposal slots that pay for themselves (services/scheduler/spec_goodput.py): the step
 cost's online fit, the row share a slot must beat, how many slots a request's acceptance
 earns (all of them at one stream, none in a full batch of poor proposals, a probe now and
-then), and the pool scheduler using it."""
+then), a draft model's passes priced in, and the pool scheduler using it."""
 
 import random
 
 import pytest
 
 from services.scheduler.lookahead import Lookahead
-from services.scheduler.spec_goodput import MARGIN, PROBE_PERIOD, StepCost, acceptance, worth
+from services.scheduler.spec_goodput import (
+    MARGIN,
+    PROBE_PERIOD,
+    DraftCost,
+    StepCost,
+    acceptance,
+    draft_passes,
+    probe_draft,
+    worth,
+)
 from services.scheduler.worker_types import SpecCounts, StepResult
 from tests.unit.test_pool_scheduler import make_request, sched
 
@@ -54,20 +63,20 @@ def test_the_bar_is_the_best_tokens_per_second_and_slots_must_beat_it():
     low.num_draft_tokens, low.num_accepted_tokens = 400, 92  # 0.23
     high.num_draft_tokens, high.num_accepted_tokens = 400, 376  # 0.94
     one = cost.bar(1, [0.23], 4)
-    assert worth(low, 4, one, 0.5) == len([j for j in (1, 2, 3) if 0.2327**j > one * MARGIN])
-    assert worth(low, 4, one, 0.5) >= 1
-    assert worth(high, 4, one, 0.5) == 4
-    assert worth(high, 4, good, 0.5) == len(paid)
+    assert worth(low, 4, one, 0.5, 4) == len([j for j in (1, 2, 3) if 0.2327**j > one * MARGIN])
+    assert worth(low, 4, one, 0.5, 4) >= 1
+    assert worth(high, 4, one, 0.5, 4) == 4
+    assert worth(high, 4, good, 0.5, 4) == len(paid)
     full = cost.bar(16, [0.23] * 16, 4)
     low.output_token_ids = [1]  # 7 tokens: not a probe position
-    assert worth(low, 4, full, 0.5) == 0
+    assert worth(low, 4, full, 0.5, 4) == 0
     low.output_token_ids = [1] * (PROBE_PERIOD - 6)  # every PROBE_PERIOD tokens: one probe
-    assert worth(low, 4, full, 0.5) == 1
-    assert worth(low, 4, 0.0, 0.5) == 4  # no fit yet: all
-    assert worth(low, 0, full, 0.5) == 0
+    assert worth(low, 4, full, 0.5, 4) == 1
+    assert worth(low, 4, 0.0, 0.5, 4) == 4  # no fit yet: all
+    assert worth(low, 0, full, 0.5, 4) == 0
     fresh = make_request("fresh", 6, 100)  # no proposals yet: the pool's rate
     assert acceptance(fresh, 0.9) == pytest.approx(0.9)
-    assert worth(fresh, 4, full, 0.9) == 4 and worth(fresh, 4, full, 0.2) == 0
+    assert worth(fresh, 4, full, 0.9, 4) == 4 and worth(fresh, 4, full, 0.2, 4) == 0
 
 
 def test_the_pool_stops_speculating_for_a_full_batch_of_poor_proposals():
@@ -105,3 +114,87 @@ def test_the_pool_stops_speculating_for_a_full_batch_of_poor_proposals():
     alone.update(StepResult(0, {"solo": 50}, 0.01))
     (item,) = alone.schedule().scheduled
     assert item.num_lookahead_tokens >= 1
+
+
+def test_a_draft_pass_is_priced_from_the_steps_that_ran_one():
+    cost = DraftCost()
+    cost.observe(0, 0.5)  # n-gram steps (no pass) say nothing
+    assert cost.seconds_per_pass is None
+    cost.observe(4, 0.04)
+    assert cost.seconds_per_pass == pytest.approx(0.01)
+    for _ in range(50):
+        cost.observe(2, 0.01)
+    assert cost.seconds_per_pass == pytest.approx(0.005, rel=1e-3)
+
+
+def test_draft_passes_pay_only_where_the_draft_lands_often_enough_for_its_cost():
+    """One stream, a 20 ms step. A draft at half the target's cost per pass that almost
+    never lands (0.013: a model's own first half, untrained) gets no pass; the same
+    draft at 0.9 gets three (tokens per second: 1 / 20 ms plain; 1.9 / 30, 2.71 / 40,
+    3.44 / 50, 4.10 / 60 ms: 63.3, 67.8, 68.8, 68.2); a cheap one (1 ms) pays at 0.5
+    too. Without a price (an n-gram proposer, or before any draft step) or any step seen,
+    every slot is given. With rows that cost, a slot's row counts as well."""
+    step = (0.02, 0.0)
+    assert draft_passes(step, 0.01, 1, [0.013], 0.0, 4) == 0
+    assert draft_passes(step, 0.01, 1, [0.9], 0.0, 4) == 3
+    assert draft_passes(step, 0.001, 1, [0.5], 0.0, 4) >= 2
+    assert draft_passes(step, None, 1, [0.013], 0.0, 4) == 4
+    assert draft_passes(None, 0.01, 1, [0.013], 0.0, 4) == 4
+    # 16 rows at 1 ms a row: 0.6 pays at one stream, not where each slot's row costs too
+    assert draft_passes((0.036, 0.0), 0.01, 1, [0.6], 0.0, 4) >= 1
+    assert draft_passes((0.02, 0.001), 0.01, 16, [0.6] * 16, 0.0, 4) == 0
+    # worth caps a request's slots at the passes; with none, the pool probes, not each
+    # request (a probe costs a pass and its draft KV's catching up).
+    request = make_request("r", 6, 100)
+    request.output_token_ids = [1]
+    assert worth(request, 4, 0.0, 0.5, 0) == 0 and worth(request, 4, 0.0, 0.5, 2) == 2
+    request.output_token_ids = [1] * (PROBE_PERIOD - 6)
+    assert worth(request, 4, 0.0, 0.5, 0) == 0
+    assert [probe_draft(n) for n in (0, 1, PROBE_PERIOD - 1, PROBE_PERIOD)] == [1, 0, 0, 1]
+
+
+def test_a_pool_stops_drafting_when_its_draft_model_seldom_lands():
+    """One stream with a draft model whose passes cost half a step and whose proposals
+    almost never land: after a few steps the plan gives no slots but at probe positions;
+    with proposals that land, the same costs keep all four."""
+
+    def run(accept: bool) -> list[int]:
+        s = sched(lookahead=Lookahead(4))
+        s.add(make_request("solo", 5, 400))
+        s.schedule()
+        s.update(StepResult(0, {"solo": 50}, 0.02))
+        given = []
+        for _ in range(40):
+            (item,) = s.schedule().scheduled
+            k = item.num_lookahead_tokens
+            given.append(k)
+            hits = k if accept else 0
+            s.update(
+                StepResult(0, {"solo": 52}, 0.02 + 0.01 * k, propose_seconds=0.01 * k,
+                           propose_passes=k, accepted={"solo": [(51, None)] * hits} if hits
+                           else {}, spec={"solo": SpecCounts(k, hits)} if k else {})
+            )  # fmt: skip
+        return given
+
+    poor, good = run(False), run(True)
+    assert poor[0] == 4 and sum(poor[-20:]) <= 1  # the probes at most
+
+    # Sixteen streams: the pool probes one request every PROBE_PERIOD steps, not each.
+    s = sched(lookahead=Lookahead(4), budget=256, max_seqs=16)
+    rids = [f"r{i}" for i in range(16)]
+    for i, rid in enumerate(rids):
+        s.add(make_request(rid, 5 + i, 400))  # at different token counts
+    s.schedule()
+    s.update(StepResult(0, dict.fromkeys(rids, 50), 0.02))
+    slots = []
+    for _ in range(3 * PROBE_PERIOD):
+        plan = s.schedule()
+        k = {i.request.request_id: i.num_lookahead_tokens for i in plan.scheduled}
+        slots.append(sum(k.values()))
+        s.update(
+            StepResult(0, dict.fromkeys(k, 52), 0.02 + 0.01 * max(k.values()),
+                       propose_seconds=0.01 * max(k.values()), propose_passes=max(k.values()),
+                       spec={r: SpecCounts(n, 0) for r, n in k.items() if n})
+        )  # fmt: skip
+    assert sum(slots[PROBE_PERIOD:]) <= 2 and max(slots[PROBE_PERIOD:]) <= 1
+    assert good[-10:] == [4] * 10

@@ -5,6 +5,7 @@ the runner free of speculative bookkeeping. Pure Python (the runner does the ten
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,6 +35,9 @@ class SpecStep:
         self.work = work
         self.drafts: dict[int, list[int]] = {}  # work index -> its proposals (none empty)
         self._first_slice: dict[int, int] = {}
+        # A draft model's cost, for the scheduler's slot policy (spec_goodput.py).
+        self.propose_seconds = 0.0
+        self.propose_passes = 0
         if proposer is None:
             return
         # A grammar-constrained request gets none: its drafts would be verified unmasked.
@@ -44,9 +48,12 @@ class SpecStep:
         ]
         if not wanted:
             return
-        if hasattr(proposer, "propose_batch"):
+        if hasattr(proposer, "propose_batch"):  # a draft model: one pass per proposal
             asked = [(work[i].request, work[i].num_lookahead_tokens) for i in wanted]
+            start = time.perf_counter()
             proposals = proposer.propose_batch(asked)
+            self.propose_seconds = time.perf_counter() - start
+            self.propose_passes = max(k for _, k in asked)
         else:
             proposals = [
                 proposer.propose(work[i].request.token_ids, work[i].num_lookahead_tokens)

@@ -140,20 +140,24 @@ class CachedRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., num_lookahead_tokens: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "sampled_tokens", "execute_seconds", "prompt_logprobs", "spec_decode", "draining")
+    __slots__ = ("step_id", "sampled_tokens", "execute_seconds", "prompt_logprobs", "spec_decode", "draining", "propose_seconds", "propose_passes")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_PASSES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
     execute_seconds: float
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
     spec_decode: _containers.RepeatedCompositeFieldContainer[SpecDecodeCounts]
     draining: bool
-    def __init__(self, step_id: _Optional[int] = ..., sampled_tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_seconds: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., spec_decode: _Optional[_Iterable[_Union[SpecDecodeCounts, _Mapping]]] = ..., draining: _Optional[bool] = ...) -> None: ...
+    propose_seconds: float
+    propose_passes: int
+    def __init__(self, step_id: _Optional[int] = ..., sampled_tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_seconds: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., spec_decode: _Optional[_Iterable[_Union[SpecDecodeCounts, _Mapping]]] = ..., draining: _Optional[bool] = ..., propose_seconds: _Optional[float] = ..., propose_passes: _Optional[int] = ...) -> None: ...
 
 class SpecDecodeCounts(_message.Message):
     __slots__ = ("request_id", "num_draft_tokens", "num_accepted_tokens")
