@@ -50,8 +50,9 @@ class StepOutput:
     logprobs: dict[str, Logprob] = field(default_factory=dict)  # requests that asked
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     spec: dict[str, SpecOutcome] = field(default_factory=dict)
-    propose_seconds: float = 0.0  # of execute_seconds: the draft model's proposals
-    propose_passes: int = 0  # the draft's forward passes in them
+    # Of execute_seconds: the draft model's steady passes (no prompt caught up), and count.
+    propose_seconds: float = 0.0
+    propose_passes: int = 0
 
     @property
     def accepted(self) -> dict[str, list[int]]:

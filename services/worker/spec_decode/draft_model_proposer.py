@@ -19,10 +19,16 @@ request's own logit processors (logit_bias, min_tokens, penalties: what the targ
 too), so they are deterministic and the verifier's accept-while-equal rule is exact
 rejection sampling (`verify`). Runs on the worker's tensor thread, eager (no CUDA graphs
 for the draft).
+
+`priced` is what the last call's steady passes cost: the seconds and count of its passes of
+at most two tokens a request (every later pass, and the first unless it caught a request
+up by more): the scheduler prices a pass with them (`spec_goodput`), and a prompt's
+one-off catching up would overstate what the next pass costs.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -38,6 +44,7 @@ class DraftModelProposer:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
+        self.priced: tuple[float, int] = (0.0, 0)  # the last call's steady passes: s, count
 
     def propose_batch(self, requests: Sequence[tuple[WorkerRequest, int]]) -> list[list[int]]:
         """Up to k proposals for each (request, k), k >= 1; writes the draft KV of each
@@ -54,9 +61,13 @@ class DraftModelProposer:
             request.num_draft_computed_tokens = len(tokens)
         proposals: list[list[int]] = [[] for _ in requests]
         rows = list(range(len(requests)))
+        start = time.perf_counter()
         for i, token in enumerate(self._argmax_last(input_ids, slices, requests, rows, proposals)):
             proposals[i].append(token)
+        steady = len(input_ids) <= 2 * len(requests)  # no prompt caught up
+        seconds, passes = (time.perf_counter() - start, 1) if steady else (0.0, 0)
         for j in range(1, max(k for _, k in requests)):
+            start = time.perf_counter()
             rows = [i for i, (_, k) in enumerate(requests) if k > j]
             slices = []
             for i in rows:
@@ -68,6 +79,8 @@ class DraftModelProposer:
             )
             for i, token in zip(rows, tokens, strict=True):
                 proposals[i].append(token)
+            seconds, passes = seconds + time.perf_counter() - start, passes + 1
+        self.priced = (seconds, passes)
         return proposals
 
     def _argmax_last(self, input_ids, slices, requests, rows, proposals) -> list[int]:

@@ -5,7 +5,6 @@ the runner free of speculative bookkeeping. Pure Python (the runner does the ten
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -50,10 +49,8 @@ class SpecStep:
             return
         if hasattr(proposer, "propose_batch"):  # a draft model: one pass per proposal
             asked = [(work[i].request, work[i].num_lookahead_tokens) for i in wanted]
-            start = time.perf_counter()
             proposals = proposer.propose_batch(asked)
-            self.propose_seconds = time.perf_counter() - start
-            self.propose_passes = max(k for _, k in asked)
+            self.propose_seconds, self.propose_passes = getattr(proposer, "priced", (0.0, 0))
         else:
             proposals = [
                 proposer.propose(work[i].request.token_ids, work[i].num_lookahead_tokens)
