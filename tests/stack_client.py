@@ -295,6 +295,10 @@ TEST_CPU_GEMM = os.environ.get("TANDEM_CPU_GEMM", "tandem")
 # instead of ~7.7; TANDEM_TEST_FORK_SERVER=0 starts every process as a fresh interpreter,
 # as `make up` does.
 TEST_FORK_SERVER = os.environ.get("TANDEM_TEST_FORK_SERVER", "1") != "0"
+# The test models' random weights would fill JSON outputs with whitespace under vLLM's
+# default (any whitespace between JSON tokens): test stacks hold JSON to single spaces.
+# The default itself is tested in tests/unit/test_structured_output.py.
+TEST_STRUCTURED = {"TANDEM_STRUCTURED_OUTPUTS_DISABLE_ANY_WHITESPACE": "1"}
 
 
 def start_stack(model, run_dir, *, ready_timeout_s: float = 180, env=None, **spec_kwargs) -> Stack:
@@ -302,7 +306,7 @@ def start_stack(model, run_dir, *, ready_timeout_s: float = 180, env=None, **spe
     stops it (module stacks: the `module_stacks` fixture in tests/conftest.py does).
     `env`: variables over this process's environment (and `TEST_CPU_GEMM`)."""
     spec = StackSpec.on_free_ports(str(model), **spec_kwargs)
-    env = {"TANDEM_CPU_GEMM": TEST_CPU_GEMM, **(env or {})}
+    env = {"TANDEM_CPU_GEMM": TEST_CPU_GEMM, **TEST_STRUCTURED, **(env or {})}
     return Stack.start(
         spec, run_dir, env=env, ready_timeout_s=ready_timeout_s, exit_with_parent=True,
         fork_server=TEST_FORK_SERVER,

@@ -166,6 +166,13 @@ class WorkerConfig(ServiceConfig):
         "this many bytes of them are ready (smaller transfers are copied once, at the end)",
         env="TANDEM_KV_TRANSFER_STREAM_MIN_COPY_BYTES",
     )
+    structured_outputs_disable_any_whitespace: bool = setting(
+        False,
+        "JSON outputs (json_schema, json_object) hold single spaces after ',' and ':' only "
+        "(vLLM's structured_outputs_config.disable_any_whitespace); default: any whitespace, "
+        "as vLLM",
+        env="TANDEM_STRUCTURED_OUTPUTS_DISABLE_ANY_WHITESPACE",
+    )
     speculative_config: str = setting(
         "",
         'speculative decoding, vLLM\'s JSON: e.g. \'{"method": "ngram", '

@@ -113,7 +113,11 @@ class Worker:
             tokens=None if ranks is None else ranks.tokens,
             lora=loaded.lora,
             # Grammar masks; xgrammar and the tokenizer load on first use (grammar thread).
-            structured=StructuredOutputs(config.model, loaded.model_config.vocab_size),
+            structured=StructuredOutputs(
+                config.model,
+                loaded.model_config.vocab_size,
+                any_whitespace=not config.structured_outputs_disable_any_whitespace,
+            ),
         )
         self.lora = loaded.lora
         self.shared_pool = loaded.shared_pool

@@ -41,8 +41,40 @@ SHORT_REGEX = r"[0-9]{2}-[a-z]{1,2}"
 
 @pytest.fixture(scope="module")
 def cache(tiny_llama_dir):
+    """JSON held to single spaces: random logits would otherwise spend their 200 tokens
+    on whitespace, which the default (vLLM's) allows anywhere between JSON tokens."""
     tokenizer = hf_tokenizer(str(tiny_llama_dir))
-    return GrammarCache(tokenizer, vocab_size=len(tokenizer)), tokenizer
+    return GrammarCache(tokenizer, vocab_size=len(tokenizer), any_whitespace=False), tokenizer
+
+
+def _accepts(grammars: GrammarCache, constraint: Constraint, text: str, tokenizer) -> bool:
+    """Whether the grammar takes `text` (tokenized) and may stop right after it."""
+    matchers = RequestMatchers(grammars.vocab_size)
+    matchers.start("r", grammars.compile(constraint))
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        if not matchers.accept("r", token):
+            return False
+    logits = torch.zeros(1, grammars.vocab_size)
+    matchers.mask(logits, [(0, "r")])
+    eos = tokenizer.eos_token_id
+    return bool(torch.isfinite(logits[0, eos]))
+
+
+def test_json_takes_any_whitespace_by_default_as_vllm_and_single_spaces_when_disabled(
+    tiny_llama_dir,
+):
+    tokenizer = hf_tokenizer(str(tiny_llama_dir))
+    default = GrammarCache(tokenizer, vocab_size=len(tokenizer))
+    compact = GrammarCache(tokenizer, vocab_size=len(tokenizer), any_whitespace=False)
+    schema = Constraint("json_schema", json.dumps(SCHEMA))
+    value = {"name": "Ada", "ok": True, "size": "M"}
+    pretty = json.dumps(value, indent=2)  # newlines and indents
+    spaced = json.dumps(value)  # one space after each , and :
+    jsonschema.validate(json.loads(pretty), SCHEMA)
+    assert _accepts(default, schema, pretty, tokenizer)
+    assert _accepts(default, schema, spaced, tokenizer)
+    assert not _accepts(compact, schema, pretty, tokenizer)
+    assert _accepts(compact, schema, spaced, tokenizer)
 
 
 def constraints():

@@ -27,9 +27,10 @@ MAX_COMPILED = 512  # distinct constraints kept compiled (least recently used le
 
 
 class StructuredOutputs:
-    def __init__(self, tokenizer_folder: str, vocab_size: int) -> None:
+    def __init__(self, tokenizer_folder: str, vocab_size: int, any_whitespace: bool = True) -> None:
         self._folder = tokenizer_folder
         self._vocab_size = vocab_size
+        self._any_whitespace = any_whitespace  # JSON's whitespace (common/grammar_cache.py)
         self._cache: GrammarCache | None = None
         self._compiled: OrderedDict[Constraint, object] = OrderedDict()
         self._lock = threading.Lock()  # _compiled is read by the tensor thread
@@ -56,7 +57,9 @@ class StructuredOutputs:
         if self._cache is None:
             from common.hf_checkpoint_reader import load_tokenizer
 
-            self._cache = GrammarCache(load_tokenizer(self._folder), self._vocab_size)
+            self._cache = GrammarCache(
+                load_tokenizer(self._folder), self._vocab_size, any_whitespace=self._any_whitespace
+            )
         compiled = self._cache.compile(constraint)
         with self._lock:
             self._compiled[constraint] = compiled
