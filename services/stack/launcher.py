@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,15 +25,10 @@ from common.fork_protocol import RANK_MODULE, RANK_SERVER_ENV, ForkedProcess, Fo
 from common.healthcheck import health_status, http_health_status
 from common.tls import TlsSettings
 from services.stack.fork_server import shared_fork_server
+from services.stack.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 STATE_FILE = "stack.json"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 @dataclass(frozen=True)
