@@ -137,13 +137,14 @@ def draft_passes(
         return max_slots
     a, b = line
     plain = plain_rows / (a + b * plain_rows)
+    paid = [_paid(alpha, bar, max_slots) if bar > 0 else max_slots for alpha in alphas]
     best, best_rate = 0, 0.0
     for passes in range(1, max_slots + 1):
         tokens, rows = float(plain_rows), float(plain_rows)
-        for alpha in alphas:
-            paid = min(passes, _paid(alpha, bar, max_slots) if bar > 0 else max_slots)
-            tokens += _expected(alpha, paid)
-            rows += paid
+        for alpha, slots in zip(alphas, paid, strict=True):
+            given = min(passes, slots)
+            tokens += _expected(alpha, given)
+            rows += given
         rate = tokens / (a + b * rows + pass_seconds * passes)
         if rate > best_rate:
             best, best_rate = passes, rate

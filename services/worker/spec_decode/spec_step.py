@@ -50,7 +50,7 @@ class SpecStep:
         if hasattr(proposer, "propose_batch"):  # a draft model: one pass per proposal
             asked = [(work[i].request, work[i].num_lookahead_tokens) for i in wanted]
             proposals = proposer.propose_batch(asked)
-            self.propose_seconds, self.propose_passes = getattr(proposer, "priced", (0.0, 0))
+            self.propose_seconds, self.propose_passes = proposer.priced
         else:
             proposals = [
                 proposer.propose(work[i].request.token_ids, work[i].num_lookahead_tokens)

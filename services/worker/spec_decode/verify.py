@@ -56,5 +56,8 @@ class Proposer(Protocol):
 class BatchProposer(Protocol):
     """Proposes for the step's requests together (a draft model's batched passes)."""
 
+    # The last call's steady passes (none catching a prompt up): their seconds and count.
+    priced: tuple[float, int]
+
     def propose_batch(self, requests: Sequence[tuple[Any, int]]) -> list[list[int]]:
         """For each (worker request, k): up to k tokens likely to follow its tokens."""
