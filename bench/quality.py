@@ -149,7 +149,7 @@ def table(result: dict) -> str:
             for load, s in loads.items():
                 lines.append(
                     f"| {mode} | {load} | {s['acceptance_rate']} | {s['tpot_p50_ms_off']} -> "
-                    f"{s['tpot_p50_ms_on']} | {s['tpot_speedup_off_over_on']} | "
+                    f"{s['tpot_p50_ms_on']} | {s['tpot_p50_off_over_on']} | "
                     f"{s['throughput_on_over_off']} |"
                 )
     tasks = result.get("tasks")

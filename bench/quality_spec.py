@@ -13,9 +13,8 @@ import re
 import statistics
 from pathlib import Path
 
-from bench.load_runs import bench_stack, pool_stats, run_loads
+from bench import spec_decode
 from bench.quality_ppl import paragraphs
-from bench.spec_decode import spec_row
 from bench.workloads import BenchRequest
 
 LOADS = ((1, 8), (16, 32))  # (concurrency, requests)
@@ -94,16 +93,11 @@ def run_mode(model: Path, speculative: dict | None, requests_by_load, label: str
     # 4096 tokens of context: a draft's pool shares the worker's KV memory (its blocks
     # beside the target's), which then no longer holds SmolLM2's 8192.
     context = ["--max-model-len", "4096"]
-    extra = {"prefill": context, "decode": list(context)}
-    if speculative:
-        extra["decode"] += ["--speculative-config", json.dumps(speculative)]
-    with bench_stack(model, extra, f"bench-quality-spec-{label}-") as stack:
-        spec = stack.spec
-        return run_loads(
-            spec.gateway_address, model, LOADS, requests_by_load, f"spec {label}",
-            lambda: pool_stats(spec.scheduler_address, role=2),  # WORKER_ROLE_DECODE
-            spec_row, "greedy",
-        )  # fmt: skip
+    config = json.dumps(speculative) if speculative else ""
+    return spec_decode.run_mode(
+        model, config, requests_by_load, "greedy", LOADS,
+        {"prefill": context, "decode": context}, f"quality-{label}",
+    )  # fmt: skip
 
 
 def speculation(model: Path, tokenizer, rounds: int = 1) -> dict:
@@ -118,25 +112,7 @@ def speculation(model: Path, tokenizer, rounds: int = 1) -> dict:
             print(f"spec {mode} r{r}:", json.dumps({k: {"tpot_p50": v["tpot_ms"]["p50"],
                   "tok_s": v["output_tokens_per_s"], "acceptance": v.get("acceptance_rate")}
                   for k, v in row.items()}), flush=True)  # fmt: skip
-    summary = {}
-    for mode in [m for m in configs if m != "off"]:
-        for c, _ in LOADS:
-            key = f"c{c}"
-            off, on = [r[key] for r in runs["off"]], [r[key] for r in runs[mode]]
-            summary.setdefault(mode, {})[key] = {
-                "tpot_p50_ms_off": [a["tpot_ms"]["p50"] for a in off],
-                "tpot_p50_ms_on": [b["tpot_ms"]["p50"] for b in on],
-                "tpot_speedup_off_over_on": [
-                    round(a["tpot_ms"]["p50"] / b["tpot_ms"]["p50"], 3)
-                    for a, b in zip(off, on, strict=True)
-                ],
-                "throughput_on_over_off": [
-                    round(b["output_tokens_per_s"] / a["output_tokens_per_s"], 3)
-                    for a, b in zip(off, on, strict=True)
-                ],
-                "acceptance_rate": [b["acceptance_rate"] for b in on],
-                "mean_accepted_length": [b["mean_accepted_length"] for b in on],
-            }
+    summary = spec_decode.off_vs_on(runs, LOADS)
     return {
         "configs": configs,
         "loads": [{"concurrency": c, "requests": n} for c, n in LOADS],
@@ -145,6 +121,6 @@ def speculation(model: Path, tokenizer, rounds: int = 1) -> dict:
         "runs": runs,
         "summary": summary,
         "median_c1_speedup": {
-            m: statistics.median(s["c1"]["tpot_speedup_off_over_on"]) for m, s in summary.items()
+            m: statistics.median(s["c1"]["tpot_p50_off_over_on"]) for m, s in summary.items()
         },
     }

@@ -48,16 +48,52 @@ def spec_row(records, summary, before, after) -> dict:
     }
 
 
-def run_mode(model: Path, speculative: str, requests_by_load, sampling: str) -> dict:
-    extra = {"decode": ["--speculative-config", speculative]} if speculative else {}
-    label = "on" if speculative else "off"
+def run_mode(
+    model: Path,
+    speculative: str,
+    requests_by_load,
+    sampling: str,
+    loads=LOADS,
+    extra: dict | None = None,
+    label: str = "",
+) -> dict:
+    """One mode on a fresh stack (`extra`: flags per role; the speculative config, if
+    any, joins the decode worker's)."""
+    extra = {role: list(flags) for role, flags in (extra or {}).items()}
+    if speculative:
+        extra["decode"] = [*extra.get("decode", []), "--speculative-config", speculative]
+    label = label or ("on" if speculative else "off")
     with bench_stack(model, extra, f"bench-spec-{label}-") as stack:
         spec = stack.spec
         return run_loads(
-            spec.gateway_address, model, LOADS, requests_by_load, f"spec {label}",
+            spec.gateway_address, model, loads, requests_by_load, f"spec {label}",
             lambda: pool_stats(spec.scheduler_address, role=2),  # WORKER_ROLE_DECODE
             spec_row, sampling,
         )  # fmt: skip
+
+
+def off_vs_on(runs: dict[str, list[dict]], loads=LOADS) -> dict:
+    """Per mode other than "off" and per load, round by round: TPOT p50 off and on, their
+    ratio, throughput on / off, acceptance and mean accepted length."""
+    out: dict = {}
+    for mode in [m for m in runs if m != "off"]:
+        for concurrency, _ in loads:
+            key = f"c{concurrency}"
+            pairs = list(zip([r[key] for r in runs["off"]], [r[key] for r in runs[mode]],
+                             strict=True))  # fmt: skip
+            out.setdefault(mode, {})[key] = {
+                "tpot_p50_ms_off": [a["tpot_ms"]["p50"] for a, _ in pairs],
+                "tpot_p50_ms_on": [b["tpot_ms"]["p50"] for _, b in pairs],
+                "tpot_p50_off_over_on": [
+                    round(a["tpot_ms"]["p50"] / b["tpot_ms"]["p50"], 3) for a, b in pairs
+                ],
+                "throughput_on_over_off": [
+                    round(b["output_tokens_per_s"] / a["output_tokens_per_s"], 3) for a, b in pairs
+                ],
+                "acceptance_rate": [b["acceptance_rate"] for _, b in pairs],
+                "mean_accepted_length": [b["mean_accepted_length"] for _, b in pairs],
+            }
+    return out
 
 
 def main() -> None:
@@ -102,23 +138,7 @@ def main() -> None:
     for _ in range(args.repeats):
         for mode, config in configs.items():
             runs[mode].append(run_mode(model, config, requests_by_load, args.sampling))
-    ratios = {}
-    for mode in [m for m in configs if m != "off"]:
-        for concurrency, _ in LOADS:
-            key = f"c{concurrency}"
-            off = [r[key] for r in runs["off"]]
-            on = [r[key] for r in runs[mode]]
-            ratios.setdefault(mode, {})[key] = {
-                "tpot_p50_off_over_on": [
-                    round(a["tpot_ms"]["p50"] / b["tpot_ms"]["p50"], 3)
-                    for a, b in zip(off, on, strict=True)
-                ],
-                "throughput_on_over_off": [
-                    round(b["output_tokens_per_s"] / a["output_tokens_per_s"], 3)
-                    for a, b in zip(off, on, strict=True)
-                ],
-                "acceptance_rate": [b["acceptance_rate"] for b in on],
-            }
+    ratios = off_vs_on(runs)
     report = {
         "benchmark": "spec_decode",
         "model": args.model,
