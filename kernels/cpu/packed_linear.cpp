@@ -67,19 +67,16 @@ constexpr int64_t kGroupBytes = 256 * 1024;  // weights of one many_rows claim (
 // first: that burst ran out of outstanding misses and memory idled while the later blocks
 // computed (a 16-row product over a 32m model's weights, 2 threads, interleaved in one
 // process: 9.97 -> 8.67 and 11.98 -> 9.36 ms; 32 rows 18.9 -> 16.1).
+// The vector micro-kernel: `R` rows' accumulators for one 16-column panel held in registers
+// (TANDEM_DECL/STEP/K/STORE, per instruction set below), one shared loop.
 #if defined(__AVX512F__)
 #define TANDEM_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
-template <int R, bool Rows, int Fetch>
-inline void block(const float* __restrict x, int64_t ldx, const float* __restrict w,
-                  int64_t depth, float* __restrict c, int64_t ldc, const float* init,
-                  const char* fetch) {
 #define TANDEM_DECL(i)                                          \
   __m512 c##i = _mm512_setzero_ps();                            \
   if (R > i) {                                                  \
     const float* from = init != nullptr ? init : c + i * ldc;   \
     c##i = _mm512_loadu_ps(from);                               \
   }
-  TANDEM_ROWS(TANDEM_DECL)
 #define TANDEM_STEP(i) \
   if (R > i) c##i = _mm512_fmadd_ps(_mm512_set1_ps(*X_AT(i, k)), w0, c##i);
 #define TANDEM_K                                          \
@@ -88,42 +85,10 @@ inline void block(const float* __restrict x, int64_t ldx, const float* __restric
     TANDEM_ROWS(TANDEM_STEP)                              \
     ++k;                                                  \
   }
-  int64_t k = 0;
-  if (Rows) {  // prompts: x's rows read in place
-    for (; k < depth;) {
-      if (Fetch != 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(w + k * kPanel + kAhead), _MM_HINT_T0);
-      }
-      TANDEM_K
-    }
-  } else {
-    for (; k + 4 <= depth;) {
-      if (Fetch >= 1) _mm_prefetch(fetch, _MM_HINT_T0);
-      if (Fetch >= 2) _mm_prefetch(fetch + 64, _MM_HINT_T0);
-      if (Fetch >= 4) {
-        _mm_prefetch(fetch + 128, _MM_HINT_T0);
-        _mm_prefetch(fetch + 192, _MM_HINT_T0);
-      }
-      fetch += Fetch * 64;
-      TANDEM_K TANDEM_K TANDEM_K TANDEM_K
-    }
-    while (k < depth) TANDEM_K
-  }
 #define TANDEM_STORE(i) \
   if (R > i) _mm512_storeu_ps(c + i * ldc, c##i);
-  TANDEM_ROWS(TANDEM_STORE)
-#undef TANDEM_DECL
-#undef TANDEM_STEP
-#undef TANDEM_K
-#undef TANDEM_STORE
-}
-#undef TANDEM_ROWS
 #elif defined(__AVX2__) && defined(__FMA__)
 #define TANDEM_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
-template <int R, bool Rows, int Fetch>
-inline void block(const float* __restrict x, int64_t ldx, const float* __restrict w,
-                  int64_t depth, float* __restrict c, int64_t ldc, const float* init,
-                  const char* fetch) {
 #define TANDEM_DECL(i)                                                   \
   __m256 c##i##0 = _mm256_setzero_ps(), c##i##1 = _mm256_setzero_ps(); \
   if (R > i) {                                                         \
@@ -131,7 +96,6 @@ inline void block(const float* __restrict x, int64_t ldx, const float* __restric
     c##i##0 = _mm256_loadu_ps(from);                                   \
     c##i##1 = _mm256_loadu_ps(from + 8);                               \
   }
-  TANDEM_ROWS(TANDEM_DECL)
 #define TANDEM_STEP(i)                                       \
   if (R > i) {                                               \
     const __m256 xi = _mm256_broadcast_ss(X_AT(i, k));       \
@@ -145,6 +109,18 @@ inline void block(const float* __restrict x, int64_t ldx, const float* __restric
     TANDEM_ROWS(TANDEM_STEP)                                             \
     ++k;                                                                 \
   }
+#define TANDEM_STORE(i)                          \
+  if (R > i) {                                   \
+    _mm256_storeu_ps(c + i * ldc, c##i##0);      \
+    _mm256_storeu_ps(c + i * ldc + 8, c##i##1);  \
+  }
+#endif
+#if defined(TANDEM_ROWS)
+template <int R, bool Rows, int Fetch>
+inline void block(const float* __restrict x, int64_t ldx, const float* __restrict w,
+                  int64_t depth, float* __restrict c, int64_t ldc, const float* init,
+                  const char* fetch) {
+  TANDEM_ROWS(TANDEM_DECL)
   int64_t k = 0;
   if (Rows) {  // prompts: x's rows read in place
     for (; k < depth;) {
@@ -166,17 +142,12 @@ inline void block(const float* __restrict x, int64_t ldx, const float* __restric
     }
     while (k < depth) TANDEM_K
   }
-#define TANDEM_STORE(i)                          \
-  if (R > i) {                                   \
-    _mm256_storeu_ps(c + i * ldc, c##i##0);      \
-    _mm256_storeu_ps(c + i * ldc + 8, c##i##1);  \
-  }
   TANDEM_ROWS(TANDEM_STORE)
+}
 #undef TANDEM_DECL
 #undef TANDEM_STEP
 #undef TANDEM_K
 #undef TANDEM_STORE
-}
 #undef TANDEM_ROWS
 #else
 template <int R, bool Rows, int Fetch>
