@@ -116,7 +116,9 @@ def pool_scheduler(config: SchedulerConfig, info: WorkerInfo) -> PoolScheduler:
             None
             if info.speculative is None or info.role == "prefill"
             else Lookahead(
-                info.speculative.num_speculative_tokens, info.speculative.disable_by_batch_size
+                info.speculative.num_speculative_tokens,
+                info.speculative.disable_by_batch_size,
+                goodput=config.speculative_slots == "goodput",
             )
         ),
     )

@@ -63,6 +63,13 @@ class SchedulerConfig(ServiceConfig):
         choices=PREEMPTION_MODES,
         env="TANDEM_PREEMPTION_MODE",
     )
+    speculative_slots: str = setting(
+        "goodput",
+        "speculative decoding's proposal slots: goodput (only where they pay for their rows "
+        "and a draft model's passes, measured) or all (every slot the config allows, as vLLM)",
+        choices=("goodput", "all"),
+        env="TANDEM_SPECULATIVE_SLOTS",
+    )
     async_scheduling: bool = setting(
         True,
         "keep one step in flight ahead so scheduling overlaps the model step",

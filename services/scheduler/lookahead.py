@@ -29,6 +29,8 @@ from services.scheduler.worker_types import SpecCounts
 class Lookahead:
     num_speculative_tokens: int
     disable_by_batch_size: int = 0  # 0: never off
+    # Slots only where they pay (spec_goodput.py); False: every slot `slots` allows.
+    goodput: bool = True
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:

@@ -309,8 +309,13 @@ class PoolScheduler(Migration):
     def _schedule_running(self, plan: PoolStepPlan) -> int:
         budget = self.max_num_batched_tokens
         later_decodes = sum(1 for r in self.running if self.schedulable_tokens(r) == 1)
-        bar, pool_rate, passes = self._slot_bar() if self.lookahead else (0.0, 0.0, 0)
-        probe = self.lookahead is not None and passes == 0 and probe_draft(self._num_planned)
+        policy = self.lookahead is not None and self.lookahead.goodput
+        if policy:
+            bar, pool_rate, passes = self._slot_bar()
+        else:  # every slot the lookahead allows
+            bar, pool_rate = 0.0, 0.0
+            passes = self.lookahead.num_speculative_tokens if self.lookahead else 0
+        probe = policy and passes == 0 and probe_draft(self._num_planned)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]

@@ -62,6 +62,7 @@ def test_speculative_decoding_on_the_triton_path_keeps_greedy_outputs_equal_to_h
         extra_args={
             "prefill": worker_args,
             "decode": [*worker_args, "--speculative-config", json.dumps(config)],
+            "scheduler": ["--speculative-slots", "all"],  # speculation forced, not measured
         },
     )
     try:

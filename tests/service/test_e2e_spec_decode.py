@@ -42,6 +42,9 @@ from tests.stack_client import (
 NGRAM = json.dumps(
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 )
+# Every slot given: the scheduler's default gives them where they pay by measured step and
+# draft costs, which would make whether these tests speculate at all a matter of timing.
+ALL_SLOTS = ["--speculative-slots", "all"]
 BIAS = {7: 30.0, 8: 30.0, 9: 30.0}
 
 
@@ -64,6 +67,7 @@ def test_ngram_speculation_is_hf_exact_and_accepts_repeating_output(arch, reques
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     pools = dict(SMALL_POOLS)
     pools["decode"] = [*SMALL_POOLS["decode"], "--speculative-config", NGRAM]
+    pools["scheduler"] = [*SMALL_POOLS["scheduler"], *ALL_SLOTS]
     stack = start_stack(model_dir, tmp_path / "run", extra_args=pools)
     try:
         work = workload(hf_tokenizer(str(model_dir)))
@@ -112,7 +116,7 @@ def test_draft_model_speculation_is_hf_exact_through_preemption_and_a_killed_dec
     args = {
         "prefill": SMALL_POOLS["prefill"],
         "decode": [*SMALL_POOLS["decode"], "--speculative-config", spec],
-        "scheduler": [*SMALL_POOLS["scheduler"], "--preemption-mode", preemption],
+        "scheduler": [*SMALL_POOLS["scheduler"], "--preemption-mode", preemption, *ALL_SLOTS],
     }
     stack = start_stack(model_dir, tmp_path / "run", decode=2, extra_args=args)
     try:

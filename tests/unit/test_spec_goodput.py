@@ -156,10 +156,11 @@ def test_draft_passes_pay_only_where_the_draft_lands_often_enough_for_its_cost()
 def test_a_pool_stops_drafting_when_its_draft_model_seldom_lands():
     """One stream with a draft model whose passes cost half a step and whose proposals
     almost never land: after a few steps the plan gives no slots but at probe positions;
-    with proposals that land, the same costs keep all four."""
+    with proposals that land, the same costs keep all four; with `--speculative-slots all`
+    every step gets four, landing or not."""
 
-    def run(accept: bool) -> list[int]:
-        s = sched(lookahead=Lookahead(4))
+    def run(accept: bool, goodput: bool = True) -> list[int]:
+        s = sched(lookahead=Lookahead(4, goodput=goodput))
         s.add(make_request("solo", 5, 400))
         s.schedule()
         s.update(StepResult(0, {"solo": 50}, 0.02))
@@ -178,6 +179,7 @@ def test_a_pool_stops_drafting_when_its_draft_model_seldom_lands():
 
     poor, good = run(False), run(True)
     assert poor[0] == 4 and sum(poor[-20:]) <= 1  # the probes at most
+    assert run(False, goodput=False) == [4] * 40  # --speculative-slots all: no pricing
 
     # Sixteen streams: the pool probes one request every PROBE_PERIOD steps, not each.
     s = sched(lookahead=Lookahead(4), budget=256, max_seqs=16)
