@@ -59,13 +59,15 @@ class ForkServerConnection:
         log: str | None = None,
         fds: Mapping[int, int] | None = None,
         new_session: bool = True,
+        netns: str | None = None,
     ) -> int:
         """Start `python -m module args`; `fds`: the child's fd number -> our descriptor
-        it gets (1 and 2 there replace `log`)."""
+        it gets (1 and 2 there replace `log`); `netns`: the network namespace it runs in
+        (one made by `ip netns add`; None: the server's)."""
         fds = dict(fds or {})
         request = {
             "op": "spawn", "module": module, "args": list(args), "env": dict(env), "cwd": cwd,
-            "log": log, "fds": list(fds), "new_session": new_session,
+            "log": log, "fds": list(fds), "new_session": new_session, "netns": netns,
         }  # fmt: skip
         return int(self._ask(request, list(fds.values()))["pid"])
 

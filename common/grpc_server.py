@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.keepalive import Keepalive
 from common.malformed_requests import MalformedRequestInterceptor
 from common.tls import TlsSettings, tls_from_env
 
@@ -67,6 +68,7 @@ class ServiceHost:
         # A larger request is refused by grpc with RESOURCE_EXHAUSTED before it is parsed.
         options = tuple(o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length")
         options += (("grpc.max_receive_message_length", max_receive_bytes),)
+        options += Keepalive.from_env().server_options()
         self.server = grpc.aio.server(
             options=options,
             interceptors=[MalformedRequestInterceptor(), *interceptors],
@@ -128,16 +130,18 @@ class ServiceHost:
 def open_channel(address: str, tls: TlsSettings | None = None) -> grpc.aio.Channel:
     """A grpc.aio channel to a Tandem service: TLS per `tls` (default: the environment)."""
     tls = tls_from_env() if tls is None else tls
+    options = CHANNEL_OPTIONS + Keepalive.from_env().channel_options()
     if not tls.enabled:
-        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-    options = CHANNEL_OPTIONS + tls.channel_options()
+        return grpc.aio.insecure_channel(address, options=options)
+    options += tls.channel_options()
     return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
 
 
 def open_sync_channel(address: str, tls: TlsSettings | None = None) -> grpc.Channel:
     """`open_channel` for blocking clients (CLI, probes, tests, benchmarks)."""
     tls = tls_from_env() if tls is None else tls
+    options = CHANNEL_OPTIONS + Keepalive.from_env().channel_options()
     if not tls.enabled:
-        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-    options = CHANNEL_OPTIONS + tls.channel_options()
+        return grpc.insecure_channel(address, options=options)
+    options += tls.channel_options()
     return grpc.secure_channel(address, tls.channel_credentials(), options=options)

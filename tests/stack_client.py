@@ -178,12 +178,10 @@ def generate_together(
 def worker_active_requests(stack: Stack, skip: tuple[str, ...] = ()) -> dict[str, int]:
     """Requests each worker holds in its batch (workers named in `skip` are not asked)."""
     out = {}
-    skipped = {stack.process(name).address for name in skip}
-    for port in stack.spec.worker_ports:
-        address = f"{stack.spec.host}:{port}"
-        if address in skipped:
+    for name in worker_names(stack, "prefill", "decode", "both"):
+        if name in skip:
             continue
-        with grpc.insecure_channel(address) as channel:
+        with grpc.insecure_channel(stack.process(name).address) as channel:
             d = worker_pb2_grpc.WorkerServiceStub(channel).DescribeWorker(
                 worker_pb2.DescribeWorkerRequest(), timeout=10
             )

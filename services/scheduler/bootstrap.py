@@ -139,6 +139,7 @@ def resilience(config: SchedulerConfig) -> Resilience:
         health_interval_s=config.worker_health_interval_s,
         health_timeout_s=config.worker_health_timeout_s,
         health_max_misses=config.worker_health_max_misses,
+        kv_link_cool_down_s=config.kv_link_cool_down_s,
     )
 
 

@@ -111,6 +111,13 @@ class SchedulerConfig(ServiceConfig):
         "unanswered health checks in a row after which a worker counts as failed",
         env="TANDEM_WORKER_HEALTH_MAX_MISSES",
     )
+    kv_link_cool_down_s: float = setting(
+        30.0,
+        "seconds a prefill -> decode pair whose KV transfer failed (both workers alive: a "
+        "cut or partitioned link) is left out of placement; doubled for each failure in a "
+        "row, up to 10x",
+        env="TANDEM_KV_LINK_COOL_DOWN_S",
+    )
     step_timeout_s: float = setting(
         600.0,
         "seconds a worker may take to answer one step before it counts as failed",
@@ -152,4 +159,5 @@ class SchedulerConfig(ServiceConfig):
             "worker_health_interval_s",
             "worker_health_timeout_s",
             "step_timeout_s",
+            "kv_link_cool_down_s",
         )

@@ -34,6 +34,7 @@ from services.scheduler.finish_log import log_finished
 from services.scheduler.grammar_gate import GrammarGate
 from services.scheduler.handle import Finished, RequestHandle, Stage, Tokens
 from services.scheduler.handoff import KvHandoff
+from services.scheduler.link_breaker import LinkBreaker
 from services.scheduler.lora_registry import LoraRegistry
 from services.scheduler.placement import PrefillCandidate, choose_prefill
 from services.scheduler.pool import Pool
@@ -66,6 +67,7 @@ class Resilience:
     health_interval_s: float = 1.0
     health_timeout_s: float = 5.0
     health_max_misses: int = 5
+    kv_link_cool_down_s: float = 30.0
 
 
 class Engine(Recovery, BeamSteps):
@@ -119,6 +121,7 @@ class Engine(Recovery, BeamSteps):
             transfer_failed=self._transfer_failed,
             streaming=kv_transfer_streaming,
             arrived=self._beam_arrived,
+            links=LinkBreaker(self.resilience.kv_link_cool_down_s),
         )
         self.grammars = GrammarGate(lambda: self.pools, self._spawn, self._grammar_ready)
         r = self.resilience

@@ -38,6 +38,7 @@ from collections.abc import Callable, Coroutine, Sequence
 
 from common.log import bind_request, get_logger
 from services.scheduler.handle import RequestHandle, Stage, Transfer, TransferPart
+from services.scheduler.link_breaker import LinkBreaker
 from services.scheduler.placement import DecodeCandidate, choose_decode
 from services.scheduler.pool import Pool
 from services.scheduler.request_trace import transfer_span
@@ -56,6 +57,7 @@ class KvHandoff:
         transfer_failed: Callable[[RequestHandle, Pool, Pool, BaseException], None],
         streaming: bool = True,
         arrived: Callable[[RequestHandle], None] | None = None,
+        links: LinkBreaker | None = None,
     ) -> None:
         """`fail` ends a request no decode pool can take; `transfer_failed` is told about a
         transfer that failed (both sides' blocks already released)."""
@@ -69,6 +71,8 @@ class KvHandoff:
         self.queue: deque[RequestHandle] = deque()
         # (source, receiver) worker ids whose receiver could not map the source's pool.
         self._no_pull: set[tuple[str, str]] = set()
+        # (source, receiver) links whose last transfer failed with both workers alive.
+        self.links = links or LinkBreaker()
         self._tag_base = secrets.randbits(31) << 32
         self._tag_counter = 0
 
@@ -129,7 +133,7 @@ class KvHandoff:
         at the first that no pool has room for, or that chooses another pool (woken)."""
         while self.queue and pool.accepting:
             handle = self.queue[0]
-            choice = self._choose(handle.request, handle.request.num_computed_tokens)
+            choice = self._choose(handle.request, handle.request.num_computed_tokens, handle.pool)
             if choice is None:
                 return  # wait until a decode pool frees blocks
             dst, hits = choice
@@ -155,7 +159,7 @@ class KvHandoff:
             if request.ends_at_its_next_token:  # no decode step would ever use the KV
                 return
             # The whole prompt: every known token (not the one its last step samples).
-            choice = self._choose(request, request.num_known_tokens)
+            choice = self._choose(request, request.num_known_tokens, handle.pool)
             if choice is None:
                 return
             dst, hits = choice
@@ -171,12 +175,15 @@ class KvHandoff:
         pair = (src.info.worker_id, dst.info.worker_id)
         return dst.info.can_pull_from(src.info) and pair not in self._no_pull
 
-    def _choose(self, request, computed: int) -> tuple[Pool, list[int]] | None:
-        """The decode pool placement picks for the request's first `computed` tokens now,
-        and its cached blocks."""
+    def _choose(self, request, computed: int, src: Pool) -> tuple[Pool, list[int]] | None:
+        """The decode pool placement picks for the request's first `computed` tokens now
+        (held in `src`), and its cached blocks. Links from `src` that just failed a
+        transfer are left out while another is usable."""
         healthy = [p for p in self.decode_pools if p.accepting]  # draining ones: no
         if not healthy:
             return None
+        usable = self.links.usable(src.info.worker_id, [p.info.worker_id for p in healthy])
+        healthy = [healthy[i] for i in usable]
         hits = [
             p.blocks.cached_prefix(request.block_hashes, request.all_token_ids, computed)
             for p in healthy
@@ -268,8 +275,16 @@ class KvHandoff:
                     log.warning("kv_stream_failed", dst=dst.info.worker_id, error=str(error))
                 return
             self._release(handle)
+            cool_down = self.links.failed(src.info.worker_id, dst.info.worker_id)
+            log.warning(
+                "kv_link_avoided",
+                src=src.info.worker_id,
+                dst=dst.info.worker_id,
+                seconds=cool_down,
+            )
             self._transfer_failed(handle, src, dst, error)
             return
+        self.links.succeeded(src.info.worker_id, dst.info.worker_id)
         dst.counters.kv_blocks_received += num_blocks
         dst.counters.kv_transfers += 1
         dst.counters.kv_source_lag_s += lag_s

@@ -51,6 +51,7 @@ class Recovery:
             return
         pool.healthy = False
         self.num_worker_failures += 1
+        self.handoff.links.forget(pool.info.worker_id)
         log.error("worker_failed", worker_id=pool.info.worker_id, error=why)
         loop = self._loops.pop(id(pool), None)
         if loop is not None:
@@ -156,6 +157,7 @@ class Recovery:
         pool.idle_since_last_result = True
         pool.draining = False
         pool.healthy = True
+        self.handoff.links.forget(info.worker_id)
         log.info("worker_rejoined", worker_id=info.worker_id, address=info.address)
         self._start_loop(pool)
         self._update_serving()

@@ -59,8 +59,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                     yield scheduler_pb2.SessionResponse(updates=updates)
         finally:
             reader.cancel()
-            for handle in state.running_handles():  # the gateway went away: free it all
+            orphans = state.running_handles()
+            for handle in orphans:  # the gateway went away: free it all
                 engine.abort(handle.request.request_id)
+            # (Not context.peer(): on a call the transport already dropped, it segfaults.)
+            log.info("session_ended", aborted=len(orphans))
 
     async def _read_session(self, engine: Engine, request_iterator, state: SessionState) -> None:
         try:

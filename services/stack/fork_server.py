@@ -145,6 +145,10 @@ def _become_child(request: dict, fds: list[int]) -> None:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         if request.get("new_session", True):
             os.setsid()
+        if request.get("netns"):
+            from common.netns import enter_netns
+
+            enter_netns(request["netns"])
         os.chdir(request["cwd"])
         _inherit(dict(zip(request.get("fds", []), fds, strict=True)), request.get("log"))
         os.environ.clear()

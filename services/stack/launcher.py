@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -24,6 +23,7 @@ from pathlib import Path
 from common.fork_protocol import RANK_MODULE, RANK_SERVER_ENV, ForkedProcess, ForkServerError
 from common.healthcheck import health_status, http_health_status
 from common.tls import TlsSettings
+from services.stack.commands import service_commands
 from services.stack.fork_server import shared_fork_server
 from services.stack.ports import free_port
 
@@ -52,6 +52,10 @@ class StackSpec:
     # schedulers, then the workers (prefill, decode, both); () = off. The HTTP front serves
     # GET /metrics on its own port.
     metrics_ports: tuple[int, ...] = ()
+    # Several hosts (`services/stack/hosts.py`): service name ("gateway", "scheduler",
+    # "decode-50071", "http", as `service_commands` names them) -> (network namespace, address)
+    # it runs in and listens on. A service not named runs where `host` is.
+    hosts: Mapping[str, Sequence[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.both_ports and (self.prefill_ports or self.decode_ports):
@@ -102,14 +106,23 @@ class StackSpec:
         names = ["gateway", *schedulers, *workers]
         return dict(zip(names, self.metrics_ports, strict=True)).get(name)
 
+    def ip_of(self, name: str) -> str:
+        """The address service `name` listens on."""
+        placed = self.hosts.get(name)
+        return self.host if placed is None else placed[1]
+
+    def netns_of(self, name: str) -> str | None:
+        placed = self.hosts.get(name)
+        return None if placed is None else placed[0]
+
     @property
     def gateway_address(self) -> str:
-        return f"{self.host}:{self.gateway_port}"
+        return f"{self.ip_of('gateway')}:{self.gateway_port}"
 
     @property
     def scheduler_address(self) -> str:
         """The (first) scheduler's address."""
-        return f"{self.host}:{self.scheduler_port}"
+        return self.scheduler_addresses[0]
 
     @property
     def scheduler_ports(self) -> tuple[int, ...]:
@@ -121,7 +134,10 @@ class StackSpec:
 
     @property
     def scheduler_addresses(self) -> list[str]:
-        return [f"{self.host}:{port}" for port in self.scheduler_ports]
+        return [
+            f"{self.ip_of(self.scheduler_name(i))}:{port}"
+            for i, port in enumerate(self.scheduler_ports)
+        ]
 
     def scheduler_name(self, index: int) -> str:
         """ "scheduler" when there is one, else "scheduler-0", "scheduler-1", ..."""
@@ -137,7 +153,7 @@ class StackSpec:
 
     @property
     def http_address(self) -> str | None:
-        return None if self.http_port is None else f"{self.host}:{self.http_port}"
+        return None if self.http_port is None else f"{self.ip_of('http')}:{self.http_port}"
 
     @classmethod
     def on_free_ports(
@@ -198,91 +214,6 @@ def process_health(process: Process, tls: TlsSettings | None = None) -> str:
     return health_status(process.address, tls=tls)
 
 
-def _commands(spec: StackSpec) -> list[tuple[str, str, list[str]]]:
-    """(name, address, argv) for every service, workers first, the HTTP front last."""
-    py = [sys.executable, "-m"]
-    common = ["--model", spec.model, "--log-level", spec.log_level]
-    out = []
-    roles = (
-        [("prefill", p) for p in spec.prefill_ports]
-        + [("decode", p) for p in spec.decode_ports]
-        + [("both", p) for p in spec.both_ports]
-    )
-    index = {"prefill": 0, "decode": 0, "both": 0}
-    for role, port in roles:
-        own = spec.extra_args.get(f"{role}.{index[role]}", ())
-        index[role] += 1
-        argv = [
-            *py,
-            "services.worker",
-            *common,
-            "--role",
-            role,
-            "--host",
-            spec.host,
-            "--port",
-            str(port),
-            "--worker-id",
-            f"{role}-{port}",
-            *spec.extra_args.get(role, ()),
-            *own,
-        ]
-        out.append((f"{role}-{port}", f"{spec.host}:{port}", argv))
-    for index, port in enumerate(spec.scheduler_ports):
-        workers = ",".join(f"{spec.host}:{p}" for p in spec.scheduler_worker_ports(index))
-        argv = [
-            *py,
-            "services.scheduler",
-            "--workers",
-            workers,
-            "--host",
-            spec.host,
-            "--port",
-            str(port),
-            "--log-level",
-            spec.log_level,
-            *spec.extra_args.get("scheduler", ()),
-        ]
-        out.append((spec.scheduler_name(index), f"{spec.host}:{port}", argv))
-    out.append(
-        (
-            "gateway",
-            spec.gateway_address,
-            [
-                *py,
-                "services.gateway",
-                *common,
-                "--host",
-                spec.host,
-                "--port",
-                str(spec.gateway_port),
-                "--scheduler",
-                ",".join(spec.scheduler_addresses),
-                *spec.extra_args.get("gateway", ()),
-            ],
-        )
-    )
-    if spec.http_port is not None:
-        http = [
-            *py,
-            "services.openai_api",
-            "--host",
-            spec.host,
-            "--port",
-            str(spec.http_port),
-            "--gateway",
-            spec.gateway_address,
-            "--log-level",
-            spec.log_level,
-            *spec.extra_args.get("http", ()),
-        ]
-        out.append(("http", spec.http_address, http))
-    for name, _, argv in out:
-        if name != "http" and spec.metrics_port(name) is not None:
-            argv += ["--metrics-port", str(spec.metrics_port(name))]
-    return out
-
-
 class Stack:
     def __init__(
         self,
@@ -304,18 +235,21 @@ class Stack:
         log_path = self.run_dir / "logs" / f"{name}.log"
         probe = "http" if name == "http" else "grpc"
         env = self._env if self._env is not None else os.environ
+        netns = self.spec.netns_of(name)
         server = None
         if self._fork_servers and argv[1:2] == ["-m"]:
             server = shared_fork_server(argv[2], env, str(ROOT))
         if server is not None:
             try:
-                pid = server.spawn(argv[2], argv[3:], self._with_rank_server(argv, env),
-                                   str(ROOT), str(log_path))  # fmt: skip
+                pid = server.spawn(argv[2], argv[3:], self._with_rank_server(argv, env, netns),
+                                   str(ROOT), str(log_path), netns=netns)  # fmt: skip
             except ForkServerError:
                 pass  # refused (an import-time variable differs): start it fresh below
             else:
                 self._forked[pid] = ForkedProcess(server, pid)
                 return Process(name, address, pid, str(log_path), probe, self._metrics_at(name))
+        if netns is not None:
+            argv = ["ip", "netns", "exec", netns, *argv]
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen(
                 argv,
@@ -328,9 +262,14 @@ class Stack:
             )
         return Process(name, address, proc.pid, str(log_path), probe, self._metrics_at(name))
 
-    def _with_rank_server(self, argv: list[str], env: Mapping[str, str]) -> Mapping[str, str]:
-        """A worker with ranks of its own forks them through a fork server too."""
+    def _with_rank_server(
+        self, argv: list[str], env: Mapping[str, str], netns: str | None = None
+    ) -> Mapping[str, str]:
+        """A worker with ranks of its own forks them through a fork server too (not one on
+        a host of its own)."""
         if argv[2] != "services.worker" or not any("parallel-size" in a for a in argv):
+            return env
+        if netns is not None:  # ranks must share its namespace: it starts them itself
             return env
         server = shared_fork_server(RANK_MODULE, env, str(ROOT))
         if server is None:
@@ -342,7 +281,7 @@ class Stack:
         if name == "http":
             return self.spec.http_address
         port = self.spec.metrics_port(name)
-        return None if port is None else f"{self.spec.host}:{port}"
+        return None if port is None else f"{self.spec.ip_of(name)}:{port}"
 
     def process(self, name: str) -> Process:
         """The service called `name` ("gateway", "scheduler", "decode-50071", ...)."""
@@ -394,7 +333,7 @@ class Stack:
                 raise RuntimeError(
                     f"{old.name} is still running (pid {old.pid}) after {exit_timeout_s}s"
                 ) from None
-        argvs = {n: argv for n, _, argv in _commands(self.spec)}
+        argvs = {n: argv for n, _, argv in service_commands(self.spec)}
         news = [self._launch(old.name, old.address, argvs[old.name]) for old in olds]
         for old, new in zip(olds, news, strict=True):
             self.processes[self.processes.index(old)] = new
@@ -433,7 +372,7 @@ class Stack:
         )
         stack = cls(spec, run_dir, [], child_env)
         stack._fork_servers = fork_server
-        for name, address, argv in _commands(spec):
+        for name, address, argv in service_commands(spec):
             stack.processes.append(stack._launch(name, address, argv))
         stack.save()
         try:

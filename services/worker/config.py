@@ -145,6 +145,19 @@ class WorkerConfig(ServiceConfig):
         "reports a stuck transfer itself; checked when the scheduler connects)",
         env="TANDEM_KV_TRANSFER_TIMEOUT_S",
     )
+    kv_transfer_base_timeout_s: float = setting(
+        5.0,
+        "seconds a UCX KV send may take on top of its bytes at --kv-transfer-min-rate-mb-s "
+        "(a receive twice this): a link cut mid-transfer fails it in about this time, and "
+        "the request is recomputed on another decode worker; capped by "
+        "--kv-transfer-timeout-s",
+        env="TANDEM_KV_TRANSFER_BASE_TIMEOUT_S",
+    )
+    kv_transfer_min_rate_mb_s: float = setting(
+        25.0,
+        "the slowest a link may carry KV (MB/s) before a transfer over it counts as failed",
+        env="TANDEM_KV_TRANSFER_MIN_RATE_MB_S",
+    )
     kv_transfer_error_handling: bool = setting(
         True,
         "UCX peer-failure detection: on = a peer that dies mid-transfer fails that transfer "
@@ -258,7 +271,9 @@ class WorkerConfig(ServiceConfig):
         self._require(
             bool(self.cpu_compute_lock), "cpu_compute_lock", "must be auto, off or a file path"
         )
-        self._positive("kv_transfer_timeout_s")
+        self._positive(
+            "kv_transfer_timeout_s", "kv_transfer_base_timeout_s", "kv_transfer_min_rate_mb_s"
+        )
         self._at_least(0, "kv_transfer_stream_min_copy_bytes")
         spec = parse_speculative_config(self.speculative_config)  # one clear line if bad
         if spec is not None and self.role == "prefill":

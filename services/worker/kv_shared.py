@@ -41,11 +41,15 @@ _WORDS = 1 + 2 * RING
 
 
 def host_id() -> str:
-    """Equal for two processes that can open each other's memfds by /proc path: the
-    host's boot id and the PID namespace."""
+    """Equal for two processes that may pull each other's KV out of shared memory: the
+    host's boot id, the PID namespace (the memfd is opened by /proc path) and the network
+    namespace. Two pods of one node, or two "hosts" of the namespace test bed
+    (`services/stack/hosts.py`), are different hosts: KV between them goes over UCX, the
+    path a real network takes, never the same-host pull."""
     with open("/proc/sys/kernel/random/boot_id") as f:
         boot = f.read().strip()
-    return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    pid_ns, net_ns = (os.stat(f"/proc/self/ns/{kind}").st_ino for kind in ("pid", "net"))
+    return f"{boot}:{pid_ns}:{net_ns}"
 
 
 class SharedPool:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -60,6 +61,8 @@ class KvTransferCancelled(KvTransferError):
 QUIET_EPOLL_TIMEOUT_MS = 100
 # Bound on the 1-byte message that completes an abandoned receive (microseconds normally).
 SELF_SEND_TIMEOUT_S = 5.0
+# How long aborting a failed endpoint may block (UCX waits up to twice this).
+ABORT_PERIOD_NS = 200_000_000
 
 
 def _slow_idle_progress_thread(epoll_timeout_ms: int) -> None:
@@ -79,6 +82,37 @@ def _slow_idle_progress_thread(epoll_timeout_ms: int) -> None:
     application_context.ThreadMode = QuietThreadMode
 
 
+@dataclass(frozen=True)
+class TransferDeadline:
+    """How long one UCX send or receive may take before it fails: `base_s` plus its bytes
+    at `min_bytes_per_s`, never more than `cap_s` (`--kv-transfer-timeout-s`). A link cut
+    in the middle of a transfer gives UCX nothing to report (TCP keeps retransmitting), so
+    the deadline is what notices it: ~5 s for a transfer of a few MiB by default, where a
+    fixed 60 s held the request that long. A receive gets `base_s` twice: its sender may
+    start a little later (its gather waits for the tensor thread). A slow link that still
+    moves `min_bytes_per_s` finishes in time."""
+
+    cap_s: float = 60.0
+    base_s: float = 60.0
+    min_bytes_per_s: float = 25e6
+
+    @classmethod
+    def from_config(cls, config) -> TransferDeadline:
+        """From a worker's settings: `kv_transfer_timeout_s` (the cap),
+        `kv_transfer_base_timeout_s`, `kv_transfer_min_rate_mb_s`."""
+        return cls(
+            cap_s=config.kv_transfer_timeout_s,
+            base_s=min(config.kv_transfer_base_timeout_s, config.kv_transfer_timeout_s),
+            min_bytes_per_s=config.kv_transfer_min_rate_mb_s * 1e6,
+        )
+
+    def send_s(self, nbytes: int) -> float:
+        return min(self.cap_s, self.base_s + nbytes / self.min_bytes_per_s)
+
+    def receive_s(self, nbytes: int) -> float:
+        return min(self.cap_s, 2 * self.base_s + nbytes / self.min_bytes_per_s)
+
+
 async def all_or_cancel(awaitables) -> list:
     """Await them all; the first failure cancels the others (a cancelled UCX receive lets
     go of its buffer safely, see `UcxTransport.receive`) and is raised."""
@@ -95,18 +129,25 @@ async def all_or_cancel(awaitables) -> list:
 class UcxTransport:
     """This process's UCX worker: its address, cached endpoints to peers, tagged send/recv."""
 
-    def __init__(self, timeout_s: float = 60.0, error_handling: bool = True) -> None:
+    def __init__(
+        self,
+        timeout_s: float = 60.0,
+        error_handling: bool = True,
+        deadline: TransferDeadline | None = None,
+    ) -> None:
         """`error_handling` makes a dead peer fail only the transfers it was part of, but
         UCX then uses only transports that can detect peer failure (TCP, RDMA); off,
         same-host peers use shared memory (several times faster here), a dead receiver
         shows as a send timeout, and a sender that dies mid-transfer can make UCX abort
-        the receiving process (seen in the fault tests)."""
+        the receiving process (seen in the fault tests). `deadline`: each send's and
+        receive's, by its size (default: `timeout_s` whatever the size)."""
         import ucxx  # imported here: loading UCX is slow and only workers need it
 
         if error_handling:
             _slow_idle_progress_thread(QUIET_EPOLL_TIMEOUT_MS)
         self._ucxx = ucxx
         self.timeout_s = timeout_s
+        self.deadline = deadline or TransferDeadline(cap_s=timeout_s, base_s=timeout_s)
         self.error_handling = error_handling
         self._endpoints: dict[tuple[str, bytes], object] = {}
         self._connect_lock = asyncio.Lock()
@@ -128,11 +169,26 @@ class UcxTransport:
             if endpoint.closed:
                 raise RuntimeError("endpoint closed")
             await self._complete(
-                endpoint._ep.tag_send(self._array(payload), self._tag(tag)), payload
+                endpoint._ep.tag_send(self._array(payload), self._tag(tag)),
+                payload,
+                self.deadline.send_s(payload.nbytes),
             )
         except Exception as exc:  # any UCX failure leaves the endpoint unusable
-            self._endpoints.pop(key, None)
+            self._drop_endpoint(key)
             raise KvTransferError(f"send to {peer_id} (tag {tag:#x}) failed: {exc!r}") from exc
+
+    def _drop_endpoint(self, key: tuple[str, bytes]) -> None:
+        """Forget a failed endpoint and abort it: UCX then completes what is still posted
+        on it (a send stuck behind a cut link) with an error, so its buffer is let go
+        instead of being held until the link heals, or for ever."""
+        endpoint = self._endpoints.pop(key, None)
+        if endpoint is None or key[0] == "loopback":
+            return
+        try:
+            endpoint.abort(period=ABORT_PERIOD_NS)
+        except Exception as exc:  # already closed by UCX: nothing is held
+            log.debug("ucx_endpoint_abort_failed", peer=key[0], error=repr(exc)[:300])
+        self.reap_abandoned()
 
     async def receive(self, tag: int, nbytes: int, out=None):
         """Receive exactly nbytes tagged `tag` from any peer (into `out` when given: a host
@@ -142,7 +198,7 @@ class UcxTransport:
             worker = self._ucxx.core._get_ctx().worker  # ucxx.recv, keeping the request
             request = worker.tag_recv(self._array(buffer), self._tag(tag))
             try:
-                await self._complete(request, buffer)
+                await self._complete(request, buffer, self.deadline.receive_s(nbytes))
             except BaseException:
                 if not request.completed:
                     await self._complete_abandoned_receive(tag)
@@ -177,11 +233,12 @@ class UcxTransport:
 
         return Tag(tag)
 
-    async def _complete(self, request, buffer) -> None:
-        """Wait for a UCX request; if this wait ends first (timeout, cancel, error), keep
-        `buffer` alive beside the request until UCX is done with it."""
+    async def _complete(self, request, buffer, timeout_s: float | None = None) -> None:
+        """Wait for a UCX request (up to `timeout_s`, default the transport's); if this wait
+        ends first (timeout, cancel, error), keep `buffer` alive beside the request until
+        UCX is done with it."""
         try:
-            await asyncio.wait_for(request.wait(), timeout=self.timeout_s)
+            await asyncio.wait_for(request.wait(), timeout=timeout_s or self.timeout_s)
         except BaseException:
             if not request.completed:
                 self._abandoned.append((request, buffer))

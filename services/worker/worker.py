@@ -38,7 +38,12 @@ from services.worker.kv_cache import KvCache
 from services.worker.kv_layout_transfer import LayoutTransfers
 from services.worker.kv_pull import KvPuller, KvSource, PullResult
 from services.worker.kv_shared import PeerPool
-from services.worker.kv_transfer import KvTransferCancelled, KvTransferError, UcxTransport
+from services.worker.kv_transfer import (
+    KvTransferCancelled,
+    KvTransferError,
+    TransferDeadline,
+    UcxTransport,
+)
 from services.worker.parallel.kv_ranks import KvGeometry, RankPools
 from services.worker.parallel.peer_ranks import PeerRanks, start_peer_ranks
 from services.worker.parallel.rank_context import RankContext
@@ -135,6 +140,7 @@ class Worker:
         self.transport = UcxTransport(
             timeout_s=config.kv_transfer_timeout_s,
             error_handling=config.kv_transfer_error_handling,
+            deadline=TransferDeadline.from_config(config),
         )
         self._executor = executor or tensor_executor()
         self.compute_lock = compute_lock

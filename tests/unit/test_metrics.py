@@ -24,7 +24,8 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.metrics import RequestTimes
 from services.scheduler.request import Request
 from services.stack.__main__ import metrics_ports
-from services.stack.launcher import StackSpec, _commands
+from services.stack.commands import service_commands as _commands
+from services.stack.launcher import StackSpec
 from services.worker.config import WorkerConfig
 
 REQUIRED = {

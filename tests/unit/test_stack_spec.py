@@ -5,7 +5,8 @@ fronting them all; and `status` listing every one of them."""
 import pytest
 
 from services.stack.__main__ import main, parse_args, spec_from_args
-from services.stack.launcher import Process, Stack, StackSpec, _commands
+from services.stack.commands import service_commands as _commands
+from services.stack.launcher import Process, Stack, StackSpec
 
 
 def commands(argv):

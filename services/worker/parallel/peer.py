@@ -21,6 +21,7 @@ from common.pb.tandem.internal.v1 import worker_pb2
 from services.worker.batch import PersistentBatch, PlanError
 from services.worker.block_moves import run_moves
 from services.worker.config import WorkerConfig
+from services.worker.kv_transfer import TransferDeadline
 from services.worker.parallel.peer_kv import KV_KINDS, PeerKvTransfers
 from services.worker.parallel.rank_channel import RESET, STEP, read_messages
 from services.worker.parallel.rank_context import join_group, peer_store
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
             loaded.kv_cache.data,
             ranks.stage.layers.start if ranks.stage.layers is not None else 0,
             args.answer_fd,
-            config.kv_transfer_timeout_s,
+            TransferDeadline.from_config(config),
             config.kv_transfer_error_handling,
         )
     ranks.publish_pool(None if loaded.shared_pool is None else loaded.shared_pool.info)

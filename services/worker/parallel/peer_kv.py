@@ -25,7 +25,7 @@ import torch
 
 from common.kv_rank_messages import RankMessage, message_nbytes, rank_tag, slices_from_wire
 from common.log import get_logger
-from services.worker.kv_transfer import UcxTransport, all_or_cancel
+from services.worker.kv_transfer import TransferDeadline, UcxTransport, all_or_cancel
 from services.worker.parallel.kv_message_io import gather_message, new_buffer, scatter_message
 from services.worker.parallel.rank_channel import (
     ANSWER,
@@ -56,7 +56,7 @@ class PeerKvTransfers:
         pool: torch.Tensor,
         first_layer: int,
         answer_fd: int,
-        timeout_s: float,
+        deadline: TransferDeadline,
         error_handling: bool,
     ) -> None:
         """`pool`: this rank's KV pool; `first_layer`: the model layer it starts at."""
@@ -68,17 +68,17 @@ class PeerKvTransfers:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="ucx", daemon=True)
         self._thread.start()
-        self.transport = self._run(self._start(timeout_s, error_handling, pool.device))
+        self.transport = self._run(self._start(deadline, error_handling, pool.device))
         self.address = self.transport.address
 
     def _run(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     @staticmethod
-    async def _start(timeout_s: float, error_handling: bool, device: torch.device):
+    async def _start(deadline: TransferDeadline, error_handling: bool, device: torch.device):
         if device.type == "cuda":  # UCX's CUDA transports need a current context here
             torch.cuda.set_device(device)
-        transport = UcxTransport(timeout_s=timeout_s, error_handling=error_handling)
+        transport = UcxTransport(deadline.cap_s, error_handling, deadline)
         _ = transport.address  # UCX's context starts here, on this loop
         return transport
 
