@@ -147,7 +147,7 @@ class UcxTransport:
             _slow_idle_progress_thread(QUIET_EPOLL_TIMEOUT_MS)
         self._ucxx = ucxx
         self.timeout_s = timeout_s
-        self.deadline = deadline or TransferDeadline(cap_s=timeout_s, base_s=timeout_s)
+        self.deadline = deadline  # None: `timeout_s`, whatever the size
         self.error_handling = error_handling
         self._endpoints: dict[tuple[str, bytes], object] = {}
         self._connect_lock = asyncio.Lock()
@@ -171,7 +171,7 @@ class UcxTransport:
             await self._complete(
                 endpoint._ep.tag_send(self._array(payload), self._tag(tag)),
                 payload,
-                self.deadline.send_s(payload.nbytes),
+                self._deadline_s("send", payload.nbytes),
             )
         except Exception as exc:  # any UCX failure leaves the endpoint unusable
             self._drop_endpoint(key)
@@ -182,7 +182,9 @@ class UcxTransport:
         on it (a send stuck behind a cut link) with an error, so its buffer is let go
         instead of being held until the link heals, or for ever."""
         endpoint = self._endpoints.pop(key, None)
-        if endpoint is None or key[0] == "loopback":
+        # Without peer-failure handling (shared memory) an abort cancels nothing: the send
+        # stays held until received, as before.
+        if endpoint is None or key[0] == "loopback" or not self.error_handling:
             return
         try:
             endpoint.abort(period=ABORT_PERIOD_NS)
@@ -198,7 +200,7 @@ class UcxTransport:
             worker = self._ucxx.core._get_ctx().worker  # ucxx.recv, keeping the request
             request = worker.tag_recv(self._array(buffer), self._tag(tag))
             try:
-                await self._complete(request, buffer, self.deadline.receive_s(nbytes))
+                await self._complete(request, buffer, self._deadline_s("receive", nbytes))
             except BaseException:
                 if not request.completed:
                     await self._complete_abandoned_receive(tag)
@@ -232,6 +234,11 @@ class UcxTransport:
         from ucxx.types import Tag
 
         return Tag(tag)
+
+    def _deadline_s(self, kind: str, nbytes: int) -> float:
+        if self.deadline is None:
+            return self.timeout_s
+        return self.deadline.send_s(nbytes) if kind == "send" else self.deadline.receive_s(nbytes)
 
     async def _complete(self, request, buffer, timeout_s: float | None = None) -> None:
         """Wait for a UCX request (up to `timeout_s`, default the transport's); if this wait

@@ -101,14 +101,13 @@ def _peer() -> None:
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("error_handling", [True, False], ids=["tcp", "shm"])
-def test_an_abandoned_send_is_held_until_received(error_handling):
-    """Sends are not completed by the transport: a send nobody receives yet keeps its buffer
-    until a receive takes it (here on this process's own worker)."""
+def test_an_abandoned_send_without_peer_failure_handling_is_held_until_received():
+    """Over shared memory (peer-failure handling off) aborting an endpoint cancels nothing:
+    a send nobody receives yet keeps its buffer until a receive takes it."""
 
     async def scenario() -> None:
-        transport = UcxTransport(timeout_s=0.3, error_handling=error_handling)
-        # Kept open: `send` drops a failed endpoint, which would cancel or strand the send.
+        transport = UcxTransport(timeout_s=0.3, error_handling=False)
+        # Kept open: dropping the failed endpoint could otherwise strand the send.
         endpoint = await transport._endpoint(("self", transport.address))
         try:
             payload = np.full(MIB, 5, dtype=np.uint8)
@@ -121,6 +120,30 @@ def test_an_abandoned_send_is_held_until_received(error_handling):
             await _released(transport)
         finally:
             await endpoint.close()
+            await transport.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_send_given_up_on_is_cancelled_with_its_endpoint_and_lets_go_of_its_buffer():
+    """A send nobody receives (a peer behind a cut link, say) fails at its deadline; its
+    endpoint is aborted, which cancels the send inside UCX, so its buffer is let go at
+    once instead of being held until the link heals (or for ever). The next send to that
+    peer makes a fresh endpoint and arrives whole."""
+
+    async def scenario() -> None:
+        transport = UcxTransport(timeout_s=0.3, error_handling=True)
+        try:
+            payload = np.full(MIB, 5, dtype=np.uint8)
+            with pytest.raises(KvTransferError, match="send"):
+                await transport.send("self", transport.address, 0xC1, payload)
+            await _released(transport)
+            transport.timeout_s = 5.0
+            received = asyncio.ensure_future(transport.receive(0xC2, MIB))
+            again = np.arange(MIB, dtype=np.uint8)
+            await transport.send("self", transport.address, 0xC2, again)
+            assert np.array_equal(await received, again)
+        finally:
             await transport.close()
 
     asyncio.run(scenario())
