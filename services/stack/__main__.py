@@ -5,20 +5,26 @@ unless --model names a folder or a GGUF file (converted once: `common.gguf_check
 workers, scheduler (`--schedulers N`: N schedulers, each with its own --prefill/--decode/
 --both workers, behind the one gateway), gateway and the OpenAI-compatible HTTP front
 (unless --no-http) on loopback, waits until every health check says SERVING, and prints
-how to call it. `down` stops what `up` started.
+how to call it. `--hosts N` runs them on N hosts made of network namespaces instead
+(`hosts.py`; root only): each service on its host's address, reachable from this machine.
+`down` stops what `up` started (and removes those namespaces).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
 
 from common.gguf_checkpoint import is_gguf, resolve_model
+from services.stack.hosts import Fabric, unavailable
 from services.stack.launcher import ROOT, Stack, StackSpec, process_health
+from services.stack.multihost import place
 
 DEFAULT_RUN_DIR = ROOT / ".tandem" / "run"
+FABRIC_FILE = "fabric.json"  # the namespaces `up --hosts N` made, for `down` to remove
 
 
 def _short(path: Path) -> Path:
@@ -119,10 +125,15 @@ def cmd_up(args: argparse.Namespace) -> int:
         + ("" if args.no_http else ", HTTP front")
         + " ..."
     )
+    fabric = _make_fabric(args) if args.hosts else None
+    if fabric is not None:
+        spec = place(spec, fabric)
+        print(f"on {args.hosts} hosts (network namespaces {fabric.hosts[0].netns}...)")
     try:
         stack = Stack.start(spec, args.run_dir, ready_timeout_s=args.timeout)
     except (RuntimeError, TimeoutError) as exc:
         print(f"startup failed: {exc}\nlogs: {Path(args.run_dir) / 'logs'}", file=sys.stderr)
+        _remove_fabric(args.run_dir)
         return 1
     print(f"\nTandem is serving {Path(spec.model).name} ({time.perf_counter() - started:.1f}s)")
     for process in stack.processes:
@@ -131,9 +142,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     if scraped:
         print("\nPrometheus metrics (GET /metrics):")
         print("\n".join(f"  {p.name:<14} http://{p.metrics}/metrics" for p in scraped))
+    client = f"{_short(Path(sys.executable))} -m services.client"
     print(f"""
 Call it:
-  {_short(Path(sys.executable))} -m services.client "The meaning of life is" --max-tokens 32
+  {client} "The meaning of life is" --max-tokens 32{_address_flag(spec)}
   grpcurl -plaintext -d '{{"text": "Hello", "max_tokens": 16}}' \\
       {spec.gateway_address} tandem.v1.GenerateService/Generate""")
     if spec.http_address is not None:
@@ -141,6 +153,28 @@ Call it:
         print(_curl_example(spec.http_address, name))
     print(f"Logs: {_short(Path(args.run_dir))}/logs    Stop: make down")
     return 0
+
+
+def _address_flag(spec: StackSpec) -> str:
+    return "" if spec.gateway_address == "127.0.0.1:50051" else f" --address {spec.gateway_address}"
+
+
+def _make_fabric(args: argparse.Namespace) -> Fabric:
+    """`--hosts N`: N hosts (network namespaces), recorded for `down`."""
+    reason = unavailable()
+    if reason is not None:
+        raise ValueError(f"--hosts: {reason}")
+    fabric = Fabric(args.hosts)
+    Path(args.run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(args.run_dir) / FABRIC_FILE).write_text(json.dumps(fabric.state()))
+    return fabric
+
+
+def _remove_fabric(run_dir: Path) -> None:
+    path = Path(run_dir) / FABRIC_FILE
+    if path.exists():
+        Fabric.from_state(json.loads(path.read_text())).close()
+        path.unlink()
 
 
 def _curl_example(address: str, model: str) -> str:
@@ -155,6 +189,7 @@ def cmd_down(args: argparse.Namespace) -> int:
         print("nothing to stop")
         return 0
     stack.stop()
+    _remove_fabric(args.run_dir)
     print("stopped " + ", ".join(p.name for p in stack.processes))
     return 0
 
@@ -186,6 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer", default="", help="with a .gguf --model: a tokenizer folder to use instead"
     )
     up.add_argument("--host", default="127.0.0.1")
+    up.add_argument(
+        "--hosts",
+        type=int,
+        default=0,
+        help="run the services on N hosts made of network namespaces (root; the gateway "
+        "and HTTP front on the first, each scheduler on one of its own, the workers "
+        "spread over the rest; KV between hosts goes over UCX's TCP path)",
+    )
     up.add_argument("--gateway-port", type=int, default=50051)
     up.add_argument("--scheduler-port", type=int, default=50052)
     up.add_argument(
