@@ -19,7 +19,8 @@ export BUF_CACHE_DIR := $(CURDIR)/.tools/buf-cache
 # PREFILL_TP/DECODE_TP/BOTH_TP the tensor-parallel size of each worker of that role and
 # PREFILL_PP/DECODE_PP/BOTH_PP its pipeline stages (ranks started by the worker; prefill
 # and decode may differ, e.g. PREFILL_TP=2 DECODE_TP=1, or PREFILL_TP=2 DECODE_PP=2),
-# METRICS_PORT_BASE=N Prometheus metrics of the gRPC services on ports N (gateway), N+1
+# HOSTS=N the services on N hosts made of network namespaces (root; each its own address,
+# KV between hosts over UCX's TCP path; `make down` removes them), METRICS_PORT_BASE=N Prometheus metrics of the gRPC services on ports N (gateway), N+1
 # (scheduler), N+2... (workers); `make status` lists them (the HTTP front's GET /metrics
 # is always on HTTP_PORT).
 MODEL        ?=
@@ -28,6 +29,7 @@ GATEWAY_PORT ?= 50051
 HTTP_PORT    ?= 8000
 HTTP         ?= 1
 SCHEDULERS   ?= 1
+HOSTS        ?= 0
 PREFILL      ?= 1
 DECODE       ?= 1
 BOTH         ?= 0
@@ -99,6 +101,7 @@ up: $(STAMP)
 		$(if $(TOKENIZER),--tokenizer "$(TOKENIZER)") --gateway-port $(GATEWAY_PORT) \
 		$(if $(filter 0,$(HTTP)),--no-http,--http-port $(HTTP_PORT)) \
 		--schedulers $(SCHEDULERS) --prefill $(PREFILL) --decode $(DECODE) --both $(BOTH) \
+		$(if $(filter-out 0,$(HOSTS)),--hosts $(HOSTS)) \
 		--prefill-tp $(PREFILL_TP) --decode-tp $(DECODE_TP) --both-tp $(BOTH_TP) \
 		--prefill-pp $(PREFILL_PP) --decode-pp $(DECODE_PP) --both-pp $(BOTH_PP) \
 		$(if $(SPEC),--speculative-config '$(SPEC)') \
