@@ -95,6 +95,11 @@ def kv_bytes(stack: Stack, worker: str, direction: str) -> float:
     return total(samples, "tandem:kv_transfer_bytes_total", direction=direction)
 
 
+def ucx_held_bytes(stack: Stack, worker: str) -> float:
+    """Bytes of given-up UCX sends/receives the worker's UCX still holds."""
+    return total(scrape(stack.process(worker).metrics), "tandem:kv_transfer_abandoned_bytes")
+
+
 def offsets(stack: Stack) -> dict[str, int]:
     """Every service's log size now (events after this point belong to the caller)."""
     return {p.name: log_size(stack, p.name) for p in stack.processes}

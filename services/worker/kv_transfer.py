@@ -264,6 +264,11 @@ class UcxTransport:
         self._abandoned = [(r, b) for r, b in self._abandoned if not r.completed]
         return len(self._abandoned)
 
+    def held_bytes(self) -> int:
+        """`abandoned_bytes` after letting go of what UCX has completed (the metric)."""
+        self.reap_abandoned()
+        return self.abandoned_bytes
+
     @property
     def abandoned_bytes(self) -> int:
         return sum(b.nbytes for _, b in self._abandoned)

@@ -8,7 +8,9 @@ from a same-host worker's shared pool).
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from collections.abc import Callable
+
+from prometheus_client import Counter, Gauge, Histogram
 
 from common.metrics import SHORT_BUCKETS, name
 
@@ -30,6 +32,12 @@ KV_CANCELLATIONS = Counter(
     "KV transfers the scheduler gave up because their request ended (not failures)",
     [*LABELS, "direction"],
 )
+KV_ABANDONED_BYTES = Gauge(
+    name("kv_transfer_abandoned_bytes"),
+    "bytes of UCX sends/receives given up on that UCX still holds (back to 0 once UCX "
+    "completes or cancels them; growing means buffers stranded behind a dead link)",
+    LABELS,
+)
 STEP_SECONDS = Histogram(
     name("worker_step_execute_seconds"),
     "time the worker spent executing one step (forward pass and sampling)",
@@ -41,8 +49,16 @@ STEP_SECONDS = Histogram(
 class WorkerMetrics:
     """One worker's metrics (labels resolved once)."""
 
-    def __init__(self, model_name: str, worker_id: str, role: str) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        worker_id: str,
+        role: str,
+        abandoned_bytes: Callable[[], float] | None = None,
+    ) -> None:
         labels = (model_name, worker_id, role)
+        if abandoned_bytes is not None:
+            KV_ABANDONED_BYTES.labels(*labels).set_function(abandoned_bytes)
         self._bytes = {d: KV_BYTES.labels(*labels, d) for d in DIRECTIONS}
         self._seconds = {d: KV_SECONDS.labels(*labels, d) for d in DIRECTIONS}
         self._failures = {d: KV_FAILURES.labels(*labels, d) for d in DIRECTIONS}

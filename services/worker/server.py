@@ -67,7 +67,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         """This worker's metrics (labelled once the worker has loaded)."""
         if self._metrics is None:
             w = self.worker
-            self._metrics = WorkerMetrics(w.model_config.name, w.worker_id, w.role)
+            self._metrics = WorkerMetrics(
+                w.model_config.name, w.worker_id, w.role, w.transport.held_bytes
+            )
         return self._metrics
 
     async def drain(self, timeout_s: float, settle_s: float = 1.0) -> bool:

@@ -32,6 +32,7 @@ from tests.multihost import (
     need_namespaces,
     offsets,
     start_on_hosts,
+    ucx_held_bytes,
     wait_event,
 )
 from tests.stack_client import (
@@ -135,6 +136,9 @@ def assert_whole_again(stack, reference) -> None:
     wait_healthy_pools(stack, timeout_s=30)
     wait_until_idle(stack, timeout_s=30)
     assert_all_alive(stack)
+    for worker in worker_names(stack.spec, "prefill") + worker_names(stack.spec, "decode"):
+        # No UCX buffer stranded behind the fault (an aborted endpoint cancels its sends).
+        wait_for(lambda w=worker: ucx_held_bytes(stack, w) == 0, 15, f"{worker} lets go")
     prompt = PROMPTS[0]
     assert (
         generate(stack.spec.gateway_address, greedy_request(prompt, 24)).token_ids
