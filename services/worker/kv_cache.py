@@ -139,8 +139,15 @@ class KvCache:
             raise ValueError(f"KV payload shape {tuple(payload.shape)} != expected {expected}")
         if len(index) == 0:
             return
-        values = payload.to(self.device).contiguous()
-        self.bytes.index_copy_(0, index, values.view(len(index), *self.bytes.shape[1:]))
+        values = payload.to(self.device).contiguous().view(len(index), *self.bytes.shape[1:])
+        if self.device.type != "cpu":  # one kernel, however scattered the blocks
+            self.bytes.index_copy_(0, index, values)
+            return
+        # On CPU, `index_copy_` of the uint8 view ran at ~3.7 GB/s (17.9 ms for 64 MiB, the
+        # largest part of a cross-host transfer); one `copy_` per run of consecutive blocks
+        # streams at memory speed (3.1 ms).
+        for start, block, count in block_runs(range(len(index)), [int(b) for b in block_ids]):
+            self.bytes[block : block + count].copy_(values[start : start + count])
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]], source: KvCache | None = None) -> None:
         """Copy whole blocks: `self[dst] = source[src]` for each (src, dst) pair.
@@ -174,3 +181,14 @@ class KvCache:
         if unique and len(set(ids)) != len(ids):
             raise ValueError("block ids must be distinct when scattering")
         return torch.tensor(ids, dtype=torch.long, device=self.device)
+
+
+def block_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, count) runs where both block lists go up by one together."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs

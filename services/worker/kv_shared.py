@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from common.kv_shared_memory import HEADER_BYTES, SharedMemoryInfo
+from services.worker.kv_cache import block_runs  # noqa: F401  (re-exported: its users)
 
 TOKEN_BYTES = 16
 LAYER_SLOTS = 1 << 12  # layers per step in the progress word (a model has fewer)
@@ -170,17 +171,6 @@ class PeerPool:
         copy still queued with a view keeps it)."""
         self.data = self._words = self._map = None
         os.close(self.pidfd)
-
-
-def block_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(src_start, dst_start, count) runs where both block lists go up by one together."""
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dst, strict=True):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((s, d, 1))
-    return runs
 
 
 def copy_layers(

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from common.log import get_logger
+from services.worker import ucx_tuning  # noqa: F401  (UCX defaults, set before UCX loads)
 
 log = get_logger(__name__)
 
