@@ -2,7 +2,10 @@
 
 `ModelConfig` is a frozen, validated view of a Hugging Face `config.json` (plus the optional
 `generation_config.json`) restricted to what Tandem's model code supports: decoder-only
-llama-family models (llama, mistral, qwen2, qwen3) with default, linear or llama3 RoPE.
+llama-family models (llama, mistral, qwen2, qwen3) and their mixture-of-experts relatives
+(mixtral: mistral's attention; qwen3_moe: qwen3's; experts described by
+`common.moe_config.MoeConfig`) with default, linear, llama3, yarn, dynamic or longrope
+RoPE (`common.rope_config`).
 Anything outside that is rejected here with a `ValueError`, before any weights are read.
 Both the transformers-v5 layout (`rope_parameters`) and the legacy v4 layout (`rope_theta` +
 `rope_scaling`) are accepted. Pure Python: no torch import, so the gateway and scheduler can
@@ -12,21 +15,16 @@ use it too.
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-_REQUIRED_ROPE_KEYS = {
-    "default": (),
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-}
-_DEFAULT_ROPE_THETA = 10_000.0
+from common.moe_config import MoeConfig, parse_moe
+from common.rope_config import parse_rope, validate_rope_scaling
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 _QWEN3_DEFAULT_HEAD_DIM = 128  # Qwen3Config's own default when config.json has no head_dim
 
 
@@ -53,6 +51,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     torch_dtype: str = "float32"
+    moe: MoeConfig | None = None  # routed experts (mixtral, qwen3_moe); None: dense
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -85,7 +84,7 @@ class ModelConfig:
         if not (isinstance(self.rope_theta, int | float) and self.rope_theta > 0):
             raise ValueError(f"rope_theta must be positive, got {self.rope_theta!r}")
         if self.rope_scaling is not None:
-            _validate_rope_scaling(dict(self.rope_scaling))
+            validate_rope_scaling(dict(self.rope_scaling), self.head_dim)
         for token_id in self.eos_token_ids:
             if not isinstance(token_id, int) or token_id < 0:
                 raise ValueError(
@@ -96,7 +95,7 @@ class ModelConfig:
 
     @property
     def rope_type(self) -> str:
-        """'default', 'linear' or 'llama3'."""
+        """'default' or the scaling type (`common.rope_config.SUPPORTED_ROPE_TYPES`)."""
         if self.rope_scaling is None:
             return "default"
         return str(dict(self.rope_scaling)["rope_type"])
@@ -104,6 +103,10 @@ class ModelConfig:
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has routed experts instead of a dense MLP."""
+        return self.moe is not None and self.moe.is_sparse_layer(layer)
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike) -> ModelConfig:
@@ -139,7 +142,7 @@ class ModelConfig:
         max_positions = _required_int(raw, "max_position_embeddings")
         head_dim = raw.get("head_dim")
         if head_dim is None:
-            if architecture == "qwen3":
+            if architecture == "qwen3":  # (Qwen3MoeConfig has no such default)
                 head_dim = _QWEN3_DEFAULT_HEAD_DIM
             elif hidden_size % num_heads != 0:
                 raise ValueError(
@@ -148,7 +151,7 @@ class ModelConfig:
                 )
             else:
                 head_dim = hidden_size // num_heads
-        rope_theta, rope_scaling = _parse_rope(raw, max_positions)
+        rope_theta, rope_scaling = parse_rope(raw, max_positions)
 
         generation = generation_config or {}
         eos = generation.get("eos_token_id")
@@ -174,10 +177,11 @@ class ModelConfig:
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=_attention_bias(raw, architecture),
-            qk_norm=architecture == "qwen3",
+            qk_norm=architecture in ("qwen3", "qwen3_moe"),
             eos_token_ids=_token_ids(eos),
             bos_token_id=bos if bos is None else int(bos),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            moe=parse_moe(raw, architecture),
         )
 
 
@@ -216,10 +220,11 @@ def _token_ids(value: Any) -> tuple[int, ...]:
 
 
 def _attention_bias(raw: Mapping[str, Any], architecture: str) -> bool:
-    """qwen2 always biases q/k/v; mistral never biases; llama/qwen3 follow `attention_bias`."""
+    """qwen2 always biases q/k/v; mistral and mixtral never bias; llama, qwen3 and qwen3_moe
+    follow `attention_bias`."""
     if architecture == "qwen2":
         return True
-    if architecture == "mistral":
+    if architecture in ("mistral", "mixtral"):
         return False
     return bool(raw.get("attention_bias", False))
 
@@ -231,13 +236,21 @@ def _reject_unsupported_features(raw: Mapping[str, Any], architecture: str) -> N
     if raw.get("mlp_bias"):
         raise ValueError("mlp_bias=true is not supported")
     max_positions = raw.get("max_position_embeddings")
-    if architecture == "mistral":
+    if architecture in ("mistral", "mixtral"):
         window = raw.get("sliding_window")
         if window is not None and isinstance(max_positions, int) and window < max_positions:
             raise ValueError(
-                f"sliding-window attention is not supported (mistral sliding_window={window} "
-                f"< max_position_embeddings={max_positions})"
+                f"sliding-window attention is not supported ({architecture} "
+                f"sliding_window={window} < max_position_embeddings={max_positions})"
             )
+    if (
+        architecture == "qwen3_moe"
+        and raw.get("use_sliding_window")
+        and raw.get("sliding_window") is not None
+    ):
+        raise ValueError(
+            "sliding-window attention is not supported (qwen3_moe with use_sliding_window=true)"
+        )
     if architecture in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
         layer_types = raw.get("layer_types")
         num_layers = raw.get("num_hidden_layers", 0)
@@ -250,61 +263,3 @@ def _reject_unsupported_features(raw: Mapping[str, Any], architecture: str) -> N
                 f"sliding-window attention is not supported "
                 f"({architecture} with use_sliding_window=true)"
             )
-
-
-def _parse_rope(
-    raw: Mapping[str, Any], max_positions: int
-) -> tuple[float, tuple[tuple[str, object], ...] | None]:
-    """Return (rope_theta, sorted scaling items or None) from either config layout."""
-    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
-    if not isinstance(params, Mapping):
-        raise ValueError(f"rope parameters must be a JSON object, got {params!r}")
-    if params and all(isinstance(v, Mapping) for v in params.values()):
-        raise ValueError("per-layer-type rope parameters are not supported")
-    params = dict(params)
-    theta = params.pop("rope_theta", None)
-    if theta is None:
-        theta = raw.get("rope_theta", _DEFAULT_ROPE_THETA)
-    if isinstance(theta, bool) or not isinstance(theta, int | float):
-        raise ValueError(f"rope_theta must be a number, got {theta!r}")
-    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    params.pop("type", None)
-    partial = params.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    if rope_type == "default":
-        return float(theta), None
-    if rope_type == "llama3":
-        params.setdefault(
-            "original_max_position_embeddings",
-            raw.get("original_max_position_embeddings", max_positions),
-        )
-    keys = ("rope_type", *_REQUIRED_ROPE_KEYS[rope_type])
-    scaling = {"rope_type": rope_type, **{k: params[k] for k in keys[1:] if k in params}}
-    _validate_rope_scaling(scaling)
-    return float(theta), tuple(sorted(scaling.items()))
-
-
-def _validate_rope_scaling(scaling: Mapping[str, object]) -> None:
-    rope_type = scaling.get("rope_type")
-    if rope_type not in SUPPORTED_ROPE_TYPES or rope_type == "default":
-        raise ValueError(
-            f"unsupported rope type {rope_type!r} in rope_scaling; "
-            f"supported: {', '.join(t for t in SUPPORTED_ROPE_TYPES if t != 'default')}"
-        )
-    for key in _REQUIRED_ROPE_KEYS[str(rope_type)]:
-        value = scaling.get(key)
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not math.isfinite(value)
-        ):
-            raise ValueError(f"{rope_type} rope scaling needs a numeric {key!r}, got {value!r}")
-        if value <= 0:
-            raise ValueError(f"{rope_type} rope scaling {key!r} must be positive, got {value!r}")
-    if rope_type == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
-        raise ValueError("llama3 rope scaling needs high_freq_factor > low_freq_factor")

@@ -3,8 +3,9 @@
 A full block's hash covers its parent's hash and its own token ids, so equal hashes mean
 equal prefixes (up to a hash collision, which the block pool rules out by comparing tokens
 on every hit). The chain starts from a root that mixes a per-deployment salt and the
-request's optional `cache_salt` and its LoRA adapter, so requests with different salts or
-adapters never share blocks (an adapter changes every layer's K and V) and
+request's optional `cache_salt`, its LoRA adapter and its RoPE state, so requests with
+different salts, adapters or RoPE states never share blocks (an adapter changes every
+layer's K and V; so does the length of a prompt under dynamic or longrope RoPE) and
 hashes cannot be predicted across deployments. SHA-256 over a fixed little-endian encoding
 (never Python's `hash()`, never pickle). Pure Python.
 """
@@ -18,8 +19,11 @@ from collections.abc import Sequence
 BlockHash = bytes  # 32-byte SHA-256 digest
 
 
-def root_hash(deployment_salt: bytes, cache_salt: str = "", lora_name: str = "") -> BlockHash:
-    """The parent of a sequence's first block."""
+def root_hash(
+    deployment_salt: bytes, cache_salt: str = "", lora_name: str = "", rope_key: str = ""
+) -> BlockHash:
+    """The parent of a sequence's first block. `rope_key`: the RoPE state its prompt's KV
+    depends on beyond its tokens (`common.rope_config.prompt_rope_key`; "" for most)."""
     digest = hashlib.sha256(b"tandem-prefix-v1\0")
     digest.update(struct.pack("<I", len(deployment_salt)))
     digest.update(deployment_salt)
@@ -28,6 +32,9 @@ def root_hash(deployment_salt: bytes, cache_salt: str = "", lora_name: str = "")
     digest.update(salt)
     if lora_name:  # base-model roots stay as they were
         digest.update(b"lora\0" + lora_name.encode("utf-8"))
+    if rope_key:  # (length-dependent RoPE past its threshold only)
+        key = rope_key.encode("utf-8")
+        digest.update(b"rope\0" + struct.pack("<I", len(key)) + key)
     return digest.digest()
 
 

@@ -5,7 +5,9 @@ built here. The tokenizer is a byte-level BPE trained on `devtools/assets/corpus
 weights come from transformers' own model classes after `torch.manual_seed(seed)`, with a
 wider init than usual (and non-trivial norm weights and biases) so that logits are far from
 uniform and greedy decoding does not collapse onto one token. The result is an ordinary HF
-folder that both transformers and Tandem's loader read.
+folder that both transformers and Tandem's loader read. Mixture-of-experts architectures
+(mixtral, qwen3_moe) get `TINY_MOE` experts unless `moe=` overrides its fields; the tiny
+qwen3_moe keeps layer 0 dense (`mlp_only_layers`), so both kinds of layer run.
 
 CLI: `python -m devtools.checkpoint_builder --out DIR [--arch llama] [--tiny]`.
 """
@@ -26,7 +28,19 @@ ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 CORPUS_PATH = ASSETS_DIR / "corpus.txt"
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"
 DEFAULT_MODEL_NAME = "tandem-tiny-llama"
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+# The experts of a tiny MoE checkpoint (each architecture keeps the fields it has).
+TINY_MOE: dict[str, dict[str, Any]] = {
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 96,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [0],
+    },
+}
 INITIALIZER_RANGE = 0.2
 
 # One line per message, then an optional open assistant turn.
@@ -99,13 +113,19 @@ def build_checkpoint(
     seed: int = 0,
     max_shard_size: str | None = None,
     dtype: torch.dtype = torch.float32,
+    moe: dict[str, Any] | None = None,
+    save_original_format: bool = True,
 ) -> Path:
-    """Write a complete random-weight HF checkpoint folder and return its path."""
+    """Write a complete random-weight HF checkpoint folder and return its path. `moe`:
+    fields over `TINY_MOE[architecture]` (MoE architectures only); `save_original_format`
+    False writes transformers v5's fused expert tensors instead of one per expert."""
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"unsupported architecture {architecture!r}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    if moe and architecture not in TINY_MOE:
+        raise ValueError(f"moe= applies to {', '.join(TINY_MOE)} only, not {architecture!r}")
     from transformers import AutoTokenizer, GenerationConfig
 
     out = Path(out_dir)
@@ -144,9 +164,10 @@ def build_checkpoint(
         bos_token_id=bos_id,
         eos_token_id=eos_id,
         pad_token_id=pad_id,
+        **{**TINY_MOE.get(architecture, {}), **(moe or {})},
     )
     model = _random_model(config, seed).to(dtype)
-    save_kwargs: dict[str, Any] = {}
+    save_kwargs: dict[str, Any] = {"save_original_format": save_original_format}
     if max_shard_size is not None:
         save_kwargs["max_shard_size"] = max_shard_size
     model.save_pretrained(str(out), **save_kwargs)
@@ -166,10 +187,14 @@ def _hf_config(architecture: str, **kwargs: Any) -> Any:
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "mixtral": transformers.MixtralConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
     }
     extra: dict[str, Any] = {}
-    if architecture == "mistral":
+    if architecture in ("mistral", "mixtral"):
         extra["sliding_window"] = None
+    if architecture == "qwen3_moe":
+        extra["use_sliding_window"] = False
     if architecture in ("qwen2", "qwen3"):
         extra["use_sliding_window"] = False
         extra["max_window_layers"] = kwargs["num_hidden_layers"]

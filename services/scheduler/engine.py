@@ -159,9 +159,9 @@ class Engine(Recovery, BeamSteps):
         `trace`: the client request's span (request_trace.py), None when not traced."""
         for request in samples:
             self._validate(request)
-            request.hash_root = root_hash(
-                self.deployment_salt, request.cache_salt, self.loras.cache_key(request.lora_name)
-            )
+            rope = self.pools[0].info.model.prompt_rope_key(len(request.prompt_token_ids))
+            lora = self.loras.cache_key(request.lora_name)
+            request.hash_root = root_hash(self.deployment_salt, request.cache_salt, lora, rope)
             request.update_block_hashes(self.pools[0].blocks.block_size)
         if not self.serving:
             raise WorkerUnavailableError(

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from common.kv_shared_memory import SharedMemoryInfo
+from common.rope_config import prompt_rope_key
 from common.structured_output import Constraint
 from services.scheduler.request import Logprob
 from services.scheduler.step_plan import PoolStepPlan
@@ -50,6 +51,13 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     lora_adapters: tuple[str, ...] = ()  # the LoRA adapters every worker loaded
+    rope_type: str = ""  # the RoPE scaling type ("" from a worker that does not say)
+    rope_length_threshold: int = 0  # see common.rope_config.rope_length_threshold
+
+    def prompt_rope_key(self, prompt_len: int) -> str:
+        """The RoPE state a prompt of `prompt_len` tokens is computed under, beyond its
+        tokens (length-dependent RoPE; "" for most models): part of its prefix-cache root."""
+        return prompt_rope_key(self.rope_type, self.rope_length_threshold, prompt_len)
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,13 @@
 A decode step (every sequence has exactly one new token) has the same shape from step to
 step, so its whole forward pass — a few hundred kernel launches — is captured once per
 bucket size and replayed with one launch. Inputs go through static buffers at fixed
-addresses: each step copies its token ids, positions, slots, block tables and sequence
-lengths into the first `n` rows of the smallest bucket `b >= n`, and pads rows `n..b` so
-they do no harm (slot -1: nothing written; sequence length 1 over block 0: a valid read whose
-result is dropped). Batches larger than the largest bucket, and any step with a prompt
-chunk, run eagerly. The attention metadata handed to the captured model carries static
-bounds (`max_seq_len` = the context length), so the kernels' launch grids never change.
+addresses: each step copies its token ids, positions, rope lengths, slots, block tables and
+sequence lengths into the first `n` rows of the smallest bucket `b >= n`, and pads rows
+`n..b` so they do no harm (slot -1: nothing written; sequence length 1 over block 0: a
+valid read whose result is dropped). Batches larger than the largest bucket, and any step
+with a prompt chunk, run eagerly. The attention metadata handed to the captured model
+carries static bounds (`max_seq_len` = the context length), so the kernels' launch grids
+never change.
 
 Without CUDA (or with `capture=False`) the same static-buffer path runs eagerly: that is
 how the padding logic is tested on CPU.
@@ -52,6 +53,7 @@ class DecodeGraphs:
         max_blocks = -(-max_model_len // kv_cache.block_size)
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.rope_lengths = torch.ones(n, dtype=torch.long, device=device)  # length-dependent RoPE
         self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
         self.block_tables = torch.zeros((n, max_blocks), dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
@@ -76,6 +78,7 @@ class DecodeGraphs:
             seq_lens_t=self.seq_lens[:batch],
             max_query_len=1,
             max_seq_len=self.max_model_len,
+            rope_lengths=self.rope_lengths[:batch],
         )
 
     @torch.inference_mode()
@@ -103,6 +106,7 @@ class DecodeGraphs:
         if end > start:
             self.input_ids[start:end] = 0
             self.positions[start:end] = 0
+            self.rope_lengths[start:end] = 1
             self.slot_mapping[start:end] = -1
             self.seq_lens[start:end] = 1
             self.block_tables[start:end] = 0
@@ -117,6 +121,9 @@ class DecodeGraphs:
         width = meta.block_tables.shape[1]
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
+        self.rope_lengths[:n].copy_(
+            positions + 1 if meta.rope_lengths is None else meta.rope_lengths
+        )
         self.slot_mapping[:n].copy_(meta.slot_mapping)
         self.seq_lens[:n].copy_(meta.seq_lens_t)
         self.block_tables[:n, :width].copy_(meta.block_tables)

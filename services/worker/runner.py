@@ -143,7 +143,9 @@ class ModelRunner:
             req = item.request
             begin = req.num_computed_tokens
             input_ids.extend(req.token_ids[begin : begin + item.num_new_tokens])
-            slices.append(SequenceSlice(begin, item.num_new_tokens, req.block_ids))
+            slices.append(
+                SequenceSlice(begin, item.num_new_tokens, req.block_ids, req.num_prompt_tokens)
+            )
         spec = SpecStep(work, self.proposer)  # proposals to verify (see spec_decode)
         spec.rows(input_ids, slices)
         positions, meta = build_attention_metadata(slices, self.kv_cache.block_size, self.device)

@@ -14,6 +14,7 @@ from common.lifecycle import wait_until
 from common.log import get_logger
 from common.parallel_plan import Layout
 from common.pb.tandem.internal.v1 import types_pb2, worker_pb2, worker_pb2_grpc
+from common.rope_config import rope_length_threshold
 from common.sampling_pb import ROLE_TO_PB
 from common.structured_output import ConstraintError, constraint_from_pb
 from common.tracing import rpc_span
@@ -118,6 +119,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 num_kv_heads=cfg.num_key_value_heads,
                 head_dim=cfg.head_dim,
                 lora_adapters=[] if worker.lora is None else worker.lora.names,
+                rope_type=cfg.rope_type,
+                rope_length_threshold=rope_length_threshold(cfg),
             ),
             kv_cache=types_pb2.KvCacheDescription(
                 num_blocks=worker.kv_cache.num_blocks,

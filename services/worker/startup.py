@@ -22,6 +22,7 @@ import torch
 from common.config import parse_size
 from common.log import get_logger
 from common.model_config import ModelConfig
+from common.rope_config import max_context_length
 from services.worker.compute_lock import make_compute_lock
 from services.worker.config import WorkerConfig
 from services.worker.cuda_graphs import DecodeGraphs, graph_buckets
@@ -189,6 +190,11 @@ def load_worker(
     started = time.perf_counter()
     device = resolve_device(config.device) if ranks is None else ranks.device
     model_config = ModelConfig.from_folder(config.model)
+    if config.enable_lora and model_config.moe is not None:
+        raise ValueError(
+            f"--enable-lora is not supported for mixture-of-experts models "
+            f"({model_config.architecture}) yet"
+        )
     dtype = resolve_dtype(config.dtype, device, model_config.torch_dtype)
     backend = select_backend(config.attention_backend, device)
     if (
@@ -208,10 +214,8 @@ def load_worker(
         # LoRA wraps dense weights: quantized layers are dequantized for it.
         quantized_matmul="dense" if config.enable_lora else config.quantized_matmul,
     )  # fmt: skip
-    max_model_len = min(
-        config.max_model_len or model_config.max_position_embeddings,
-        model_config.max_position_embeddings,
-    )
+    context = max_context_length(model_config)  # dynamic RoPE: past max_position_embeddings
+    max_model_len = min(config.max_model_len or context, context)
     draft = load_draft(config.speculative, model_config, max_model_len, dtype, device, backend)
     packed_bytes, gemm = 0, {}
     if wants_packed_weights(config, model, device):
@@ -235,6 +239,7 @@ def load_worker(
         device.type == "cuda"
         and not config.enforce_eager
         and lora is None  # LoRA's per-pass segments are not captured
+        and model_config.moe is None  # experts run as many products as have tokens
         and config.role != "prefill"
         and ranks is None
     )

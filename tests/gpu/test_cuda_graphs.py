@@ -97,3 +97,31 @@ def test_captured_graphs_replay_exactly_like_eager(tiny_llama_dir):
     cache.data.copy_(before)
     eager = model(ids, positions, cache, meta)
     torch.testing.assert_close(replayed, eager, atol=1e-4, rtol=1e-4)
+
+
+@needs_cuda
+@torch.inference_mode()
+def test_captured_graphs_take_each_rows_rope_length(tmp_path):
+    """Dynamic RoPE past its maximum (8): each row's rope length reaches the captured
+    graph through its static buffer, so replays with other lengths than at capture (rows
+    past 8 and not; then every row as if its prompt were 20 tokens) equal eager passes."""
+    from devtools.checkpoint_builder import build_checkpoint
+
+    folder = build_checkpoint(
+        tmp_path / "dynamic",
+        max_position_embeddings=8,
+        rope_scaling={"rope_type": "dynamic", "factor": 8.0},
+    )
+    model, cache, lengths, tables = prefilled(folder, "cuda", backend="triton")
+    graphs = DecodeGraphs(model, cache, graph_buckets(8), max_model_len=64)
+    graphs.capture_all()
+    for prompt_len in (0, 20):
+        slices = [SequenceSlice(n, 1, t, prompt_len) for n, t in zip(lengths, tables, strict=True)]
+        positions, meta = build_attention_metadata(slices, 4, "cuda")
+        ids = torch.randint(3, 500, (len(lengths),), device="cuda")
+        before = cache.data.clone()
+        replayed = graphs.run(ids, positions, meta).clone()
+        cache.data.copy_(before)
+        eager = model(ids, positions, cache, meta)
+        torch.testing.assert_close(replayed, eager, atol=1e-4, rtol=1e-4)
+        cache.data.copy_(before)

@@ -96,7 +96,7 @@ def test_linear_scaling() -> None:
     assert config.rope_scaling == (("factor", 4.0), ("rope_type", "linear"))
 
 
-@pytest.mark.parametrize("rope_type", ["dynamic", "yarn", "longrope", "su"])
+@pytest.mark.parametrize("rope_type", ["su", "proportional", "deepseek_yarn"])
 def test_unsupported_rope_type_rejected(rope_type: str) -> None:
     raw = base(rope_parameters={"rope_type": rope_type, "factor": 2.0, "rope_theta": 1e4})
     with pytest.raises(ValueError, match=f"unsupported rope type '{rope_type}'"):

@@ -25,6 +25,7 @@ from services.worker.models.attention_metadata import SequenceSlice, build_atten
 from services.worker.models.llama import LlamaForCausalLM
 from services.worker.models.rope import RotaryEmbedding
 from services.worker.models.weight_loader import load_model
+from tests.hf_reference import fresh_rope
 
 ATOL = RTOL = 1e-4
 LLAMA3_ROPE = {
@@ -44,8 +45,44 @@ CASES: dict[str, str | dict] = {
         "architecture": "llama",
         "rope_scaling": {"rope_type": "linear", "factor": 2.0},
     },
+    # Past a small original context: yarn rotates statically; dynamic (past its
+    # max_position_embeddings of 16, up to 16 x 8 = 128) and longrope (past 16) depend on
+    # each request's prompt length and position (see models/rope.py).
+    "yarn-rope": {
+        "architecture": "qwen2",
+        "max_position_embeddings": 128,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    },
+    "dynamic-rope": {
+        "architecture": "llama",
+        "max_position_embeddings": 16,
+        "rope_scaling": {"rope_type": "dynamic", "factor": 8.0},
+    },
+    "longrope": {
+        "architecture": "llama",
+        "max_position_embeddings": 128,
+        "rope_scaling": {
+            "rope_type": "longrope",
+            "short_factor": [1.0, 1.0, 1.1, 1.2, 1.4, 1.7, 2.0, 2.5],
+            "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0],
+            "original_max_position_embeddings": 16,
+        },
+    },
     "tied": {"architecture": "llama", "tie_word_embeddings": True, "seed": 3},
     "mistral": {"architecture": "mistral", "seed": 1},
+    "mixtral": "tiny_mixtral_dir",
+    "qwen3_moe": "tiny_qwen3_moe_dir",
+    # every other layer sparse, top-k weights not renormalised (Qwen3MoeConfig's default)
+    "qwen3_moe-step2": {
+        "architecture": "qwen3_moe",
+        "num_hidden_layers": 3,
+        "moe": {"norm_topk_prob": False, "decoder_sparse_step": 2, "mlp_only_layers": []},
+        "seed": 4,
+    },
 }
 
 
@@ -76,16 +113,17 @@ class PagedSession:
         table, self.free = self.free[:count], self.free[count:]
         return table
 
-    def step(self, work: Sequence[tuple[list[int], int, int, list[int]]]) -> list[torch.Tensor]:
-        """work: (all token ids, num_computed, num_new, block table) per sequence.
+    def step(self, work: Sequence[tuple]) -> list[torch.Tensor]:
+        """work: (all token ids, num_computed, num_new, block table[, prompt length]) per
+        sequence; the prompt length defaults to all the tokens (as in HF's forward of them).
 
         Returns each sequence's float32 logits for its new tokens.
         """
         ids: list[int] = []
         slices = []
-        for tokens, computed, new, table in work:
+        for tokens, computed, new, table, *prompt in work:
             ids.extend(tokens[computed : computed + new])
-            slices.append(SequenceSlice(computed, new, table))
+            slices.append(SequenceSlice(computed, new, table, prompt[0] if prompt else len(tokens)))
         positions, meta = build_attention_metadata(slices, self.cache.block_size, "cpu")
         with torch.inference_mode():
             hidden = self.model(torch.tensor(ids), positions, self.cache, meta)
@@ -114,6 +152,7 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 
 def reference_logits(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+    fresh_rope(hf)
     with torch.no_grad():
         return hf(torch.tensor([tokens])).logits[0].float()
 
@@ -168,6 +207,7 @@ def test_greedy_generation_matches_hf_generate(case) -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     prompt = tokenizer("The lighthouse keeper kept a ledger of ships")["input_ids"]
     max_new = 24
+    fresh_rope(hf)
     with torch.no_grad():
         reference = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new)[
             0, len(prompt) :
@@ -179,7 +219,7 @@ def test_greedy_generation_matches_hf_generate(case) -> None:
     computed, new = 0, len(prompt)
     generated: list[int] = []
     while len(generated) < max_new:
-        (logits,) = session.step([(tokens, computed, new, table)])
+        (logits,) = session.step([(tokens, computed, new, table, len(prompt))])
         token = int(logits[-1].argmax())
         generated.append(token)
         tokens.append(token)
@@ -188,6 +228,47 @@ def test_greedy_generation_matches_hf_generate(case) -> None:
             break
     assert generated == reference
     assert len(set(generated)) >= 4, f"degenerate generation {generated}"
+
+
+@pytest.mark.parametrize("case", ["yarn-rope", "dynamic-rope", "longrope"], indirect=True)
+def test_scaled_rope_past_the_original_context_matches_hf_generate(case) -> None:
+    """Two requests batched together, chunked: one whose 26-token prompt is past the
+    original context (16) from the start, prefilled 7 tokens a step, and one whose 10-token
+    prompt crosses it while it generates. Each equals its own HF `generate` token for
+    token: under dynamic and longrope RoPE, its prompt's keys rotated as of the prompt's
+    length and each new token's as of its position + 1, whatever the step held."""
+    _, _, ours, config, hf = case
+    max_new, chunk = 20, 7
+    prompts = [random_tokens(config, 26, seed=11), random_tokens(config, 10, seed=12)]
+    expected = []
+    for prompt in prompts:
+        fresh_rope(hf)
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new)
+        expected.append(out[0, len(prompt) :].tolist())
+    session = PagedSession(ours, config, block_size=4)
+    tables = [session.allocate(len(p) + max_new) for p in prompts]
+    tokens = [list(p) for p in prompts]
+    computed, generated = [0, 0], [[], []]
+    while True:
+        active = [
+            i
+            for i in range(2)
+            if len(generated[i]) < max_new
+            and not (generated[i] and generated[i][-1] in config.eos_token_ids)
+        ]
+        if not active:
+            break
+        news = {i: min(chunk, len(tokens[i]) - computed[i]) for i in active}
+        work = [(tokens[i], computed[i], news[i], tables[i], len(prompts[i])) for i in active]
+        for i, logits in zip(active, session.step(work), strict=True):
+            computed[i] += news[i]
+            if computed[i] == len(tokens[i]):  # caught up: sample the next token
+                token = int(logits[-1].argmax())
+                generated[i].append(token)
+                tokens[i].append(token)
+    assert generated == expected
+    assert all(len(set(g)) >= 4 for g in generated), f"degenerate generation {generated}"
 
 
 def test_float32_cpu_layers_rotate_and_write_in_one_call(case, monkeypatch) -> None:
@@ -307,7 +388,14 @@ def test_model_rejects_mismatched_cache(tiny_qwen2_dir: Path) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "scaling", [None, {"rope_type": "linear", "factor": 4.0}, LLAMA3_ROPE], ids=str
+    "scaling",
+    [
+        None,
+        {"rope_type": "linear", "factor": 4.0},
+        LLAMA3_ROPE,
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+    ],
+    ids=str,
 )
 def test_rope_is_bit_identical_to_hf(scaling: dict | None, dtype: torch.dtype) -> None:
     from transformers import LlamaConfig

@@ -2,8 +2,8 @@
 each stage loads only its layers (and the embedding / final norm and LM head where it
 needs them), keeps only its layers' KV in its own paged cache, hands its hidden states to
 the next stage point to point, and the last stage's greedy tokens over a prefill and decode
-steps are HF's. Layouts: 2 stages, 3 uneven stages of a tied-embedding model, and 2 stages
-of 2 tensor ranks each."""
+steps are HF's. Layouts: 2 stages, 3 uneven stages of a tied-embedding model, 2 stages
+of 2 tensor ranks each, and 2 stages of Qwen3-MoE (its dense layer 0, its sparse layer 1)."""
 
 from __future__ import annotations
 
@@ -96,8 +96,9 @@ def tied_three_layer_dir(tmp_path_factory):
         ("tiny_llama_dir", 1, 2, [[0], [0]]),
         ("tied_three_layer_dir", 1, 3, [[0], [0], [0]]),
         ("tiny_llama_dir", 2, 2, [[0], [0], [0], [0]]),
+        ("tiny_qwen3_moe_dir", 1, 2, [[0], [0]]),  # a dense stage, then a sparse one
     ],
-    ids=["llama-pp2", "tied-3-layers-pp3", "llama-tp2-pp2"],
+    ids=["llama-pp2", "tied-3-layers-pp3", "llama-tp2-pp2", "qwen3_moe-pp2"],
 )
 def test_pipeline_stages_greedy_equals_hf(model, tp, pp, stage_layers, request, tmp_path):
     folder = request.getfixturevalue(model)

@@ -1,8 +1,9 @@
 """The tensor-parallel model on real `torch.distributed` (gloo, one process per rank):
 each rank loads only its slice of the checkpoint, keeps only its KV heads in its own paged
 cache, and the group's greedy tokens over a prefill and decode steps are HF's; its logits
-match HF's. TP=2 splits the KV heads, TP=4 replicates them (2 KV heads), on Llama and on
-Qwen2 (q/k/v biases)."""
+match HF's. TP=2 splits the KV heads, TP=4 replicates them (2 KV heads), on Llama, on
+Qwen2 (q/k/v biases) and on the mixture-of-experts Mixtral and Qwen3-MoE (every expert's
+inner dimension split, as the dense MLP's)."""
 
 from __future__ import annotations
 
@@ -56,8 +57,8 @@ def run_group(folder, size, prompt, tmp_path):
 
 @pytest.mark.parametrize(
     ("arch", "size"),
-    [("llama", 2), ("llama", 4), ("qwen2", 2)],
-    ids=["llama-tp2", "llama-tp4", "qwen2-tp2"],
+    [("llama", 2), ("llama", 4), ("qwen2", 2), ("mixtral", 2), ("qwen3_moe", 2)],
+    ids=["llama-tp2", "llama-tp4", "qwen2-tp2", "mixtral-tp2", "qwen3_moe-tp2"],
 )
 def test_tensor_parallel_greedy_equals_hf(arch, size, request, tmp_path):
     folder = request.getfixturevalue(f"tiny_{arch}_dir")

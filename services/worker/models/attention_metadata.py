@@ -23,6 +23,9 @@ class SequenceSlice:
     num_computed_tokens: int  # tokens whose KV is already in the cache
     num_new_tokens: int  # tokens computed in this pass (>= 1)
     block_ids: Sequence[int]  # the sequence's block table (must cover computed + new tokens)
+    # Its request's prompt length (0: unknown, as if every token were generated): sets the
+    # rope length of its prompt tokens (`AttentionMetadata.rope_lengths`).
+    num_prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.num_computed_tokens < 0:
@@ -60,6 +63,10 @@ class AttentionMetadata:
     decode_num_splits: int | None = None
     # What the attention backend planned for this pass (`AttentionBackend.prepare`).
     backend_plan: object | None = None
+    # int64 [T] on the device: each token's rope length, max(prompt length, position + 1),
+    # the length of the transformers `generate` forward call that computes it (used by the
+    # length-dependent RoPE types, `models/rope.py`; None: position + 1).
+    rope_lengths: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -101,6 +108,8 @@ def build_attention_metadata(
     positions = np.arange(int(query_start_loc[-1])) - query_start_loc[owner] + computed[owner]
     slots = tables[owner, positions // block_size].astype(np.int64) * block_size
     slots += positions % block_size
+    prompt = np.fromiter((s.num_prompt_tokens for s in seqs), np.int64, len(seqs))
+    rope_lengths = np.maximum(prompt[owner], positions + 1)
 
     def to_device(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(device, non_blocking=True)
@@ -115,5 +124,6 @@ def build_attention_metadata(
         seq_lens_t=to_device(seq_lens.astype(np.int32)),
         max_query_len=int(new.max()),
         max_seq_len=int(seq_lens.max()),
+        rope_lengths=to_device(rope_lengths),
     )
     return to_device(positions), meta

@@ -1,9 +1,12 @@
-"""Llama-family decoder (llama, mistral, qwen2, qwen3) running over the paged KV cache.
+"""Llama-family decoder (llama, mistral, qwen2, qwen3, and the mixture-of-experts mixtral and
+qwen3_moe) running over the paged KV cache.
 
 One implementation covers the family's variations, all read from `ModelConfig`: grouped-query
 attention, q/k/v biases (qwen2; llama's `attention_bias` also biases o_proj), per-head RMSNorm
-of queries and keys before RoPE (qwen3), and tied input/output embeddings. Module and
-parameter names equal Hugging Face's, so an HF state dict loads without renaming.
+of queries and keys before RoPE (qwen3, qwen3_moe), tied input/output embeddings, and routed
+experts in place of the dense MLP in the layers `ModelConfig.is_moe_layer` names
+(`moe.SparseMoeBlock`). Module and parameter names equal Hugging Face's (v5's, for the
+stacked experts), so an HF state dict loads without renaming.
 
 `forward` takes a flat varlen batch of new tokens; each attention layer writes their K/V into
 the cache and attends through the block tables with the `AttentionBackend` the model was
@@ -39,6 +42,7 @@ from services.worker.models.attention_metadata import AttentionMetadata
 from services.worker.models.cpu_gemm import plan_for
 from services.worker.models.gemm_plan import GemmPlan
 from services.worker.models.linear import MergedLinear
+from services.worker.models.moe import SparseMoeBlock
 from services.worker.models.rms_norm import RMSNorm
 from services.worker.models.rope import RotaryEmbedding, rotate
 from services.worker.models.weight_arena import WeightArena
@@ -170,10 +174,18 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         shard: TpShard,
         tp: TpGroup,
+        layer: int,
     ) -> None:
         super().__init__()
         self.self_attn = Attention(config, dtype, backend, shard, tp)
-        self.mlp = MLP(config, dtype, shard, tp)
+        self.mlp: MLP | SparseMoeBlock
+        if config.moe is not None and config.is_moe_layer(layer):
+            self.mlp = SparseMoeBlock(
+                config.hidden_size, config.moe, len(shard.expert_inner), dtype, tp,
+                float32_weights=config.architecture == "mixtral",
+            )  # fmt: skip
+        else:
+            self.mlp = MLP(config, dtype, shard, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -216,8 +228,8 @@ class LlamaModel(nn.Module):
             rows = torch.empty(shard.vocab_per_rank, config.hidden_size, dtype=dtype)
             self.embed_tokens = nn.Embedding(rows.shape[0], rows.shape[1], _weight=rows)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype, backend, shard, tp)
-            for _ in stage.layer_range(config.num_hidden_layers)
+            DecoderLayer(config, dtype, backend, shard, tp, layer)
+            for layer in stage.layer_range(config.num_hidden_layers)
         )
         self.norm = (
             RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if stage.is_last else None
@@ -243,7 +255,7 @@ class LlamaModel(nn.Module):
             hidden = self.stage.receive_hidden(
                 input_ids.shape[0], self.hidden_size, self.dtype, input_ids.device
             )
-        rope = self.rotary_emb.tables(positions, hidden.dtype)
+        rope = self.rotary_emb.tables(positions, hidden.dtype, meta.rope_lengths)
         for index, layer in enumerate(self.layers):
             hidden = layer(hidden, rope, kv_cache.layer(index), meta)
             kv_cache.layer_written(self.first_layer + index)  # the model's layer number

@@ -16,6 +16,8 @@ layers (then the final norm and LM head): the truncated, self-speculative draft 
 (`quantized_weights.py`: compressed-tensors FP8, GPTQ) are dequantized module by module as
 their tensors are read or, where `packed_matmul` says so (CUDA by default), kept packed and
 merged into `quantized_linear.QuantizedLinear` layers for the Triton quantized matmul.
+A mixture-of-experts checkpoint's per-expert tensors are stacked per layer as they are read
+(`expert_weights.py`); quantized MoE checkpoints are refused.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 from common.hf_checkpoint_reader import iter_tensors
 from common.model_config import ModelConfig
 from services.worker.models.attention_backend import AttentionBackend
+from services.worker.models.expert_weights import stacked_experts
 from services.worker.models.llama import LlamaForCausalLM
 from services.worker.models.quantized_weights import (
     QuantizedWeight,
@@ -130,7 +133,14 @@ def load_model(
 
     kv_scales: dict[str, torch.Tensor] = {}
     fmt = quant_format(path)  # a format that is not supported stops here, named
+    if fmt is not None and config.moe is not None:
+        raise ValueError(
+            f"quantized {config.architecture} checkpoints are not supported (mixture-of-experts "
+            f"weights load unquantized only)"
+        )
     tensors = iter_tensors(path, keep=wanted)
+    if config.moe is not None:
+        tensors = stacked_experts(tensors, config.moe.num_experts)
     packed: dict[str, QuantizedWeight] = {}  # layers kept quantized, by their weight's name
     if packed_matmul(fmt, device, model.tp.size, quantized_matmul):
         tensors = quantized_layers(tensors, fmt)

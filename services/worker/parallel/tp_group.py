@@ -45,8 +45,9 @@ class TpGroup:
 
 @dataclass(frozen=True)
 class TpShard:
-    """What one rank holds of the model: query and KV heads, the MLP's inner slice, and the
-    vocabulary rows of the embedding and LM head (padded to `vocab_per_rank` each)."""
+    """What one rank holds of the model: query and KV heads, the MLP's inner slice (and every
+    expert's, in a mixture-of-experts model), and the vocabulary rows of the embedding and
+    LM head (padded to `vocab_per_rank` each)."""
 
     rank: int
     size: int
@@ -56,6 +57,7 @@ class TpShard:
     vocab: range  # the rank's vocabulary rows, before padding
     vocab_per_rank: int
     vocab_size: int
+    expert_inner: range = range(0)  # each expert's inner slice (MoE models)
 
     @classmethod
     def of(cls, config: ModelConfig, rank: int, size: int) -> TpShard:
@@ -66,6 +68,12 @@ class TpShard:
                 f"{config.intermediate_size}"
             )
         inner = config.intermediate_size // size
+        expert = config.moe.expert_intermediate_size if config.moe is not None else 0
+        if expert % size:
+            raise ValueError(
+                f"tensor_parallel_size {size} must divide the experts' intermediate size {expert}"
+            )
+        expert //= size
         per = -(-config.vocab_size // size)
         start = min(rank * per, config.vocab_size)
         return cls(
@@ -74,5 +82,5 @@ class TpShard:
             kv_heads_of_rank(heads, kv, size, rank),
             range(rank * inner, (rank + 1) * inner),
             range(start, min(start + per, config.vocab_size)),
-            per, config.vocab_size,
+            per, config.vocab_size, range(rank * expert, (rank + 1) * expert),
         )  # fmt: skip

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from common.model_config import ModelConfig
+from common.rope_config import max_context_length
 from common.speculative_config import FLAG, SpeculativeConfig
 from services.worker.kv_cache import KvCache
 from services.worker.models.attention_backend import AttentionBackend
@@ -72,10 +73,10 @@ def load_draft(
             f"{FLAG}: the draft model's vocab_size {config.vocab_size} differs from the "
             f"target's {target.vocab_size} (a draft must use the target's tokenizer)"
         )
-    if config.max_position_embeddings < max_model_len:
+    if max_context_length(config) < max_model_len:
         raise ValueError(
-            f"{FLAG}: the draft model's max_position_embeddings "
-            f"{config.max_position_embeddings} is below the target's max_model_len "
+            f"{FLAG}: the draft model's context length (max_position_embeddings, scaled "
+            f"by dynamic RoPE) {max_context_length(config)} is below the target's max_model_len "
             f"{max_model_len} (lower --max-model-len)"
         )
     return DraftModel(model, config, dtype)

@@ -57,7 +57,11 @@ class DraftModelProposer:
             tokens = request.token_ids
             start = min(request.num_draft_computed_tokens, len(tokens) - 1)
             input_ids.extend(tokens[start:])
-            slices.append(SequenceSlice(start, len(tokens) - start, request.block_ids))
+            slices.append(
+                SequenceSlice(
+                    start, len(tokens) - start, request.block_ids, request.num_prompt_tokens
+                )
+            )
             request.num_draft_computed_tokens = len(tokens)
         proposals: list[list[int]] = [[] for _ in requests]
         rows = list(range(len(requests)))

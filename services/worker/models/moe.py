@@ -1,0 +1,147 @@
+"""The mixture-of-experts feed-forward of Mixtral and Qwen3-MoE over a flat batch of tokens.
+
+`route` is Hugging Face's top-k router: softmax over the router logits in float32, the top k
+experts per token, their weights renormalised to sum to 1 where the model says so (Mixtral
+always, Qwen3-MoE per `norm_topk_prob`). `fused_experts` then computes every (token, expert)
+assignment of the batch at once, without a loop over tokens: one stable argsort groups the
+assignments by expert, each expert that has tokens runs gate/up, `silu(gate) * up` and down
+as one matrix product over its rows, each row is scaled by its routing weight, and one
+`index_add_` sums each token's k rows into its output. Rows are summed in ascending expert
+order, the order of HF's loop over experts, and in the same dtypes (Mixtral scales by the
+float32 weights and casts the product; Qwen3-MoE casts the weights to the activations'
+dtype first), so results equal HF's to float rounding.
+
+`SparseMoeBlock` holds a layer's router (`gate`, applied with `F.linear` as HF does: the
+routing decision sees the same logits) and its experts stacked per layer, with the names and
+layouts of HF's v5 modules: `experts.gate_up_proj` [E, 2I, H] (gate rows, then up rows) and
+`experts.down_proj` [E, H, I] (checkpoints that store one tensor per expert are stacked into
+these by `expert_weights.py`). After loading, `merge_projections` lays them out for the
+device: on CPU transposed to [E, H, 2I] / [E, I, H], so each product is `x @ W`, the layout
+MKL multiplies fastest (as `linear.py` does for the dense layers); elsewhere they stay.
+The products are plain torch ones per expert (`torch.mm`, or `F.linear` in HF's layout) in
+this first version: the packed GEMM path (`cpu_gemm`) is not used for experts.
+
+Tensor parallelism: each rank holds every expert's slice of the inner dimension (rows of
+gate/up, columns of down, as the dense MLP) and the whole router, so every rank routes
+every token the same way; the block's partial output is summed over the group with one
+all-reduce, as the dense MLP's is. Expert parallelism is not implemented.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.moe_config import MoeConfig
+from services.worker.models.activation import silu_and_mul
+from services.worker.parallel.tp_group import TpGroup
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[T, E]` router logits -> (float32 weights `[T, k]`, expert ids `[T, k]`), HF's way:
+    softmax in float32, top k (largest first), optionally divided by their sum."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def fused_experts(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    transposed: bool,
+) -> torch.Tensor:
+    """`sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))` over `e = experts[t, j]`,
+    for every token `t` of `x` `[T, H]`. `gate_up` / `down`: every expert's matrices, stacked,
+    as HF stores them (`[E, 2I, H]`, `[E, H, I]`) or, `transposed`, as `[E, H, 2I]`,
+    `[E, I, H]`. The products run in `x`'s dtype; the scaled rows are cast back to it."""
+    num_tokens, top_k = experts.shape
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # assignments grouped by expert, in token order
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    tokens = order // top_k  # the token of each grouped assignment
+    rows = x.index_select(0, tokens)
+    scale = weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+    out = torch.empty_like(rows)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        end = start + count
+        inner = silu_and_mul(_product(rows[start:end], gate_up[expert], transposed))
+        out[start:end] = _product(inner, down[expert], transposed) * scale[start:end]
+        start = end
+    return torch.zeros_like(x).index_add_(0, tokens, out)
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    return torch.mm(x, weight) if transposed else F.linear(x, weight)
+
+
+class Experts(nn.Module):
+    """One layer's experts, stacked (this rank's slice of their inner dimension)."""
+
+    def __init__(self, num_experts: int, hidden: int, inner: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * inner, hidden, dtype=dtype), requires_grad=False
+        )
+        self.down_proj = nn.Parameter(
+            torch.empty(num_experts, hidden, inner, dtype=dtype), requires_grad=False
+        )
+        self.transposed = False
+
+    def merge_projections(self) -> None:
+        """Lay the loaded weights out for the device (idempotent): transposed on CPU."""
+        if self.transposed or self.gate_up_proj.device.type != "cpu":
+            return
+        for name in ("gate_up_proj", "down_proj"):
+            weight = getattr(self, name).detach().transpose(1, 2).contiguous()
+            setattr(self, name, nn.Parameter(weight, requires_grad=False))
+        self.transposed = True
+
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
+        return fused_experts(
+            x, self.gate_up_proj, self.down_proj, weights, experts, self.transposed
+        )
+
+
+class SparseMoeBlock(nn.Module):
+    """Router plus experts: HF's `MixtralSparseMoeBlock` / `Qwen3MoeSparseMoeBlock` over a
+    flat `[T, hidden]` batch. `inner`: this rank's slice of the expert inner size.
+    `float32_weights`: scale expert outputs by the float32 routing weights (Mixtral) rather
+    than by the weights cast to the activations' dtype (Qwen3-MoE)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        moe: MoeConfig,
+        inner: int,
+        dtype: torch.dtype,
+        tp: TpGroup | None = None,
+        float32_weights: bool = False,
+    ) -> None:
+        super().__init__()
+        self.tp = tp or TpGroup()
+        self.top_k, self.renormalize = moe.num_experts_per_tok, moe.norm_topk_prob
+        self.float32_weights = float32_weights
+        self.gate = nn.Linear(hidden, moe.num_experts, bias=False, dtype=dtype)
+        self.experts = Experts(moe.num_experts, hidden, inner, dtype)
+
+    def merge_projections(self) -> None:
+        self.experts.merge_projections()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = route(self.gate(x), self.top_k, self.renormalize)
+        if not self.float32_weights:
+            weights = weights.to(x.dtype)
+        return self.tp.all_reduce(self.experts(x, weights, experts))
