@@ -173,16 +173,21 @@ class UcxTransport:
                 endpoint._ep.tag_send(self._array(payload), self._tag(tag)),
                 payload,
                 self._deadline_s("send", payload.nbytes),
+                (key, endpoint),
             )
         except Exception as exc:  # any UCX failure leaves the endpoint unusable
             self._drop_endpoint(key)
             raise KvTransferError(f"send to {peer_id} (tag {tag:#x}) failed: {exc!r}") from exc
 
-    def _drop_endpoint(self, key: tuple[str, bytes]) -> None:
-        """Forget a failed endpoint and abort it: UCX then completes what is still posted
-        on it (a send stuck behind a cut link) with an error, so its buffer is let go
-        instead of being held until the link heals, or for ever."""
-        endpoint = self._endpoints.pop(key, None)
+    def _drop_endpoint(self, key: tuple[str, bytes], endpoint=None) -> None:
+        """Forget a failed endpoint (`endpoint`: that one only, if it is still the cached
+        one) and abort it: UCX then completes what is still posted on it (a send stuck
+        behind a cut link, or whose receiver dropped its receive) with an error, so its
+        buffer is let go instead of being held until the link heals, or for ever."""
+        if endpoint is None:
+            endpoint = self._endpoints.pop(key, None)
+        elif self._endpoints.get(key) is endpoint:
+            del self._endpoints[key]
         # Without peer-failure handling (shared memory) an abort cancels nothing: the send
         # stays held until received, as before.
         if endpoint is None or key[0] == "loopback" or not self.error_handling:
@@ -241,12 +246,18 @@ class UcxTransport:
             return self.timeout_s
         return self.deadline.send_s(nbytes) if kind == "send" else self.deadline.receive_s(nbytes)
 
-    async def _complete(self, request, buffer, timeout_s: float | None = None) -> None:
+    async def _complete(
+        self, request, buffer, timeout_s: float | None = None, sent_on=None
+    ) -> None:
         """Wait for a UCX request (up to `timeout_s`, default the transport's); if this wait
         ends first (timeout, cancel, error), keep `buffer` alive beside the request until
-        UCX is done with it."""
+        UCX is done with it. `sent_on`: (key, endpoint) of a send: one given up on before
+        its deadline (its caller was cancelled) whose receiver never takes it is cancelled
+        at that deadline by aborting its endpoint."""
+        timeout_s = timeout_s or self.timeout_s
+        deadline = time.monotonic() + timeout_s
         try:
-            await asyncio.wait_for(request.wait(), timeout=timeout_s or self.timeout_s)
+            await asyncio.wait_for(request.wait(), timeout=timeout_s)
         except BaseException:
             if not request.completed:
                 self._abandoned.append((request, buffer))
@@ -255,9 +266,21 @@ class UcxTransport:
                     held=len(self._abandoned),
                     held_bytes=self.abandoned_bytes,
                 )
+                if sent_on is not None:
+                    delay = max(0.0, deadline - time.monotonic())
+                    asyncio.get_running_loop().call_later(
+                        delay, self._expire_send, request, *sent_on
+                    )
             raise
         finally:
             self.reap_abandoned()
+
+    def _expire_send(self, request, key: tuple[str, bytes], endpoint) -> None:
+        """A send given up on is past its deadline: abort its endpoint if UCX still
+        holds it (its receiver dropped the receive: it would be held for ever)."""
+        if not request.completed and not self._closed:
+            log.warning("ucx_send_expired", peer=key[0])
+            self._drop_endpoint(key, endpoint)
 
     def reap_abandoned(self) -> int:
         """Let go of the buffers of abandoned requests UCX has completed; returns how many

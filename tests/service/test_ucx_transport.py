@@ -149,6 +149,27 @@ def test_a_send_given_up_on_is_cancelled_with_its_endpoint_and_lets_go_of_its_bu
     asyncio.run(scenario())
 
 
+def test_a_cancelled_send_nobody_receives_is_cancelled_at_its_deadline():
+    """A send whose caller gives up early (the scheduler cancelled the transfer) and whose
+    receiver never takes it (it dropped the receive) is not held for ever: at the send's
+    deadline its endpoint is aborted, UCX cancels it, and the buffer is let go."""
+
+    async def scenario() -> None:
+        transport = UcxTransport(timeout_s=0.5, error_handling=True)
+        try:
+            payload = np.full(MIB, 3, dtype=np.uint8)
+            send = asyncio.ensure_future(transport.send("self", transport.address, 0xE1, payload))
+            await asyncio.sleep(0.1)
+            send.cancel()
+            await asyncio.gather(send, return_exceptions=True)
+            assert transport.reap_abandoned() == 1  # held while its deadline runs
+            await _released(transport, within_s=3.0)
+        finally:
+            await transport.close()
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("error_handling", [True, False], ids=["tcp", "shm"])
 def test_close_after_a_transfer_resets_ucx_for_the_next_transport(error_handling):
     """`close` shuts UCX down cleanly (no reference to its context left in any frame), so
