@@ -18,8 +18,10 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 from common.moe_config import MoeConfig
 from devtools.checkpoint_builder import build_checkpoint
+from services.worker.models import cpu_gemm
 from services.worker.models.expert_weights import stacked_experts
-from services.worker.models.moe import SparseMoeBlock, fused_experts, route
+from services.worker.models.gemm_plan import GemmPlan
+from services.worker.models.moe import ExpertProjection, SparseMoeBlock, fused_experts, route
 from services.worker.models.weight_loader import load_model
 
 HIDDEN, INNER = 32, 48
@@ -137,6 +139,28 @@ def test_bfloat16_block_tracks_hf() -> None:
             got, want = ours(x), block(x[None])[0]
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("fmt", cpu_gemm.available_formats())
+@pytest.mark.parametrize("tokens", [1, 16, 70])
+def test_packed_experts_equal_hf(fmt: str, tokens: int) -> None:
+    """Each expert's products through a packed copy of its weights (as `pack_weights` gives
+    the model's `MergedLinear`s, experts included: they share the stacked weights' storage)
+    equal HF's block; on CPU every row count of the plan takes the packed product."""
+    block, moe = hf_block("qwen3_moe", 8, 2, True, seed=21)
+    ours = ours_like(block, moe, "qwen3_moe", transposed=True)
+    projections = [m for m in ours.modules() if isinstance(m, ExpertProjection)]
+    assert len(projections) == 2 * moe.num_experts
+    stacked = ours.experts.gate_up_proj
+    assert projections[2].weight.data_ptr() == stacked[1].data_ptr()  # a view, not a copy
+    assert not any(name.startswith("experts.projections") for name, _ in ours.named_parameters())
+    plan = GemmPlan(fmt, frozenset(), packed_from=1)
+    assert all(m.pack(plan) > 0 for m in projections)
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
+    with torch.no_grad():
+        want = block(x[None])[0]
+        got = ours(x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_per_expert_tensors_are_stacked_in_expert_order() -> None:

@@ -18,8 +18,13 @@ layouts of HF's v5 modules: `experts.gate_up_proj` [E, 2I, H] (gate rows, then u
 these by `expert_weights.py`). After loading, `merge_projections` lays them out for the
 device: on CPU transposed to [E, H, 2I] / [E, I, H], so each product is `x @ W`, the layout
 MKL multiplies fastest (as `linear.py` does for the dense layers); elsewhere they stay.
-The products are plain torch ones per expert (`torch.mm`, or `F.linear` in HF's layout) in
-this first version: the packed GEMM path (`cpu_gemm`) is not used for experts.
+On CPU each expert also gets two `ExpertProjection`s (gate/up, down): `MergedLinear`s over
+views of those stacked weights, so `LlamaForCausalLM.pack_weights` packs them with the dense
+layers, in the format and for the row counts its plan names (issue 43: on the 2-core EPYC a
+c16 decode step of qwen3-moe-tiny took 25 -> 11 ms with Tandem's panels in the huge-page
+arena, the experts' part of it 17 -> 6 ms: `bench.moe_step`).
+Elsewhere, or unmerged, the products are plain torch ones (`torch.mm`, or `F.linear` in
+HF's layout). The routing weights scale all grouped rows in one product after the loop.
 
 Tensor parallelism: each rank holds every expert's slice of the inner dimension (rows of
 gate/up, columns of down, as the dense MLP) and the whole router, so every rank routes
@@ -29,12 +34,16 @@ all-reduce, as the dense MLP's is. Expert parallelism is not implemented.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from common.moe_config import MoeConfig
 from services.worker.models.activation import silu_and_mul
+from services.worker.models.gemm_plan import PLAIN
+from services.worker.models.linear import MergedLinear
 from services.worker.parallel.tp_group import TpGroup
 
 
@@ -57,32 +66,61 @@ def fused_experts(
     weights: torch.Tensor,
     experts: torch.Tensor,
     transposed: bool,
+    projections: Sequence[tuple[MergedLinear, MergedLinear]] | None = None,
 ) -> torch.Tensor:
     """`sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))` over `e = experts[t, j]`,
     for every token `t` of `x` `[T, H]`. `gate_up` / `down`: every expert's matrices, stacked,
     as HF stores them (`[E, 2I, H]`, `[E, H, I]`) or, `transposed`, as `[E, H, 2I]`,
-    `[E, I, H]`. The products run in `x`'s dtype; the scaled rows are cast back to it."""
+    `[E, I, H]`. `projections`: per expert, its (gate/up, down) layers over those transposed
+    matrices, which may hold packed copies (`ExpertProjection`); they then run the products.
+    The products run in `x`'s dtype; the scaled rows are cast back to it."""
     num_tokens, top_k = experts.shape
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)  # assignments grouped by expert, in token order
     counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
     tokens = order // top_k  # the token of each grouped assignment
     rows = x.index_select(0, tokens)
-    scale = weights.reshape(-1).index_select(0, order).unsqueeze(-1)
     out = torch.empty_like(rows)
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
             continue
         end = start + count
-        inner = silu_and_mul(_product(rows[start:end], gate_up[expert], transposed))
-        out[start:end] = _product(inner, down[expert], transposed) * scale[start:end]
+        if projections is not None:
+            gate_up_e, down_e = projections[expert]
+            out[start:end] = down_e(silu_and_mul(gate_up_e(rows[start:end])))
+        else:
+            inner = silu_and_mul(_product(rows[start:end], gate_up[expert], transposed))
+            out[start:end] = _product(inner, down[expert], transposed)
         start = end
+    # Every row scaled at once (the same elementwise products as per expert; with float32
+    # weights over lower-precision rows the product is computed in float32, then cast back).
+    out.mul_(weights.reshape(-1).index_select(0, order).unsqueeze(-1))
     return torch.zeros_like(x).index_add_(0, tokens, out)
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
     return torch.mm(x, weight) if transposed else F.linear(x, weight)
+
+
+class ExpertProjection(MergedLinear):
+    """One expert's gate/up (`[H, 2I]`) or down (`[I, H]`) product on CPU over a view of the
+    layer's stacked transposed weights (no copy of its own, and no parameter: the stacked
+    tensors stay the layer's). Being a `MergedLinear`, `LlamaForCausalLM.pack_weights` finds
+    it among the dense layers and gives it a packed copy in the model's format (in the huge-
+    page weight arena for Tandem's panels), used at the row counts the plan names."""
+
+    def __init__(self, weight_t: torch.Tensor) -> None:
+        nn.Module.__init__(self)
+        if not weight_t.is_contiguous():
+            raise ValueError("an expert projection needs a contiguous [in, out] weight")
+        self.transposed = True
+        self.weight = weight_t  # a plain attribute: a view, not a parameter of this module
+        self.bias = None
+        self.sizes = (weight_t.shape[1],)
+        self.out_features = weight_t.shape[1]
+        self.packed = None
+        self.plan = PLAIN
 
 
 class Experts(nn.Module):
@@ -97,21 +135,35 @@ class Experts(nn.Module):
             torch.empty(num_experts, hidden, inner, dtype=dtype), requires_grad=False
         )
         self.transposed = False
+        self.projections: nn.ModuleList | None = None  # CPU: per expert, gate/up then down
 
     def merge_projections(self) -> None:
-        """Lay the loaded weights out for the device (idempotent): transposed on CPU."""
+        """Lay the loaded weights out for the device (idempotent): transposed on CPU, with
+        one `ExpertProjection` pair per expert over views of them."""
         if self.transposed or self.gate_up_proj.device.type != "cpu":
             return
         for name in ("gate_up_proj", "down_proj"):
             weight = getattr(self, name).detach().transpose(1, 2).contiguous()
             setattr(self, name, nn.Parameter(weight, requires_grad=False))
         self.transposed = True
+        self.projections = nn.ModuleList(
+            nn.ModuleList([ExpertProjection(gate_up), ExpertProjection(down)])
+            for gate_up, down in zip(
+                self.gate_up_proj.detach(), self.down_proj.detach(), strict=True
+            )
+        )
 
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     ) -> torch.Tensor:
         return fused_experts(
-            x, self.gate_up_proj, self.down_proj, weights, experts, self.transposed
+            x,
+            self.gate_up_proj,
+            self.down_proj,
+            weights,
+            experts,
+            self.transposed,
+            self.projections,
         )
 
 
