@@ -23,6 +23,7 @@ from typing import Any
 
 from common.moe_config import MoeConfig, parse_moe
 from common.rope_config import parse_rope, validate_rope_scaling
+from common.sliding_window import parse_layer_windows
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 _QWEN3_DEFAULT_HEAD_DIM = 128  # Qwen3Config's own default when config.json has no head_dim
@@ -52,6 +53,8 @@ class ModelConfig:
     bos_token_id: int | None
     torch_dtype: str = "float32"
     moe: MoeConfig | None = None  # routed experts (mixtral, qwen3_moe); None: dense
+    # Each layer's sliding window (`common.sliding_window`); None: every layer attends fully.
+    layer_windows: tuple[int | None, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -103,6 +106,11 @@ class ModelConfig:
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    def sliding_window(self, layer: int) -> int | None:
+        """Decoder layer `layer`'s window W (a query sees its own and the W - 1 previous
+        positions), or None for full attention."""
+        return None if self.layer_windows is None else self.layer_windows[layer]
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` has routed experts instead of a dense MLP."""
@@ -182,6 +190,7 @@ class ModelConfig:
             bos_token_id=bos if bos is None else int(bos),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             moe=parse_moe(raw, architecture),
+            layer_windows=parse_layer_windows(raw, architecture),
         )
 
 
@@ -235,31 +244,3 @@ def _reject_unsupported_features(raw: Mapping[str, Any], architecture: str) -> N
         raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is supported")
     if raw.get("mlp_bias"):
         raise ValueError("mlp_bias=true is not supported")
-    max_positions = raw.get("max_position_embeddings")
-    if architecture in ("mistral", "mixtral"):
-        window = raw.get("sliding_window")
-        if window is not None and isinstance(max_positions, int) and window < max_positions:
-            raise ValueError(
-                f"sliding-window attention is not supported ({architecture} "
-                f"sliding_window={window} < max_position_embeddings={max_positions})"
-            )
-    if (
-        architecture == "qwen3_moe"
-        and raw.get("use_sliding_window")
-        and raw.get("sliding_window") is not None
-    ):
-        raise ValueError(
-            "sliding-window attention is not supported (qwen3_moe with use_sliding_window=true)"
-        )
-    if architecture in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
-        layer_types = raw.get("layer_types")
-        num_layers = raw.get("num_hidden_layers", 0)
-        if layer_types is not None:
-            sliding = "sliding_attention" in layer_types
-        else:
-            sliding = raw.get("max_window_layers", num_layers) < num_layers
-        if sliding and raw.get("sliding_window") is not None:
-            raise ValueError(
-                f"sliding-window attention is not supported "
-                f"({architecture} with use_sliding_window=true)"
-            )

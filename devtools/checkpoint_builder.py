@@ -115,10 +115,14 @@ def build_checkpoint(
     dtype: torch.dtype = torch.float32,
     moe: dict[str, Any] | None = None,
     save_original_format: bool = True,
+    sliding_window: int | None = None,
+    max_window_layers: int = 0,
 ) -> Path:
     """Write a complete random-weight HF checkpoint folder and return its path. `moe`:
     fields over `TINY_MOE[architecture]` (MoE architectures only); `save_original_format`
-    False writes transformers v5's fused expert tensors instead of one per expert."""
+    False writes transformers v5's fused expert tensors instead of one per expert.
+    `sliding_window`: every layer windowed (mistral, mixtral, qwen3_moe), or, for qwen2 and
+    qwen3, `use_sliding_window` with layers from `max_window_layers` on windowed."""
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"unsupported architecture {architecture!r}; "
@@ -165,6 +169,7 @@ def build_checkpoint(
         eos_token_id=eos_id,
         pad_token_id=pad_id,
         **{**TINY_MOE.get(architecture, {}), **(moe or {})},
+        **_window_fields(architecture, sliding_window, max_window_layers),
     )
     model = _random_model(config, seed).to(dtype)
     save_kwargs: dict[str, Any] = {"save_original_format": save_original_format}
@@ -198,7 +203,24 @@ def _hf_config(architecture: str, **kwargs: Any) -> Any:
     if architecture in ("qwen2", "qwen3"):
         extra["use_sliding_window"] = False
         extra["max_window_layers"] = kwargs["num_hidden_layers"]
-    return classes[architecture](**kwargs, **extra)
+    return classes[architecture](**{**extra, **kwargs})
+
+
+def _window_fields(architecture: str, window: int | None, max_window_layers: int) -> dict:
+    """The config fields of a sliding window (none: `_hf_config`'s full-attention defaults)."""
+    if window is None:
+        return {}
+    if architecture in ("mistral", "mixtral"):
+        return {"sliding_window": window}
+    if architecture == "qwen3_moe":
+        return {"use_sliding_window": True, "sliding_window": window}
+    if architecture in ("qwen2", "qwen3"):
+        return {
+            "use_sliding_window": True,
+            "sliding_window": window,
+            "max_window_layers": max_window_layers,
+        }
+    raise ValueError(f"{architecture} has no sliding window")
 
 
 def _random_model(config: Any, seed: int) -> torch.nn.Module:

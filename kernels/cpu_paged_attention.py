@@ -16,6 +16,11 @@ sequence (no cached prefix). Then every layer does:
 - prompt chunks after a cached prefix: the context gathered from the cache, with a causal
   mask aligned to the chunk's end.
 
+A layer with a sliding window W (`attend(..., window=W)`) lets the query at position p see
+keys at p - W < k <= p, as Hugging Face does: the C++ kernel reads only the last W
+positions, and the SDPA paths add the window to their masks (built once per pass and window,
+`SdpaPlan.window_masks`, and only where the window is shorter than the context).
+
 On the SDPA paths masked positions get weight zero rather than being skipped, so every slot
 of a referenced block must hold a finite value: the pool is zero-initialised and only ever
 holds written K/V, so stale slots past a sequence's end are finite. Results match
@@ -25,7 +30,7 @@ holds written K/V, so stale slots past a sequence's end are finite. Results matc
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +63,9 @@ class SdpaPlan:
     decode_mask: torch.Tensor | None  # bool [n, 1, 1, max_blocks * block_size]; SDPA only
     prompts: tuple[PromptChunk, ...]
     use_kernel: bool = False  # decodes through the C++ kernel
+    # window -> (decode mask, one mask per prompt chunk), built by `_window_masks` on first
+    # use; None: the window does not bind there (the plain masks apply).
+    window_masks: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def plan(
@@ -201,36 +209,76 @@ def attend(
     v_cache: torch.Tensor,
     plan: SdpaPlan,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of the pass's queries `[T, q_heads, head_dim]` (after `write`), given the
-    step's own keys and values `[T, kv_heads, head_dim]`; returns `[T, q_heads, head_dim]`."""
+    step's own keys and values `[T, kv_heads, head_dim]`; returns `[T, q_heads, head_dim]`.
+    `window`: the layer's sliding window (None: full causal attention)."""
     num_tokens, _, head_dim = query.shape
     num_kv = k_cache.shape[2]
+    decode_mask, prompt_masks = plan.decode_mask, (None,) * len(plan.prompts)
+    if window is not None:
+        decode_mask, prompt_masks = _window_masks(plan, window)
     if plan.num_decodes == num_tokens and not plan.prompts:
-        return _decode(query, k_cache, v_cache, plan, scale)
+        return _decode(query, k_cache, v_cache, plan, scale, window, decode_mask)
     out = torch.empty_like(query)
     if plan.num_decodes:
         rows = plan.decode_rows
-        out[rows] = _decode(query[rows], k_cache, v_cache, plan, scale)
-    for chunk in plan.prompts:
+        out[rows] = _decode(query[rows], k_cache, v_cache, plan, scale, window, decode_mask)
+    for chunk, windowed in zip(plan.prompts, prompt_masks, strict=True):
         rows = slice(chunk.start, chunk.start + chunk.q_len)
         if chunk.blocks is None:
-            result = _sdpa(query[rows], key[rows], value[rows], scale, causal=True)
+            k, v = key[rows], value[rows]
+            if windowed is None:
+                result = _sdpa(query[rows], k, v, scale, causal=True)
+            else:
+                result = _sdpa(query[rows], k, v, scale, mask=windowed)
         else:
             k = k_cache.index_select(0, chunk.blocks).view(-1, num_kv, head_dim)
             v = v_cache.index_select(0, chunk.blocks).view(-1, num_kv, head_dim)
             length = chunk.seq_len
-            result = _sdpa(query[rows], k[:length], v[:length], scale, mask=chunk.mask)
+            mask = chunk.mask if windowed is None else windowed
+            result = _sdpa(query[rows], k[:length], v[:length], scale, mask=mask)
         out[rows] = result.to(query.dtype)
     return out
 
 
-def _decode(query, k_cache, v_cache, plan: SdpaPlan, scale: float) -> torch.Tensor:
+def _window_masks(plan: SdpaPlan, window: int):
+    """The plan's masks narrowed to a sliding window (cached on the plan per window): the
+    SDPA decode mask (None where the C++ kernel decodes or no decode's context exceeds the
+    window) and one mask per prompt chunk (None where its context fits the window)."""
+    cached = plan.window_masks.get(window)
+    if cached is not None:
+        return cached
+    decode_mask = plan.decode_mask
+    if decode_mask is not None:
+        positions = torch.arange(decode_mask.shape[-1], device=decode_mask.device)
+        inside = positions[None, :] >= (plan.decode_lens[:, None] - window)
+        decode_mask = decode_mask & inside[:, None, None, :]
+    prompt_masks = []
+    for chunk in plan.prompts:
+        if chunk.seq_len <= window:
+            prompt_masks.append(None)
+            continue
+        device = plan.write_blocks.device
+        q_pos = torch.arange(chunk.seq_len - chunk.q_len, chunk.seq_len, device=device)
+        # Keys: the chunk's own (no cached prefix) or the whole context.
+        first_key = chunk.seq_len - chunk.q_len if chunk.blocks is None else 0
+        k_pos = torch.arange(first_key, chunk.seq_len, device=device)
+        diff = q_pos[:, None] - k_pos[None, :]
+        prompt_masks.append((diff >= 0) & (diff < window))
+    cached = (decode_mask, tuple(prompt_masks))
+    plan.window_masks[window] = cached
+    return cached
+
+
+def _decode(query, k_cache, v_cache, plan: SdpaPlan, scale, window=None, mask=None):
+    """The plan's decodes; `mask`: the SDPA fallback's (None: `plan.decode_mask`)."""
     if plan.use_kernel:
         q = query.float().contiguous()
         out = torch.empty_like(q)
         torch.ops.tandem_cpu.paged_decode_attention(
-            out, q, k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale
+            out, q, k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale, window or 0
         )
         return out.to(query.dtype)
     n = plan.num_decodes
@@ -242,7 +290,7 @@ def _decode(query, k_cache, v_cache, plan: SdpaPlan, scale: float) -> torch.Tens
         query.view(n, -1, 1, head_dim).float(),
         keys.transpose(1, 2).float(),
         values.transpose(1, 2).float(),
-        attn_mask=plan.decode_mask,
+        attn_mask=plan.decode_mask if mask is None else mask,
         scale=scale,
         enable_gqa=True,
     )

@@ -20,8 +20,10 @@ CUDA-graph contract: when `num_splits` and `max_seq_len` are given as Python int
 reads no tensor values on the host (no `.item()`, `.tolist()`, or value-dependent branching):
 the grid and the scratch shapes depend only on tensor shapes and those ints, and each
 sequence's true length is read from `seq_lens` inside the kernel. Tiles and splits beyond a
-sequence's length load nothing and are masked. `max_seq_len` only steers the split heuristic
-(it may be any upper bound, e.g. the model's context length); without it the bound
+sequence's length load nothing and are masked. With a sliding window W (`window`) the
+splits cut the last W positions instead of the whole context (`WINDOWED` compiles apart).
+`max_seq_len` only steers the split heuristic (it may be any upper bound, e.g. the
+model's context length); without it the bound
 `block_tables.shape[1] * block_size` is used, so even the defaults never synchronise.
 For the same reason tensor values are not validated (the torch reference does): each
 `seq_lens[s]` must fit its block-table row (a length of 0 yields zeros).
@@ -58,6 +60,7 @@ def _paged_decode_kernel(
     part_lse_ptr,
     qk_scale,
     num_splits,
+    window,
     stride_qs,
     stride_qh,
     stride_qd,
@@ -81,6 +84,7 @@ def _paged_decode_kernel(
     SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -88,8 +92,13 @@ def _paged_decode_kernel(
     num_q_heads = tl.num_programs(1) * GROUP
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
-    start = split * tiles_per_split * BLOCK_N
+    if WINDOWED:  # the last `window` positions only: [seq_len - window, seq_len)
+        lowest = tl.maximum(seq_len - window, 0)
+        tiles_per_split = tl.cdiv(tl.cdiv(seq_len - lowest, BLOCK_N), num_splits)
+        start = lowest + split * tiles_per_split * BLOCK_N
+    else:
+        tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
+        start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
     rows = tl.arange(0, GROUP_PAD)
@@ -223,8 +232,10 @@ def paged_decode_attention(
     scale: float,
     num_splits: int | None = None,
     max_seq_len: int | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of one new query per sequence over its paged context (incl. itself).
+    """Attention of one new query per sequence over its paged context (incl. itself);
+    with a sliding `window` W, over its last W positions only.
 
     `query` `[S, q_heads, head_dim]`; caches `[num_blocks, block_size, kv_heads, head_dim]`
     (strided views allowed, head_dim contiguous or not; the query's dtype or float8_e4m3fn);
@@ -245,6 +256,10 @@ def paged_decode_attention(
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_seqs == 0:
         return out
@@ -276,6 +291,7 @@ def paged_decode_attention(
         part_lse,
         scale * LOG2E,
         num_splits,
+        window or 0,
         *query.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
@@ -291,6 +307,7 @@ def paged_decode_attention(
         SPLIT=split,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=precision,
+        WINDOWED=window is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

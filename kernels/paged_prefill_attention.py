@@ -13,12 +13,13 @@ query tokens times the GQA group of q heads sharing the kv head into BLOCK_M = B
 GROUP_PAD rows (row r is token r // GROUP_PAD, head r % GROUP_PAD), so each K/V tile is loaded
 once per group and feeds one BLOCK_M x BLOCK_N `tl.dot`. A program first sweeps the keys every
 row of its tile may see (whole BLOCK_N tiles before the tile's first query position: no masks),
-then the diagonal tiles with the causal mask. Softmax is online in fp32 (exp2, scale folded by
-log2(e)). Tiles past a sequence's query count exit at once, so the grid
-`(ceil(max_query_len / BLOCK_Q), S, kv_heads)` depends only on shapes and `max_query_len`;
-no tensor value is read on the host. Values are therefore not validated (the torch reference
-does): `max_query_len` must bound every sequence's q_len, `q_len <= seq_len`, and each
-context must fit its block-table row.
+then the diagonal tiles with the causal mask; with a sliding window (`WINDOWED`, compiled
+apart) every tile it sweeps, from the first its first query sees, takes the windowed mask.
+Softmax is online in fp32 (exp2, scale folded by log2(e)). Tiles past a sequence's query
+count exit at once, so the grid `(ceil(max_query_len / BLOCK_Q), S, kv_heads)` depends only
+on shapes and `max_query_len`; no tensor value is read on the host. Values are therefore not
+validated (the torch reference does): `max_query_len` must bound every sequence's q_len,
+`q_len <= seq_len`, and each context must fit its block-table row.
 
 An fp8 (float8_e4m3fn) cache is read as stored and each K/V tile upcast in registers to the
 `tl.dot` operand dtype (the query's 16-bit dtype, exactly, or fp32); the kernel compiles
@@ -44,6 +45,7 @@ def _paged_prefill_kernel(
     seq_lens_ptr,
     out_ptr,
     qk_scale,
+    window,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -68,6 +70,7 @@ def _paged_prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     # Heaviest tiles (last queries: longest key range) first, for better load balance.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -112,10 +115,18 @@ def _paged_prefill_kernel(
     # the causal mask. kv_end bounds what the tile's last valid query sees.
     diagonal = ((prefix + first) // BLOCK_N) * BLOCK_N
     kv_end = prefix + tl.minimum(first + BLOCK_Q, q_len)
+    if WINDOWED:
+        # A sliding window: no key is visible to every row. All tiles take the masked loop,
+        # from the tile holding the first key the tile's first query sees.
+        unmasked_end = 0
+        masked_start = (tl.maximum(prefix + first - window + 1, 0) // BLOCK_N) * BLOCK_N
+    else:
+        unmasked_end = diagonal
+        masked_start = diagonal
 
-    for tile_start in range(0, diagonal, BLOCK_N):
+    for tile_start in range(0, unmasked_end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
-        block, slot = kv_block_slot(table_row, pos, pos < diagonal, BLOCK_SIZE)
+        block, slot = kv_block_slot(table_row, pos, pos < unmasked_end, BLOCK_SIZE)
         k_offsets = (block * stride_kb + slot * stride_ks)[:, None]
         v_offsets = (block * stride_vb + slot * stride_vs)[:, None]
         if HEAD_DIM == HEAD_DIM_PAD:
@@ -136,7 +147,7 @@ def _paged_prefill_kernel(
         )
         m_i = m_new
 
-    for tile_start in range(diagonal, kv_end, BLOCK_N):
+    for tile_start in range(masked_start, kv_end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         key_mask = pos < kv_end
         block, slot = kv_block_slot(table_row, pos, key_mask, BLOCK_SIZE)
@@ -146,12 +157,19 @@ def _paged_prefill_kernel(
         )
         scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
         visible = (pos[None, :] <= q_pos[:, None]) & key_mask[None, :]
+        if WINDOWED:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
         # The first diagonal tile holds position `diagonal` <= every row's q_pos, so each row
         # has a finite maximum from its first tile on and exp2(-inf - m) stays 0, never NaN.
         m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
+        if WINDOWED:  # a row may see nothing in its first tiles: shift by 0 there
+            m_shift = tl.where(m_new > float("-inf"), m_new, 0.0)
+            alpha = tl.exp2(m_i - m_shift)
+            p = tl.exp2(scores - m_shift[:, None])
+        else:
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             v_head + (block * stride_vb + slot * stride_vs)[:, None], mask=kv_mask, other=0.0
@@ -198,8 +216,10 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     max_query_len: int,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of a varlen batch of new tokens over their paged context.
+    """Causal attention of a varlen batch of new tokens over their paged context; with a
+    sliding `window` W, query position p sees keys p - W < k <= p only.
 
     `query` `[T, q_heads, head_dim]`; caches `[num_blocks, block_size, kv_heads, head_dim]`
     (strided views allowed; the query's dtype or float8_e4m3fn); `block_tables` int
@@ -219,6 +239,10 @@ def paged_prefill_attention(
         raise ValueError(f"query_start_loc on {query_start_loc.device}, query on {query.device}")
     if isinstance(max_query_len, bool) or not isinstance(max_query_len, int) or max_query_len < 0:
         raise ValueError(f"max_query_len must be a non-negative int, got {max_query_len!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
     if max_query_len > query.shape[0]:
         raise ValueError(f"max_query_len {max_query_len} > number of query rows {query.shape[0]}")
     num_tokens, num_q_heads, head_dim = query.shape
@@ -245,6 +269,7 @@ def paged_prefill_attention(
         seq_lens,
         out,
         scale * LOG2E,
+        window or 0,
         *query.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
@@ -261,6 +286,7 @@ def paged_prefill_attention(
         BLOCK_N=block_n,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=precision,
+        WINDOWED=window is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -74,13 +74,16 @@ def paged_attention(
     query_start_loc: Sequence[int],
     seq_lens: Sequence[int],
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of a varlen batch of new tokens over their paged context.
 
     Sequence `i` owns queries `query[query_start_loc[i]:query_start_loc[i + 1]]`, the last
     `q_len` tokens of a context of `seq_lens[i]` tokens whose K/V are already in blocks
     `block_tables[i, :ceil(seq_len / block_size)]`. Query `j` sits at position
-    `seq_len - q_len + j` and sees keys at positions up to its own. Query head `h` reads KV
+    `seq_len - q_len + j` and sees keys at positions up to its own (with a sliding `window`
+    W, only those above its own minus W: W positions, as Hugging Face's
+    `sliding_window_overlay`). Query head `h` reads KV
     head `h // (q_heads // kv_heads)`. Scores and softmax run in float32; the result is
     `[T, q_heads, head_dim]` in the query's dtype.
     """
@@ -93,12 +96,15 @@ def paged_attention(
     # queries) are computed one by one, where the matmuls are large anyway.
     decodes = [i for i, n in enumerate(q_lens) if n == 1]
     if decodes:
-        _decode_batch(query, k_cache, v_cache, block_tables, starts, lens, decodes, scale, out)
+        _decode_batch(
+            query, k_cache, v_cache, block_tables, starts, lens, decodes, scale, out, window
+        )
     for i, q_len in enumerate(q_lens):
         if q_len > 1:
             _prefill_one(
-                query, k_cache, v_cache, block_tables[i], starts[i], q_len, lens[i], scale, out
-            )
+                query, k_cache, v_cache, block_tables[i], starts[i], q_len, lens[i], scale, out,
+                window,
+            )  # fmt: skip
     return out
 
 
@@ -108,7 +114,7 @@ def _grouped(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return query.float().reshape(*lead, num_kv_heads, q_heads // num_kv_heads, head_dim)
 
 
-def _decode_batch(query, k_cache, v_cache, block_tables, starts, lens, seqs, scale, out):
+def _decode_batch(query, k_cache, v_cache, block_tables, starts, lens, seqs, scale, out, window):
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     device = k_cache.device
     rows = torch.tensor([starts[i] for i in seqs], device=query.device)
@@ -123,13 +129,17 @@ def _decode_batch(query, k_cache, v_cache, block_tables, starts, lens, seqs, sca
     values = values.masked_fill(padding[:, :, None, None], 0.0)  # padded slots may hold NaN
     q = _grouped(query[rows], num_kv_heads)  # [n, kv_heads, group, d]
     scores = torch.einsum("nhgd,nkhd->nhgk", q, keys) * scale
-    scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
+    hidden = padding
+    if window is not None:  # the query sits at seq_len - 1
+        k_pos = torch.arange(keys.shape[1], device=device)[None, :]
+        hidden = padding | (k_pos <= seq_lens[:, None] - 1 - window)
+    scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     result = torch.einsum("nhgk,nkhd->nhgd", probs, values)
     out[rows] = result.reshape(len(seqs), -1, head_dim).to(query.dtype)
 
 
-def _prefill_one(query, k_cache, v_cache, table, start, q_len, seq_len, scale, out):
+def _prefill_one(query, k_cache, v_cache, table, start, q_len, seq_len, scale, out, window):
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     num_blocks = -(-seq_len // block_size)
     blocks = table[:num_blocks].to(device=k_cache.device, dtype=torch.long)
@@ -139,7 +149,10 @@ def _prefill_one(query, k_cache, v_cache, table, start, q_len, seq_len, scale, o
     scores = torch.einsum("qhgd,khd->hgqk", q, keys) * scale
     q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
     k_pos = torch.arange(seq_len, device=query.device)
-    scores = scores.masked_fill((k_pos[None, :] > q_pos[:, None])[None, None], float("-inf"))
+    hidden = k_pos[None, :] > q_pos[:, None]
+    if window is not None:
+        hidden = hidden | (k_pos[None, :] <= q_pos[:, None] - window)
+    scores = scores.masked_fill(hidden[None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     result = torch.einsum("hgqk,khd->qhgd", probs, values)
     out[start : start + q_len] = result.reshape(q_len, -1, head_dim).to(query.dtype)

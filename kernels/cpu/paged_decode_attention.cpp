@@ -10,7 +10,8 @@
 // bound), and the softmax takes 8 scores at a time with a polynomial exp (within 2 ulp of
 // expf) for any cache dtype.
 // Only positions below the sequence length are read, so nothing needs masking; the rows
-// a few positions ahead are prefetched.
+// a few positions ahead are prefetched. A sliding window W > 0 (0: none) reads only the
+// last W positions [len - W, len): the query (at len - 1) and the W - 1 before it.
 //
 // Caches are the strided per-layer views [num_blocks, block_size, kv_heads, head_dim] of
 // the block-major pool (last dimension contiguous); float32, bfloat16 or float8 (e4m3fn).
@@ -146,7 +147,7 @@ inline float softmax_numerators(float* sc, int64_t len) {
 template <typename T>
 void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                    const at::Tensor& v_cache, const at::Tensor& block_tables,
-                   const at::Tensor& seq_lens, double scale) {
+                   const at::Tensor& seq_lens, double scale, int64_t window) {
   const int64_t num_seqs = query.size(0);
   const int64_t num_heads = query.size(1);
   const int64_t head_dim = query.size(2);
@@ -182,10 +183,13 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
     std::vector<float> q(heads * head_dim), acc(heads * head_dim), total(heads), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / splits, h0 = (item % splits) * span;
-      const int64_t len = lens[seq];
+      const int64_t first = window > 0 ? std::max<int64_t>(lens[seq] - window, 0) : 0;
+      const int64_t len = lens[seq] - first;  // positions read: [first, lens[seq])
       const int64_t* table = tables + seq * table_stride;
-      // The item's first key/value of position `pos` in a cache with these strides.
+      // The item's first key/value of the `pos`-th position read, in a cache with these
+      // strides.
       auto at = [&](const T* base, int64_t block, int64_t slot, int64_t head, int64_t pos) {
+        pos += first;
         return base + table[pos / block_size] * block + (pos % block_size) * slot + h0 * head;
       };
       for (int64_t h = 0; h < heads; ++h) {
@@ -255,10 +259,12 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
 
 // out: float32 [n, heads, head_dim] (written); query: float32 [n, heads, head_dim];
 // caches: [num_blocks, block_size, kv_heads, head_dim] float32, bfloat16 or float8_e4m3fn;
-// block_tables: int64 [n, max_blocks]; seq_lens: int64 [n] (>= 1).
+// block_tables: int64 [n, max_blocks]; seq_lens: int64 [n] (>= 1); window: the sliding
+// window (0: full attention).
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, double scale) {
+                            const at::Tensor& seq_lens, double scale, int64_t window) {
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [n, H, D]");
   TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "query and out must be float32");
@@ -276,12 +282,13 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.is_contiguous() && seq_lens.size(0) == query.size(0),
               "seq_lens must be [n]");
   if (k_cache.scalar_type() == at::kFloat) {
-    decode_kernel<float>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    decode_kernel<float>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, window);
   } else if (k_cache.scalar_type() == at::kBFloat16) {
-    decode_kernel<at::BFloat16>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    decode_kernel<at::BFloat16>(out, query, k_cache, v_cache, block_tables, seq_lens, scale,
+                                window);
   } else if (k_cache.scalar_type() == at::kFloat8_e4m3fn) {
     decode_kernel<c10::Float8_e4m3fn>(out, query, k_cache, v_cache, block_tables, seq_lens,
-                                      scale);
+                                      scale, window);
   } else {
     TORCH_CHECK(false, "caches must be float32, bfloat16 or float8_e4m3fn");
   }
@@ -291,7 +298,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor seq_lens, float scale) -> ()");
+        "Tensor block_tables, Tensor seq_lens, float scale, int window=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {

@@ -116,11 +116,16 @@ def test_unsupported_architecture_lists_supported() -> None:
 
 
 def test_mistral_sliding_window() -> None:
-    with pytest.raises(ValueError, match="sliding"):
-        ModelConfig.from_dict(base(model_type="mistral", sliding_window=128))
+    """mistral's `sliding_window` windows every layer (transformers ignores `layer_types`)."""
+    windowed = ModelConfig.from_dict(base(model_type="mistral", sliding_window=128))
+    layers = windowed.num_hidden_layers
+    assert windowed.layer_windows == (128,) * layers
+    assert [windowed.sliding_window(i) for i in range(layers)] == [128] * layers
     full = ModelConfig.from_dict(base(model_type="mistral", sliding_window=None))
     assert full.architecture == "mistral" and not full.attention_bias
-    assert ModelConfig.from_dict(base(model_type="mistral", sliding_window=4096)).name == "model"
+    assert full.layer_windows is None and full.sliding_window(0) is None
+    with pytest.raises(ValueError, match="sliding_window must be a positive integer"):
+        ModelConfig.from_dict(base(model_type="mistral", sliding_window=-1))
 
 
 def test_qwen_flavours() -> None:
@@ -132,12 +137,27 @@ def test_qwen_flavours() -> None:
     assert qwen3.qk_norm and not qwen3.attention_bias and qwen3.head_dim == 32
     raw = base(model_type="qwen3")
     assert ModelConfig.from_dict(raw).head_dim == 128  # Qwen3Config's default, not hidden/heads
-    with pytest.raises(ValueError, match="sliding"):
-        ModelConfig.from_dict(
-            base(
-                model_type="qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=1
-            )
-        )
+    assert qwen2.layer_windows is None
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "qwen3"])
+def test_qwen_sliding_window_layers(architecture: str) -> None:
+    """As Qwen2Config/Qwen3Config: with `use_sliding_window`, layers i >= max_window_layers
+    are windowed, unless `layer_types` names each layer; without it, none."""
+    raw = base(model_type=architecture, use_sliding_window=True, sliding_window=64)
+    layers = raw["num_hidden_layers"]
+    windows = ModelConfig.from_dict({**raw, "max_window_layers": 1}).layer_windows
+    assert windows == (None,) + (64,) * (layers - 1)
+    assert ModelConfig.from_dict({**raw, "max_window_layers": layers}).layer_windows is None
+    types = ["sliding_attention", "full_attention"] * (layers // 2) + ["full_attention"] * (
+        layers % 2
+    )
+    explicit = ModelConfig.from_dict({**raw, "layer_types": types}).layer_windows
+    assert explicit == tuple(64 if t == "sliding_attention" else None for t in types)
+    off = {**raw, "use_sliding_window": False, "max_window_layers": 0}
+    assert ModelConfig.from_dict(off).layer_windows is None
+    with pytest.raises(ValueError, match="unsupported layer_types"):
+        ModelConfig.from_dict({**raw, "layer_types": ["chunked_attention"] * layers})
 
 
 @pytest.mark.parametrize(

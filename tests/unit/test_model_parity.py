@@ -83,6 +83,17 @@ CASES: dict[str, str | dict] = {
         "moe": {"norm_topk_prob": False, "decoder_sparse_step": 2, "mlp_only_layers": []},
         "seed": 4,
     },
+    # Sliding windows shorter than the prompts and the generations (HF's rule: W positions,
+    # the query's own included): every layer (mistral, qwen3_moe), and qwen2's layers from
+    # max_window_layers on (layer 0 full, layer 1 windowed).
+    "mistral-window": {"architecture": "mistral", "sliding_window": 8, "seed": 5},
+    "qwen2-window": {
+        "architecture": "qwen2",
+        "sliding_window": 6,
+        "max_window_layers": 1,
+        "seed": 6,
+    },
+    "qwen3_moe-window": {"architecture": "qwen3_moe", "sliding_window": 7, "seed": 7},
 }
 
 

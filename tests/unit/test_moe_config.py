@@ -102,8 +102,7 @@ def test_qwen3_moe_expert_count_under_either_name() -> None:
         (qwen3_moe(mlp_only_layers=[-1]), r"mlp_only_layers must list layer numbers"),
         (qwen3_moe(mlp_only_layers="0"), r"mlp_only_layers must be a list"),
         (qwen3_moe(norm_topk_prob="yes"), "norm_topk_prob must be true or false"),
-        (mixtral(sliding_window=256), r"sliding-window .* \(mixtral sliding_window=256 < "),
-        (qwen3_moe(use_sliding_window=True), r"qwen3_moe with use_sliding_window=true"),
+        (mixtral(sliding_window=0), "sliding_window must be a positive integer"),
         ({**qwen3_moe(), "model_type": "qwen2_moe"}, "unsupported model_type 'qwen2_moe'"),
     ],
 )
@@ -111,3 +110,13 @@ def test_unsupported_moe_configs_are_refused_in_one_line(raw: dict, message: str
     with pytest.raises(ValueError, match=message) as caught:
         ModelConfig.from_dict(raw)
     assert "\n" not in str(caught.value)
+
+
+def test_moe_sliding_windows_cover_every_layer() -> None:
+    """mixtral's `sliding_window` and qwen3_moe's (with `use_sliding_window`) window every
+    layer, as transformers does (`common.sliding_window`)."""
+    assert ModelConfig.from_dict(mixtral(sliding_window=256)).layer_windows == (256, 256)
+    assert ModelConfig.from_dict(mixtral()).layer_windows is None
+    windowed = ModelConfig.from_dict(qwen3_moe(use_sliding_window=True))
+    assert windowed.layer_windows == (4096,) * 4
+    assert ModelConfig.from_dict(qwen3_moe()).layer_windows is None

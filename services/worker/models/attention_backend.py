@@ -7,6 +7,9 @@ A backend plans each forward pass once (`prepare`, returning the metadata with i
 attached), then each layer calls `forward`, which writes the step's K/V into the paged cache
 and attends. The Triton backend uses the decode kernel (split-KV) when every sequence has
 one new token — the shape CUDA graphs capture — and the prefill/extend kernel otherwise.
+
+`forward` takes the layer's sliding window (None: full attention; see
+`common.sliding_window`), which every backend's kernels honour.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -61,12 +65,14 @@ class CpuAttention:
         )
         return dataclasses.replace(meta, backend_plan=plan)
 
-    def forward(self, query, key, value, k_cache, v_cache, meta, scale):
+    def forward(self, query, key, value, k_cache, v_cache, meta, scale, window=None):
         plan = meta.backend_plan
         self._impl.write(key, value, k_cache, v_cache, plan)
-        return self._impl.attend(query, key, value, k_cache, v_cache, plan, scale)
+        return self._impl.attend(query, key, value, k_cache, v_cache, plan, scale, window)
 
-    def forward_qkv(self, qkv, num_heads, num_kv_heads, rope, k_cache, v_cache, meta, scale):
+    def forward_qkv(
+        self, qkv, num_heads, num_kv_heads, rope, k_cache, v_cache, meta, scale, window=None
+    ):
         """`forward` from the merged projection's output, rotating its queries and keys in
         the same C++ call as the write; None where that call does not apply."""
         plan = meta.backend_plan
@@ -76,7 +82,7 @@ class CpuAttention:
         if written is None:
             return None
         query, key, value = written
-        return self._impl.attend(query, key, value, k_cache, v_cache, plan, scale)
+        return self._impl.attend(query, key, value, k_cache, v_cache, plan, scale, window)
 
 
 class TorchAttention:
@@ -92,7 +98,7 @@ class TorchAttention:
     def prepare(self, meta):
         return meta
 
-    def forward(self, query, key, value, k_cache, v_cache, meta, scale):
+    def forward(self, query, key, value, k_cache, v_cache, meta, scale, window=None):
         self._impl.reshape_and_cache(key, value, k_cache, v_cache, meta.slot_mapping)
         return self._impl.paged_attention(
             query,
@@ -102,6 +108,7 @@ class TorchAttention:
             meta.query_start_loc,
             meta.seq_lens,
             scale,
+            window,
         )
 
 
@@ -127,7 +134,7 @@ class TritonAttention:
     def prepare(self, meta):
         return meta
 
-    def forward(self, query, key, value, k_cache, v_cache, meta, scale):
+    def forward(self, query, key, value, k_cache, v_cache, meta, scale, window=None):
         self._write(key, value, k_cache, v_cache, meta.slot_mapping)
         if meta.is_pure_decode:
             return self._decode(
@@ -139,6 +146,7 @@ class TritonAttention:
                 scale,
                 num_splits=meta.decode_num_splits,
                 max_seq_len=meta.max_seq_len,
+                window=window,
             )
         return self._prefill(
             query,
@@ -149,6 +157,7 @@ class TritonAttention:
             meta.seq_lens_t,
             scale,
             max_query_len=meta.max_query_len,
+            window=window,
         )
 
 

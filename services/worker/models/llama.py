@@ -3,8 +3,9 @@ qwen3_moe) running over the paged KV cache.
 
 One implementation covers the family's variations, all read from `ModelConfig`: grouped-query
 attention, q/k/v biases (qwen2; llama's `attention_bias` also biases o_proj), per-head RMSNorm
-of queries and keys before RoPE (qwen3, qwen3_moe), tied input/output embeddings, and routed
-experts in place of the dense MLP in the layers `ModelConfig.is_moe_layer` names
+of queries and keys before RoPE (qwen3, qwen3_moe), a sliding window in the layers that
+`ModelConfig.sliding_window` names, tied input/output embeddings, and routed experts in
+place of the dense MLP in the layers `ModelConfig.is_moe_layer` names
 (`moe.SparseMoeBlock`). Module and parameter names equal Hugging Face's (v5's, for the
 stacked experts), so an HF state dict loads without renaming.
 
@@ -58,9 +59,11 @@ class Attention(nn.Module):
         backend: AttentionBackend,
         shard: TpShard,
         tp: TpGroup,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         self.backend = backend
+        self.window = window  # sliding window (`common.sliding_window`); None: full
         self.tp = tp
         self.num_heads = len(shard.q_heads)
         self.num_kv_heads = len(shard.kv_heads)
@@ -119,7 +122,7 @@ class Attention(nn.Module):
         k_cache, v_cache = cache
         if self.kv_scales is not None and k_cache.element_size() == 1:
             return self._scaled(q, k, v, k_cache, v_cache, meta)
-        return self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.window)
 
     def _fused(self, qkv, rope, cache, meta) -> torch.Tensor | None:
         """Attention through the backend's fused rotate-and-write (CPU, float32), where it
@@ -130,8 +133,9 @@ class Attention(nn.Module):
             return None
         k_cache, v_cache = cache
         return fused(
-            qkv, self.num_heads, self.num_kv_heads, rope, k_cache, v_cache, meta, self.scale
-        )
+            qkv, self.num_heads, self.num_kv_heads, rope, k_cache, v_cache, meta, self.scale,
+            self.window,
+        )  # fmt: skip
 
     def _scaled(self, q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
         """Attention over an fp8 cache that stores K / k_scale and V / v_scale: scores
@@ -141,7 +145,9 @@ class Attention(nn.Module):
         k_scale, v_scale = self.kv_scales  # [kv_heads, 1]
         group = self.num_heads // self.num_kv_heads
         q = q * k_scale.repeat_interleave(group, 0)
-        out = self.backend.forward(q, k / k_scale, v / v_scale, k_cache, v_cache, meta, self.scale)
+        out = self.backend.forward(
+            q, k / k_scale, v / v_scale, k_cache, v_cache, meta, self.scale, self.window
+        )
         return out * v_scale.repeat_interleave(group, 0)
 
 
@@ -177,7 +183,9 @@ class DecoderLayer(nn.Module):
         layer: int,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(config, dtype, backend, shard, tp)
+        self.self_attn = Attention(
+            config, dtype, backend, shard, tp, window=config.sliding_window(layer)
+        )
         self.mlp: MLP | SparseMoeBlock
         if config.moe is not None and config.is_moe_layer(layer):
             self.mlp = SparseMoeBlock(
