@@ -47,15 +47,8 @@ BENCH_MODELS["llama-150m-4k"] = {**BENCH_MODELS["llama-150m"], "max_position_emb
 # The MoE model of issue 43: llama-32m's attention and vocabulary, 8 experts of inner 512 per
 # layer (every layer sparse), top 2, renormalised.
 BENCH_MODELS["qwen3-moe-tiny"] = {
+    **BENCH_MODELS["llama-32m"],
     "architecture": "qwen3_moe",
-    "hidden_size": 512,
-    "intermediate_size": 1376,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "vocab_size": 8192,
-    "tokenizer_vocab_size": 8192,
-    "max_position_embeddings": 2048,
     "moe": {
         "num_experts": 8,
         "num_experts_per_tok": 2,

@@ -22,6 +22,7 @@ from tests.stack_client import (
     TEST_CPU_GEMM,
     TEST_FORK_SERVER,
     TEST_STRUCTURED,
+    log_lines_since,
     log_size,
     scrape,
     total,
@@ -59,17 +60,15 @@ def start_on_hosts(
 def events_since(stack: Stack, offset: int, event: str, name: str = "scheduler") -> list[dict]:
     """The JSON log records of `event` that service `name` wrote after `offset`."""
     out = []
-    with open(stack.run_dir / "logs" / f"{name}.log", "rb") as log:
-        log.seek(offset)
-        for line in log.read().decode(errors="replace").splitlines():
-            if f'"{event}"' not in line:
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if record.get("event") == event:
-                out.append(record)
+    for line in log_lines_since(stack, offset, name):
+        if f'"{event}"' not in line:
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("event") == event:
+            out.append(record)
     return out
 
 

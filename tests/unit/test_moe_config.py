@@ -7,50 +7,24 @@ from __future__ import annotations
 import pytest
 
 from common.model_config import ModelConfig
+from tests.unit.test_model_config import base
 
 
 def mixtral(**overrides) -> dict:
-    raw = {
-        "model_type": "mixtral",
-        "vocab_size": 1024,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": None,
-        "max_position_embeddings": 512,
-        "sliding_window": None,
-        "num_local_experts": 4,
-        "num_experts_per_tok": 2,
-        "router_aux_loss_coef": 0.001,
-        "router_jitter_noise": 0.0,
-    }
-    raw.update(overrides)
-    return raw
+    """The llama test config (`test_model_config.base`) as a tiny Mixtral."""
+    moe = {"model_type": "mixtral", "head_dim": None, "sliding_window": None,
+           "num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001,
+           "router_jitter_noise": 0.0}  # fmt: skip
+    return base(**{**moe, **overrides})
 
 
 def qwen3_moe(**overrides) -> dict:
-    raw = {
-        "model_type": "qwen3_moe",
-        "vocab_size": 1024,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
-        "use_sliding_window": False,
-        "sliding_window": 4096,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32,
-        "norm_topk_prob": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-    }
-    raw.update(overrides)
-    return raw
+    """The llama test config as a tiny Qwen3-MoE of 4 layers."""
+    moe = {"model_type": "qwen3_moe", "num_hidden_layers": 4, "use_sliding_window": False,
+           "sliding_window": 4096, "num_experts": 8, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 32, "norm_topk_prob": True, "decoder_sparse_step": 1,
+           "mlp_only_layers": []}  # fmt: skip
+    return base(**{**moe, **overrides})
 
 
 def test_mixtral_is_mistral_attention_with_every_layer_sparse() -> None:
