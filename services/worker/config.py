@@ -230,6 +230,13 @@ class WorkerConfig(ServiceConfig):
         "pipeline size; the last stage samples)",
         env="TANDEM_PIPELINE_PARALLEL_SIZE",
     )
+    enable_expert_parallel: bool = setting(
+        False,
+        "mixture-of-experts models: split the experts whole over the tensor-parallel ranks "
+        "instead of slicing every expert (vLLM's --enable-expert-parallel); the number of "
+        "experts must be a multiple of the ranks",
+        env="TANDEM_ENABLE_EXPERT_PARALLEL",
+    )
     drain_timeout_s: float = drain_timeout_setting(
         "on SIGTERM: seconds to let the requests this worker holds finish"
     )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import gc
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -34,6 +34,7 @@ from services.worker.models.attention_backend import select_backend
 from services.worker.models.attention_metadata import SequenceSlice, build_attention_metadata
 from services.worker.models.weight_loader import load_model
 from services.worker.parallel.rank_context import RankContext, threads_per_rank
+from services.worker.parallel.tp_group import TpGroup
 from services.worker.spec_decode.draft_loader import DraftModel, load_draft
 
 log = get_logger(__name__)
@@ -165,6 +166,11 @@ def wants_packed_weights(config: WorkerConfig, model: torch.nn.Module, device) -
 MEASURE_WAIT_S = 180.0
 
 
+def expert_parallel(tp: TpGroup, config: WorkerConfig) -> TpGroup:
+    """The rank's group, splitting experts whole over it when the worker is told to."""
+    return replace(tp, expert_parallel=config.enable_expert_parallel)
+
+
 def pack_taking_turns(config: WorkerConfig, model, device):
     """`model.pack_weights`, holding the host's compute lock: `auto` times the products at
     load, and two workers timing theirs at once on shared cores measure each other (seen:
@@ -210,7 +216,8 @@ def load_worker(
         )
     model, model_config = load_model(
         config.model, dtype=dtype, device=device, attention=backend,
-        tp=None if ranks is None else ranks.tp, stage=None if ranks is None else ranks.stage,
+        tp=None if ranks is None else expert_parallel(ranks.tp, config),
+        stage=None if ranks is None else ranks.stage,
         # LoRA wraps dense weights: quantized layers are dequantized for it.
         quantized_matmul="dense" if config.enable_lora else config.quantized_matmul,
     )  # fmt: skip

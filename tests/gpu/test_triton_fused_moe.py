@@ -227,3 +227,21 @@ def test_rejects_bad_arguments() -> None:
         fused_moe(x, gate_up, down, weights, ids, block_m=24)
     with pytest.raises(ValueError, match="dtype"):
         fused_moe(x.double(), gate_up.double(), down.double(), weights, ids)
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_a_moe_layer_on_the_gpu_runs_the_kernel_and_equals_hf(kind) -> None:
+    """`moe.SparseMoeBlock` on a CUDA device routes through this kernel (the CPU path is
+    `fused_experts`), and its output equals HF's block on the same device."""
+    from tests.unit.test_moe import HIDDEN, hf_block, ours_like
+
+    block, moe = hf_block(kind, 8, 2, True, seed=21)
+    ours = ours_like(block, moe, kind, transposed=False).to("cuda")
+    block = block.to("cuda")
+    x = torch.randn(19, HIDDEN, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    with torch.no_grad():
+        want = block(x)
+        want = want[0] if isinstance(want, tuple) else want
+        got = ours(x)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

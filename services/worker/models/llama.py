@@ -190,7 +190,7 @@ class DecoderLayer(nn.Module):
         if config.moe is not None and config.is_moe_layer(layer):
             self.mlp = SparseMoeBlock(
                 config.hidden_size, config.moe, len(shard.expert_inner), dtype, tp,
-                float32_weights=config.architecture == "mixtral",
+                float32_weights=config.architecture == "mixtral", experts=shard.experts,
             )  # fmt: skip
         else:
             self.mlp = MLP(config, dtype, shard, tp)

@@ -23,13 +23,19 @@ views of those stacked weights, so `LlamaForCausalLM.pack_weights` packs them wi
 layers, in the format and for the row counts its plan names (issue 43: on the 2-core EPYC a
 c16 decode step of qwen3-moe-tiny took 25 -> 11 ms with Tandem's panels in the huge-page
 arena, the experts' part of it 17 -> 6 ms: `bench.moe_step`).
-Elsewhere, or unmerged, the products are plain torch ones (`torch.mm`, or `F.linear` in
-HF's layout). The routing weights scale all grouped rows in one product after the loop.
+On a GPU the layer runs `kernels.fused_moe` (Triton: one grouped GEMM over every expert's
+tokens for gate/up, one for down; tested under the interpreter only so far). Unmerged on
+CPU, the products are plain torch ones (`torch.mm`, or `F.linear` in HF's layout). The
+routing weights scale all grouped rows in one product after the loop.
 
 Tensor parallelism: each rank holds every expert's slice of the inner dimension (rows of
 gate/up, columns of down, as the dense MLP) and the whole router, so every rank routes
 every token the same way; the block's partial output is summed over the group with one
-all-reduce, as the dense MLP's is. Expert parallelism is not implemented.
+all-reduce, as the dense MLP's is. Expert parallelism (`--enable-expert-parallel`, vLLM's
+flag): each rank holds 1/size of the experts whole instead, routes every token (the router
+is whole), computes the assignments to its own experts only and skips the rest; the same
+all-reduce then sums each token's experts from every rank (the combine; the dispatch is
+free since every rank already has every token: attention is tensor-parallel).
 """
 
 from __future__ import annotations
@@ -67,17 +73,28 @@ def fused_experts(
     experts: torch.Tensor,
     transposed: bool,
     projections: Sequence[tuple[MergedLinear, MergedLinear]] | None = None,
+    first_expert: int | None = None,
 ) -> torch.Tensor:
     """`sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))` over `e = experts[t, j]`,
     for every token `t` of `x` `[T, H]`. `gate_up` / `down`: every expert's matrices, stacked,
     as HF stores them (`[E, 2I, H]`, `[E, H, I]`) or, `transposed`, as `[E, H, 2I]`,
     `[E, I, H]`. `projections`: per expert, its (gate/up, down) layers over those transposed
     matrices, which may hold packed copies (`ExpertProjection`); they then run the products.
-    The products run in `x`'s dtype; the scaled rows are cast back to it."""
+    The products run in `x`'s dtype; the scaled rows are cast back to it. With expert
+    parallelism the stacked matrices are experts `first_expert ..` only (None: every expert):
+    the assignments to other experts are skipped (another rank computes them; the group's
+    sum adds them)."""
     num_tokens, top_k = experts.shape
+    held = gate_up.shape[0]
     flat = experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # assignments grouped by expert, in token order
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    if first_expert is not None:
+        picked = ((flat >= first_expert) & (flat < first_expert + held)).nonzero().squeeze(1)
+        local = flat.index_select(0, picked) - first_expert
+        order = picked.index_select(0, torch.argsort(local, stable=True))
+        counts = torch.bincount(local, minlength=held).tolist()
+    else:
+        order = torch.argsort(flat, stable=True)  # assignments grouped by expert, in order
+        counts = torch.bincount(flat, minlength=held).tolist()
     tokens = order // top_k  # the token of each grouped assignment
     rows = x.index_select(0, tokens)
     out = torch.empty_like(rows)
@@ -124,10 +141,19 @@ class ExpertProjection(MergedLinear):
 
 
 class Experts(nn.Module):
-    """One layer's experts, stacked (this rank's slice of their inner dimension)."""
+    """One layer's experts, stacked: those this rank holds (`first_expert` onwards; None: all
+    of them), each's inner dimension or this rank's slice of it."""
 
-    def __init__(self, num_experts: int, hidden: int, inner: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        inner: int,
+        dtype: torch.dtype,
+        first_expert: int | None = None,
+    ) -> None:
         super().__init__()
+        self.first_expert = first_expert
         self.gate_up_proj = nn.Parameter(
             torch.empty(num_experts, 2 * inner, hidden, dtype=dtype), requires_grad=False
         )
@@ -156,6 +182,12 @@ class Experts(nn.Module):
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     ) -> torch.Tensor:
+        if x.device.type == "cuda":  # one grouped-GEMM launch per projection (Triton)
+            from kernels.fused_moe import fused_moe
+
+            offset = self.first_expert or 0
+            return fused_moe(x, self.gate_up_proj, self.down_proj, weights, experts,
+                             expert_offset=offset)  # fmt: skip
         return fused_experts(
             x,
             self.gate_up_proj,
@@ -164,14 +196,16 @@ class Experts(nn.Module):
             experts,
             self.transposed,
             self.projections,
+            self.first_expert,
         )
 
 
 class SparseMoeBlock(nn.Module):
     """Router plus experts: HF's `MixtralSparseMoeBlock` / `Qwen3MoeSparseMoeBlock` over a
-    flat `[T, hidden]` batch. `inner`: this rank's slice of the expert inner size.
-    `float32_weights`: scale expert outputs by the float32 routing weights (Mixtral) rather
-    than by the weights cast to the activations' dtype (Qwen3-MoE)."""
+    flat `[T, hidden]` batch. `inner`: this rank's slice of the expert inner size; `experts`:
+    the experts this rank holds (None: all). `float32_weights`: scale expert outputs by the
+    float32 routing weights (Mixtral) rather than by the weights cast to the activations'
+    dtype (Qwen3-MoE)."""
 
     def __init__(
         self,
@@ -181,13 +215,16 @@ class SparseMoeBlock(nn.Module):
         dtype: torch.dtype,
         tp: TpGroup | None = None,
         float32_weights: bool = False,
+        experts: range | None = None,
     ) -> None:
         super().__init__()
         self.tp = tp or TpGroup()
         self.top_k, self.renormalize = moe.num_experts_per_tok, moe.norm_topk_prob
         self.float32_weights = float32_weights
         self.gate = nn.Linear(hidden, moe.num_experts, bias=False, dtype=dtype)
-        self.experts = Experts(moe.num_experts, hidden, inner, dtype)
+        held = range(moe.num_experts) if experts is None else experts
+        first = None if len(held) == moe.num_experts else held.start
+        self.experts = Experts(len(held), hidden, inner, dtype, first)
 
     def merge_projections(self) -> None:
         self.experts.merge_projections()

@@ -1,7 +1,8 @@
 """One tensor-parallel rank's slice of each checkpoint weight, by its Hugging Face name:
 q/k/v rows of the rank's heads, o_proj columns of its query heads, gate/up rows and
-down_proj columns of its inner slice (and every expert's, of the stacked
-`experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I]; the router is whole),
+down_proj columns of its inner slice (and of the stacked `experts.gate_up_proj` [E, 2I, H]
+and `experts.down_proj` [E, H, I], the rank's experts, each's inner slice: every expert
+and a slice of each, or with expert parallelism some experts whole; the router is whole),
 embedding and LM-head rows of its vocabulary (padded with zero rows to the same count on
 every rank); norms are whole on every rank. A row-parallel layer's bias (o_proj's in Llama
 with attention_bias) is kept by rank 0 only: the all-reduce after the layer adds it once."""
@@ -46,6 +47,8 @@ def _slice(name: str, tensor: torch.Tensor, config: ModelConfig, shard: TpShard)
         return _rows(tensor, shard.inner)
     if module == "down_proj":
         return _cols(tensor, shard.inner)
+    if module == "experts":  # this rank's experts, whole or not
+        tensor = tensor[shard.experts.start : shard.experts.stop]
     if module == "experts" and kind == "gate_up_proj":  # [E, gate rows + up rows, H]
         gate, up = tensor.chunk(2, dim=1)
         return torch.cat([_cols(gate, shard.expert_inner), _cols(up, shard.expert_inner)], 1)
