@@ -1,7 +1,9 @@
 """Mixture-of-experts models (Mixtral, Qwen3-MoE) through the real services, checked against
-HF `generate`: one disaggregated stack per architecture (a prefill and a decode worker) with
-a 16-token step budget, so every longer prompt is computed in chunks whose KV then moves to
-the decode worker; concurrent requests share steps (experts see batches of several tokens,
+HF `generate`: one disaggregated stack per architecture (a prefill worker, and a decode
+worker of two ranks: tensor-parallel experts for Mixtral, each expert's inner dimension
+split; expert-parallel for Qwen3-MoE, half the experts whole on each rank) with a 16-token
+step budget, so every longer prompt is computed in chunks whose KV then moves to the decode
+worker's ranks, a layout other than the prefill worker's; concurrent requests share steps (experts see batches of several tokens,
 some experts none), a repeated prompt hits the prefix cache. And a worker given a checkpoint
 whose experts Tandem does not compute exits with one line naming the field.
 """
@@ -18,6 +20,7 @@ import pytest
 from services.stack.launcher import ROOT
 from tests.hf_reference import hf_greedy, hf_tokenizer
 from tests.service.test_e2e import run_concurrently
+from tests.service.test_e2e_tensor_parallel import peer_ranks
 from tests.stack_client import generate, greedy_request, wait_until_idle
 
 STEP_BUDGET = 16
@@ -34,6 +37,12 @@ PROMPTS = [
 ]
 
 
+DECODE_RANKS = {
+    "mixtral": ["--tensor-parallel-size", "2"],
+    "qwen3_moe": ["--tensor-parallel-size", "2", "--enable-expert-parallel"],
+}
+
+
 @pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
 def moe_stack(request, module_stacks):
     """(checkpoint folder, its stack): one stack per architecture, for the whole module."""
@@ -44,7 +53,7 @@ def moe_stack(request, module_stacks):
         name=request.param,
         extra_args={
             "prefill": model,
-            "decode": model,
+            "decode": model + DECODE_RANKS[request.param],
             "scheduler": ["--max-num-batched-tokens", str(STEP_BUDGET)],
         },
     )
@@ -56,6 +65,8 @@ def test_concurrent_chunked_prompts_equal_hf_greedy(moe_stack) -> None:
     tokenizer = hf_tokenizer(str(folder))
     work = [(tokenizer.encode(text), max_tokens) for text, max_tokens in PROMPTS]
     assert max(len(p) for p, _ in work) > 2 * STEP_BUDGET  # chunked in 3 steps or more
+    decode_workers = [p.name for p in stack.processes if p.name.startswith("decode-")]
+    assert [len(peer_ranks(stack, w)) for w in decode_workers] == [1]  # two ranks
     before = {p.worker_id: p for p in wait_until_idle(stack).pools}
     results = run_concurrently(stack.spec.gateway_address, work)
     for (prompt, max_tokens), got in zip(work, results, strict=True):
