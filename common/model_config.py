@@ -5,7 +5,8 @@
 llama-family models (llama, mistral, qwen2, qwen3) and their mixture-of-experts relatives
 (mixtral: mistral's attention; qwen3_moe: qwen3's; experts described by
 `common.moe_config.MoeConfig`) with default, linear, llama3, yarn, dynamic or longrope
-RoPE (`common.rope_config`).
+RoPE (`common.rope_config`), and Gemma 2 / Gemma 3 text (gemma2, gemma3_text: their own
+norms, scales, soft-caps and local RoPE in `common.gemma_config.GemmaConfig`).
 Anything outside that is rejected here with a `ValueError`, before any weights are read.
 Both the transformers-v5 layout (`rope_parameters`) and the legacy v4 layout (`rope_theta` +
 `rope_scaling`) are accepted. Pure Python: no torch import, so the gateway and scheduler can
@@ -21,11 +22,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.gemma_config import (
+    GEMMA_ARCHITECTURES,
+    GemmaConfig,
+    global_rope_raw,
+    parse_gemma,
+    with_defaults,
+)
 from common.moe_config import MoeConfig, parse_moe
 from common.rope_config import parse_rope, validate_rope_scaling
 from common.sliding_window import parse_layer_windows
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+SUPPORTED_ARCHITECTURES = (
+    "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text",
+)  # fmt: skip
 _QWEN3_DEFAULT_HEAD_DIM = 128  # Qwen3Config's own default when config.json has no head_dim
 
 
@@ -55,6 +65,7 @@ class ModelConfig:
     moe: MoeConfig | None = None  # routed experts (mixtral, qwen3_moe); None: dense
     # Each layer's sliding window (`common.sliding_window`); None: every layer attends fully.
     layer_windows: tuple[int | None, ...] | None = None
+    gemma: GemmaConfig | None = None  # gemma2, gemma3_text; None: llama family
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -142,6 +153,8 @@ class ModelConfig:
                 f"unsupported model_type {architecture!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if architecture in GEMMA_ARCHITECTURES:
+            raw = with_defaults(raw, architecture)  # the config classes' defaults
         _reject_unsupported_features(raw, architecture)
 
         hidden_size = _required_int(raw, "hidden_size")
@@ -159,7 +172,7 @@ class ModelConfig:
                 )
             else:
                 head_dim = hidden_size // num_heads
-        rope_theta, rope_scaling = parse_rope(raw, max_positions)
+        rope_theta, rope_scaling = parse_rope(global_rope_raw(raw, architecture), max_positions)
 
         generation = generation_config or {}
         eos = generation.get("eos_token_id")
@@ -185,12 +198,13 @@ class ModelConfig:
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=_attention_bias(raw, architecture),
-            qk_norm=architecture in ("qwen3", "qwen3_moe"),
+            qk_norm=architecture in ("qwen3", "qwen3_moe", "gemma3_text"),
             eos_token_ids=_token_ids(eos),
             bos_token_id=bos if bos is None else int(bos),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             moe=parse_moe(raw, architecture),
             layer_windows=parse_layer_windows(raw, architecture),
+            gemma=parse_gemma(raw, architecture),
         )
 
 
@@ -229,8 +243,8 @@ def _token_ids(value: Any) -> tuple[int, ...]:
 
 
 def _attention_bias(raw: Mapping[str, Any], architecture: str) -> bool:
-    """qwen2 always biases q/k/v; mistral and mixtral never bias; llama, qwen3 and qwen3_moe
-    follow `attention_bias`."""
+    """qwen2 always biases q/k/v; mistral and mixtral never bias; llama, qwen3, qwen3_moe and
+    the Gemmas follow `attention_bias`."""
     if architecture == "qwen2":
         return True
     if architecture in ("mistral", "mixtral"):
@@ -239,8 +253,8 @@ def _attention_bias(raw: Mapping[str, Any], architecture: str) -> bool:
 
 
 def _reject_unsupported_features(raw: Mapping[str, Any], architecture: str) -> None:
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
+    act = raw.get("hidden_act", "silu")  # (Gemma's is hidden_activation: common.gemma_config)
+    if act != "silu" and architecture not in GEMMA_ARCHITECTURES:
         raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is supported")
     if raw.get("mlp_bias"):
         raise ValueError("mlp_bias=true is not supported")

@@ -7,6 +7,9 @@ Hugging Face `config.json` exactly as transformers v5 reads it.
 - qwen2, qwen3: with `use_sliding_window`, `layer_types` names each layer
   ("sliding_attention" / "full_attention"); without it, layers `i >= max_window_layers` are
   windowed;
+- gemma2, gemma3_text: `layer_types` names each layer; without it, Gemma 2 windows every
+  other layer from layer 0 and Gemma 3 all but every `sliding_window_pattern`-th (default 6;
+  `gemma_layer_types`);
 - llama: never windowed.
 
 A window of W (HF's `sliding_window`) lets the query at position p see keys at positions
@@ -39,9 +42,26 @@ def parse_layer_windows(raw: Mapping[str, Any], architecture: str) -> tuple[int 
         if not raw.get("use_sliding_window"):
             return None
         windows = _qwen_layer_windows(raw, window, num_layers)
+    elif architecture in ("gemma2", "gemma3_text"):
+        layer_types = gemma_layer_types(raw, architecture, num_layers)
+        windows = [window if t == SLIDING else None for t in layer_types]
     else:
         return None
     return tuple(windows) if any(w is not None for w in windows) else None
+
+
+def gemma_layer_types(raw: Mapping[str, Any], architecture: str, num_layers: Any) -> list[str]:
+    """Each layer's type as `Gemma2Config` / `Gemma3TextConfig` set it: `layer_types`, else
+    Gemma 2's sliding layers 0, 2, 4, ... and Gemma 3's every layer but each
+    `sliding_window_pattern`-th."""
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers <= 0:
+        raise ValueError(f"num_hidden_layers must be a positive integer, got {num_layers!r}")
+    if raw.get("layer_types") is not None:
+        return _checked_layer_types(raw["layer_types"], num_layers)
+    pattern = 2 if architecture == "gemma2" else raw.get("sliding_window_pattern", 6)
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern <= 0:
+        raise ValueError(f"sliding_window_pattern must be a positive integer, got {pattern!r}")
+    return [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
 
 
 def _qwen_layer_windows(raw: Mapping[str, Any], window: int, num_layers: int) -> list[int | None]:
@@ -49,6 +69,10 @@ def _qwen_layer_windows(raw: Mapping[str, Any], window: int, num_layers: int) ->
     if layer_types is None:
         first = raw.get("max_window_layers", 28)  # Qwen2Config's / Qwen3Config's default
         return [window if i >= first else None for i in range(num_layers)]
+    return [window if t == SLIDING else None for t in _checked_layer_types(layer_types, num_layers)]
+
+
+def _checked_layer_types(layer_types: Any, num_layers: int) -> list[str]:
     if not isinstance(layer_types, list | tuple) or len(layer_types) != num_layers:
         raise ValueError(
             f"layer_types must list one type per layer ({num_layers}), got {layer_types!r}"
@@ -56,4 +80,4 @@ def _qwen_layer_windows(raw: Mapping[str, Any], window: int, num_layers: int) ->
     unknown = sorted({t for t in layer_types if t not in (SLIDING, FULL)})
     if unknown:
         raise ValueError(f"unsupported layer_types {unknown}; supported: {SLIDING}, {FULL}")
-    return [window if t == SLIDING else None for t in layer_types]
+    return list(layer_types)

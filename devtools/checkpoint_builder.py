@@ -7,7 +7,11 @@ wider init than usual (and non-trivial norm weights and biases) so that logits a
 uniform and greedy decoding does not collapse onto one token. The result is an ordinary HF
 folder that both transformers and Tandem's loader read. Mixture-of-experts architectures
 (mixtral, qwen3_moe) get `TINY_MOE` experts unless `moe=` overrides its fields; the tiny
-qwen3_moe keeps layer 0 dense (`mlp_only_layers`), so both kinds of layer run.
+qwen3_moe keeps layer 0 dense (`mlp_only_layers`), so both kinds of layer run. Gemma 2 /
+Gemma 3 text keep their config classes' defaults (soft-caps, `query_pre_attn_scalar`,
+alternating sliding layers), Gemma 3 with its own RoPE thetas per layer type (a
+`rope_scaling` applies to its full layers); their norm weights (applied as 1 + w) are
+perturbed around 0.
 
 CLI: `python -m devtools.checkpoint_builder --out DIR [--arch llama] [--tiny]`.
 """
@@ -28,7 +32,10 @@ ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 CORPUS_PATH = ASSETS_DIR / "corpus.txt"
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"
 DEFAULT_MODEL_NAME = "tandem-tiny-llama"
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+SUPPORTED_ARCHITECTURES = (
+    "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text",
+)  # fmt: skip
+GEMMA = ("gemma2", "gemma3_text")
 # The experts of a tiny MoE checkpoint (each architecture keeps the fields it has).
 TINY_MOE: dict[str, dict[str, Any]] = {
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
@@ -117,12 +124,15 @@ def build_checkpoint(
     save_original_format: bool = True,
     sliding_window: int | None = None,
     max_window_layers: int = 0,
+    config_overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Write a complete random-weight HF checkpoint folder and return its path. `moe`:
     fields over `TINY_MOE[architecture]` (MoE architectures only); `save_original_format`
     False writes transformers v5's fused expert tensors instead of one per expert.
     `sliding_window`: every layer windowed (mistral, mixtral, qwen3_moe), or, for qwen2 and
-    qwen3, `use_sliding_window` with layers from `max_window_layers` on windowed."""
+    qwen3, `use_sliding_window` with layers from `max_window_layers` on windowed; for the
+    Gemmas, the window of their sliding layers. `config_overrides`: any other config fields
+    (e.g. Gemma's `layer_types`, soft-caps)."""
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"unsupported architecture {architecture!r}; "
@@ -162,7 +172,7 @@ def build_checkpoint(
         head_dim=hidden_size // num_attention_heads,
         vocab_size=vocab_size,
         max_position_embeddings=max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, **(rope_scaling or {})},
+        rope_parameters=_rope_parameters(architecture, rope_scaling),
         tie_word_embeddings=tie_word_embeddings,
         initializer_range=INITIALIZER_RANGE,
         bos_token_id=bos_id,
@@ -170,6 +180,7 @@ def build_checkpoint(
         pad_token_id=pad_id,
         **{**TINY_MOE.get(architecture, {}), **(moe or {})},
         **_window_fields(architecture, sliding_window, max_window_layers),
+        **(config_overrides or {}),
     )
     model = _random_model(config, seed).to(dtype)
     save_kwargs: dict[str, Any] = {"save_original_format": save_original_format}
@@ -194,6 +205,8 @@ def _hf_config(architecture: str, **kwargs: Any) -> Any:
         "qwen3": transformers.Qwen3Config,
         "mixtral": transformers.MixtralConfig,
         "qwen3_moe": transformers.Qwen3MoeConfig,
+        "gemma2": transformers.Gemma2Config,
+        "gemma3_text": transformers.Gemma3TextConfig,
     }
     extra: dict[str, Any] = {}
     if architecture in ("mistral", "mixtral"):
@@ -214,6 +227,8 @@ def _window_fields(architecture: str, window: int | None, max_window_layers: int
         return {"sliding_window": window}
     if architecture == "qwen3_moe":
         return {"use_sliding_window": True, "sliding_window": window}
+    if architecture in GEMMA:
+        return {"sliding_window": window}
     if architecture in ("qwen2", "qwen3"):
         return {
             "use_sliding_window": True,
@@ -223,16 +238,29 @@ def _window_fields(architecture: str, window: int | None, max_window_layers: int
     raise ValueError(f"{architecture} has no sliding window")
 
 
+def _rope_parameters(architecture: str, scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """Gemma 3's per layer type (its config class's thetas, `scaling` on the full layers);
+    every other architecture's one dict."""
+    if architecture == "gemma3_text":
+        return {
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6, **(scaling or {})},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        }
+    return {"rope_type": "default", "rope_theta": 10000.0, **(scaling or {})}
+
+
 def _random_model(config: Any, seed: int) -> torch.nn.Module:
-    """HF model with seeded random weights; norms and biases perturbed away from 1 and 0."""
+    """HF model with seeded random weights; norms and biases perturbed away from 1 and 0
+    (Gemma's norms, which scale by 1 + weight, away from 0)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
+    norm_base = 0.0 if config.model_type in GEMMA else 1.0
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+                param.copy_(norm_base + 0.1 * torch.randn_like(param))
             elif name.endswith(".bias"):
                 param.copy_(0.1 * torch.randn_like(param))
     return model

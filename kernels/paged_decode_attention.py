@@ -22,7 +22,9 @@ the grid and the scratch shapes depend only on tensor shapes and those ints, and
 sequence's true length is read from `seq_lens` inside the kernel. Tiles and splits beyond a
 sequence's length load nothing and are masked. With a sliding window W (`window`) the
 splits cut the last W positions instead of the whole context (`WINDOWED` compiles apart).
-`max_seq_len` only steers the split heuristic (it may be any upper bound, e.g. the
+A score soft-cap c (`softcap`, Gemma 2; `SOFTCAP` compiles apart) turns each score s into
+c * tanh(s / c) before the softmax (`triton_utils.soft_cap`, in log2 units: both scaled by
+log2(e)). `max_seq_len` only steers the split heuristic (it may be any upper bound, e.g. the
 model's context length); without it the bound
 `block_tables.shape[1] * block_size` is used, so even the defaults never synchronise.
 For the same reason tensor values are not validated (the torch reference does): each
@@ -39,9 +41,11 @@ from kernels.triton_utils import (
     FP8,
     LOG2E,
     check_paged_args,
+    check_softcap,
     dot_config,
     kv_block_slot,
     num_sms,
+    soft_cap,
 )
 
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost (query load, partial write) shows
@@ -61,6 +65,7 @@ def _paged_decode_kernel(
     qk_scale,
     num_splits,
     window,
+    softcap,
     stride_qs,
     stride_qh,
     stride_qd,
@@ -85,6 +90,7 @@ def _paged_decode_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -126,8 +132,10 @@ def _paged_decode_kernel(
         k = tl.load(
             k_head + (block * stride_kb + slot * stride_ks)[:, None], mask=kv_mask, other=0.0
         )
-        scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
-        scores = tl.where(key_mask[None, :], scores * qk_scale, float("-inf"))
+        scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP:
+            scores = soft_cap(scores, softcap)
+        scores = tl.where(key_mask[None, :], scores, float("-inf"))
         # Every tile holds at least one valid key (tile_start < end), so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -233,9 +241,11 @@ def paged_decode_attention(
     num_splits: int | None = None,
     max_seq_len: int | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one new query per sequence over its paged context (incl. itself);
-    with a sliding `window` W, over its last W positions only.
+    with a sliding `window` W, over its last W positions only; with a `softcap` c, of the
+    scores c * tanh(s / c).
 
     `query` `[S, q_heads, head_dim]`; caches `[num_blocks, block_size, kv_heads, head_dim]`
     (strided views allowed, head_dim contiguous or not; the query's dtype or float8_e4m3fn);
@@ -260,6 +270,7 @@ def paged_decode_attention(
         raise ValueError(f"window must be a positive int or None, got {window!r}")
     if window is not None and window < 1:
         raise ValueError(f"window must be a positive int or None, got {window!r}")
+    check_softcap(softcap)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_seqs == 0:
         return out
@@ -292,6 +303,7 @@ def paged_decode_attention(
         scale * LOG2E,
         num_splits,
         window or 0,
+        (softcap or 1.0) * LOG2E,
         *query.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
@@ -308,6 +320,7 @@ def paged_decode_attention(
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=precision,
         WINDOWED=window is not None,
+        SOFTCAP=softcap is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

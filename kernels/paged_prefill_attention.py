@@ -21,6 +21,9 @@ on shapes and `max_query_len`; no tensor value is read on the host. Values are t
 validated (the torch reference does): `max_query_len` must bound every sequence's q_len,
 `q_len <= seq_len`, and each context must fit its block-table row.
 
+A score soft-cap c (`softcap`, Gemma 2; `SOFTCAP` compiles apart) turns each score s into
+c * tanh(s / c) before masking and the softmax (`triton_utils.soft_cap`, in log2 units).
+
 An fp8 (float8_e4m3fn) cache is read as stored and each K/V tile upcast in registers to the
 `tl.dot` operand dtype (the query's 16-bit dtype, exactly, or fp32); the kernel compiles
 separately per cache dtype, so other dtypes run unchanged.
@@ -32,7 +35,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_utils import FP8, LOG2E, check_paged_args, dot_config, kv_block_slot
+from kernels.triton_utils import (
+    FP8,
+    LOG2E,
+    check_paged_args,
+    check_softcap,
+    dot_config,
+    kv_block_slot,
+    soft_cap,
+)
 
 
 @triton.jit
@@ -46,6 +57,7 @@ def _paged_prefill_kernel(
     out_ptr,
     qk_scale,
     window,
+    softcap,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -71,6 +83,7 @@ def _paged_prefill_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     # Heaviest tiles (last queries: longest key range) first, for better load balance.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -134,6 +147,8 @@ def _paged_prefill_kernel(
         else:
             k = tl.load(k_head + k_offsets, mask=dim_mask[None, :], other=0.0)
         scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP:
+            scores = soft_cap(scores, softcap)
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
@@ -156,6 +171,8 @@ def _paged_prefill_kernel(
             k_head + (block * stride_kb + slot * stride_ks)[:, None], mask=kv_mask, other=0.0
         )
         scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP:
+            scores = soft_cap(scores, softcap)
         visible = (pos[None, :] <= q_pos[:, None]) & key_mask[None, :]
         if WINDOWED:
             visible = visible & (pos[None, :] > q_pos[:, None] - window)
@@ -217,9 +234,11 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of a varlen batch of new tokens over their paged context; with a
-    sliding `window` W, query position p sees keys p - W < k <= p only.
+    sliding `window` W, query position p sees keys p - W < k <= p only; with a `softcap` c,
+    the scores are c * tanh(s / c).
 
     `query` `[T, q_heads, head_dim]`; caches `[num_blocks, block_size, kv_heads, head_dim]`
     (strided views allowed; the query's dtype or float8_e4m3fn); `block_tables` int
@@ -243,6 +262,7 @@ def paged_prefill_attention(
         raise ValueError(f"window must be a positive int or None, got {window!r}")
     if window is not None and window < 1:
         raise ValueError(f"window must be a positive int or None, got {window!r}")
+    check_softcap(softcap)
     if max_query_len > query.shape[0]:
         raise ValueError(f"max_query_len {max_query_len} > number of query rows {query.shape[0]}")
     num_tokens, num_q_heads, head_dim = query.shape
@@ -270,6 +290,7 @@ def paged_prefill_attention(
         out,
         scale * LOG2E,
         window or 0,
+        (softcap or 1.0) * LOG2E,
         *query.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
@@ -287,6 +308,7 @@ def paged_prefill_attention(
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=precision,
         WINDOWED=window is not None,
+        SOFTCAP=softcap is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

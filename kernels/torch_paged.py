@@ -75,6 +75,7 @@ def paged_attention(
     seq_lens: Sequence[int],
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of a varlen batch of new tokens over their paged context.
 
@@ -84,8 +85,9 @@ def paged_attention(
     `seq_len - q_len + j` and sees keys at positions up to its own (with a sliding `window`
     W, only those above its own minus W: W positions, as Hugging Face's
     `sliding_window_overlay`). Query head `h` reads KV
-    head `h // (q_heads // kv_heads)`. Scores and softmax run in float32; the result is
-    `[T, q_heads, head_dim]` in the query's dtype.
+    head `h // (q_heads // kv_heads)`. With a `softcap` c (Gemma 2), a score s becomes
+    c * tanh(s / c) before masking, as Hugging Face's eager attention does. Scores and
+    softmax run in float32; the result is `[T, q_heads, head_dim]` in the query's dtype.
     """
     starts = [int(x) for x in query_start_loc]
     lens = [int(x) for x in seq_lens]
@@ -97,13 +99,14 @@ def paged_attention(
     decodes = [i for i, n in enumerate(q_lens) if n == 1]
     if decodes:
         _decode_batch(
-            query, k_cache, v_cache, block_tables, starts, lens, decodes, scale, out, window
-        )
+            query, k_cache, v_cache, block_tables, starts, lens, decodes, scale, out, window,
+            softcap,
+        )  # fmt: skip
     for i, q_len in enumerate(q_lens):
         if q_len > 1:
             _prefill_one(
                 query, k_cache, v_cache, block_tables[i], starts[i], q_len, lens[i], scale, out,
-                window,
+                window, softcap,
             )  # fmt: skip
     return out
 
@@ -114,7 +117,16 @@ def _grouped(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return query.float().reshape(*lead, num_kv_heads, q_heads // num_kv_heads, head_dim)
 
 
-def _decode_batch(query, k_cache, v_cache, block_tables, starts, lens, seqs, scale, out, window):
+def capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma 2's soft-cap of attention scores, in Hugging Face's steps (None: as they are)."""
+    if softcap is None:
+        return scores
+    return torch.tanh(scores / softcap) * softcap
+
+
+def _decode_batch(
+    query, k_cache, v_cache, block_tables, starts, lens, seqs, scale, out, window, softcap
+):
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     device = k_cache.device
     rows = torch.tensor([starts[i] for i in seqs], device=query.device)
@@ -128,7 +140,7 @@ def _decode_batch(query, k_cache, v_cache, block_tables, starts, lens, seqs, sca
     padding = torch.arange(keys.shape[1], device=device)[None, :] >= seq_lens[:, None]
     values = values.masked_fill(padding[:, :, None, None], 0.0)  # padded slots may hold NaN
     q = _grouped(query[rows], num_kv_heads)  # [n, kv_heads, group, d]
-    scores = torch.einsum("nhgd,nkhd->nhgk", q, keys) * scale
+    scores = capped(torch.einsum("nhgd,nkhd->nhgk", q, keys) * scale, softcap)
     hidden = padding
     if window is not None:  # the query sits at seq_len - 1
         k_pos = torch.arange(keys.shape[1], device=device)[None, :]
@@ -139,14 +151,16 @@ def _decode_batch(query, k_cache, v_cache, block_tables, starts, lens, seqs, sca
     out[rows] = result.reshape(len(seqs), -1, head_dim).to(query.dtype)
 
 
-def _prefill_one(query, k_cache, v_cache, table, start, q_len, seq_len, scale, out, window):
+def _prefill_one(
+    query, k_cache, v_cache, table, start, q_len, seq_len, scale, out, window, softcap
+):
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     num_blocks = -(-seq_len // block_size)
     blocks = table[:num_blocks].to(device=k_cache.device, dtype=torch.long)
     keys = k_cache.index_select(0, blocks).reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
     values = v_cache.index_select(0, blocks).reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
     q = _grouped(query[start : start + q_len], num_kv_heads)  # [q, kv_heads, group, d]
-    scores = torch.einsum("qhgd,khd->hgqk", q, keys) * scale
+    scores = capped(torch.einsum("qhgd,khd->hgqk", q, keys) * scale, softcap)
     q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
     k_pos = torch.arange(seq_len, device=query.device)
     hidden = k_pos[None, :] > q_pos[:, None]

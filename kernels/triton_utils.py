@@ -1,7 +1,7 @@
 """Helpers shared by the Triton paged-attention kernels: argument validation for the paged
 K/V caches, the choice of `tl.dot` operand dtype and precision, the in-kernel block-table
-lookup that turns token positions into cache addresses, and the float -> fp8 (e4m3fn)
-rounding used when writing an fp8 cache.
+lookup that turns token positions into cache addresses, the scores' soft-cap (Gemma 2)
+and the float -> fp8 (e4m3fn) rounding used when writing an fp8 cache.
 
 Nothing here keeps state; every function is a pure function of its arguments.
 """
@@ -119,6 +119,23 @@ def kv_block_slot(block_table_row, pos, mask, BLOCK_SIZE: tl.constexpr):
     """
     block = tl.load(block_table_row + pos // BLOCK_SIZE, mask=mask, other=0).to(tl.int64)
     return block, (pos % BLOCK_SIZE).to(tl.int64)
+
+
+@triton.jit
+def soft_cap(scores, cap):
+    """cap * tanh(scores / cap), scores and cap in the same (log2) units. Triton has no
+    tanh that the interpreter runs too: tanh(x) = 1 - 2 / (e^2x + 1) (exact at both ends:
+    e^2x overflows to inf or underflows to 0; near 0 within float32's step at 1, ~6e-8,
+    times the cap)."""
+    e2x = tl.exp2(scores * (2.0 * 1.4426950408889634 / cap))
+    return cap * (1.0 - 2.0 / (e2x + 1.0))
+
+
+def check_softcap(softcap: float | None) -> None:
+    if softcap is None:
+        return
+    if isinstance(softcap, bool) or not isinstance(softcap, int | float) or not softcap > 0:
+        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
 
 
 @triton.jit

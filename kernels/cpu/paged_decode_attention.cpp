@@ -11,7 +11,9 @@
 // expf) for any cache dtype.
 // Only positions below the sequence length are read, so nothing needs masking; the rows
 // a few positions ahead are prefetched. A sliding window W > 0 (0: none) reads only the
-// last W positions [len - W, len): the query (at len - 1) and the W - 1 before it.
+// last W positions [len - W, len): the query (at len - 1) and the W - 1 before it. A score
+// soft-cap c > 0 (Gemma 2; 0: none) turns every score s into c * tanh(s / c) before the
+// softmax, as Hugging Face's eager attention does.
 //
 // Caches are the strided per-layer views [num_blocks, block_size, kv_heads, head_dim] of
 // the block-major pool (last dimension contiguous); float32, bfloat16 or float8 (e4m3fn).
@@ -147,7 +149,7 @@ inline float softmax_numerators(float* sc, int64_t len) {
 template <typename T>
 void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                    const at::Tensor& v_cache, const at::Tensor& block_tables,
-                   const at::Tensor& seq_lens, double scale, int64_t window) {
+                   const at::Tensor& seq_lens, double scale, int64_t window, double softcap) {
   const int64_t num_seqs = query.size(0);
   const int64_t num_heads = query.size(1);
   const int64_t head_dim = query.size(2);
@@ -166,6 +168,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
+  const float cap = static_cast<float>(softcap);
   // A work item is one sequence's KV heads [h0, h0 + span): whole sequences (each position's
   // keys of every head are one contiguous run) unless there are too few to keep every
   // thread busy, then single KV heads.
@@ -231,6 +234,9 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
           scores[h * len + pos] = dot;
         }
       }
+      if (cap > 0.0f) {
+        for (int64_t i = 0; i < heads * len; ++i) scores[i] = cap * std::tanh(scores[i] / cap);
+      }
       for (int64_t h = 0; h < heads; ++h) {
         total[h] = softmax_numerators(scores.data() + h * len, len);
       }
@@ -260,11 +266,13 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
 // out: float32 [n, heads, head_dim] (written); query: float32 [n, heads, head_dim];
 // caches: [num_blocks, block_size, kv_heads, head_dim] float32, bfloat16 or float8_e4m3fn;
 // block_tables: int64 [n, max_blocks]; seq_lens: int64 [n] (>= 1); window: the sliding
-// window (0: full attention).
+// window (0: full attention); softcap: the scores' tanh cap (0: none).
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, double scale, int64_t window) {
+                            const at::Tensor& seq_lens, double scale, int64_t window,
+                            double softcap) {
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
+  TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0 (0: none)");
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [n, H, D]");
   TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "query and out must be float32");
@@ -282,13 +290,14 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.is_contiguous() && seq_lens.size(0) == query.size(0),
               "seq_lens must be [n]");
   if (k_cache.scalar_type() == at::kFloat) {
-    decode_kernel<float>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, window);
+    decode_kernel<float>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, window,
+                         softcap);
   } else if (k_cache.scalar_type() == at::kBFloat16) {
     decode_kernel<at::BFloat16>(out, query, k_cache, v_cache, block_tables, seq_lens, scale,
-                                window);
+                                window, softcap);
   } else if (k_cache.scalar_type() == at::kFloat8_e4m3fn) {
     decode_kernel<c10::Float8_e4m3fn>(out, query, k_cache, v_cache, block_tables, seq_lens,
-                                      scale, window);
+                                      scale, window, softcap);
   } else {
     TORCH_CHECK(false, "caches must be float32, bfloat16 or float8_e4m3fn");
   }
@@ -298,7 +307,8 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor seq_lens, float scale, int window=0) -> ()");
+        "Tensor block_tables, Tensor seq_lens, float scale, int window=0, "
+        "float softcap=0.0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {

@@ -94,6 +94,33 @@ CASES: dict[str, str | dict] = {
         "seed": 6,
     },
     "qwen3_moe-window": {"architecture": "qwen3_moe", "sliding_window": 7, "seed": 7},
+    # Gemma 3 text: sliding / full / sliding layers (window 6), local RoPE (theta 1e4) on the
+    # sliding ones, linear-scaled global RoPE (theta 1e6) on the full one, q/k norms.
+    "gemma3": {
+        "architecture": "gemma3_text",
+        "num_hidden_layers": 3,
+        "sliding_window": 6,
+        "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+        "config_overrides": {
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]
+        },
+        "seed": 8,
+    },
+    # Gemma 2: the config class's soft-caps (50 / 30) and scale; and caps and a scale small
+    # enough that every score and logit is bent (1.0 / 3.0, query_pre_attn_scalar 8). (Tied
+    # random Gemmas repeat one token: tying is checked in test_gemma.py.)
+    "gemma2": {"architecture": "gemma2", "num_hidden_layers": 3, "sliding_window": 6, "seed": 9},
+    "gemma2-capped": {
+        "architecture": "gemma2",
+        "num_hidden_layers": 3,
+        "sliding_window": 6,
+        "config_overrides": {
+            "attn_logit_softcapping": 1.0,
+            "final_logit_softcapping": 3.0,
+            "query_pre_attn_scalar": 8,
+        },
+        "seed": 10,
+    },
 }
 
 

@@ -9,7 +9,9 @@ and attends. The Triton backend uses the decode kernel (split-KV) when every seq
 one new token — the shape CUDA graphs capture — and the prefill/extend kernel otherwise.
 
 `forward` takes the layer's sliding window (None: full attention; see
-`common.sliding_window`), which every backend's kernels honour.
+`common.sliding_window`) and its score soft-cap (Gemma 2's `attn_logit_softcapping`:
+scores become `softcap * tanh(scores / softcap)` before the softmax; None: none), which
+every backend's kernels honour.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -65,14 +68,15 @@ class CpuAttention:
         )
         return dataclasses.replace(meta, backend_plan=plan)
 
-    def forward(self, query, key, value, k_cache, v_cache, meta, scale, window=None):
+    def forward(self, query, key, value, k_cache, v_cache, meta, scale, window=None, softcap=None):
         plan = meta.backend_plan
         self._impl.write(key, value, k_cache, v_cache, plan)
-        return self._impl.attend(query, key, value, k_cache, v_cache, plan, scale, window)
+        return self._impl.attend(query, key, value, k_cache, v_cache, plan, scale, window, softcap)
 
     def forward_qkv(
-        self, qkv, num_heads, num_kv_heads, rope, k_cache, v_cache, meta, scale, window=None
-    ):
+        self, qkv, num_heads, num_kv_heads, rope, k_cache, v_cache, meta, scale, window=None,
+        softcap=None,
+    ):  # fmt: skip
         """`forward` from the merged projection's output, rotating its queries and keys in
         the same C++ call as the write; None where that call does not apply."""
         plan = meta.backend_plan
@@ -82,7 +86,7 @@ class CpuAttention:
         if written is None:
             return None
         query, key, value = written
-        return self._impl.attend(query, key, value, k_cache, v_cache, plan, scale, window)
+        return self._impl.attend(query, key, value, k_cache, v_cache, plan, scale, window, softcap)
 
 
 class TorchAttention:
@@ -98,7 +102,7 @@ class TorchAttention:
     def prepare(self, meta):
         return meta
 
-    def forward(self, query, key, value, k_cache, v_cache, meta, scale, window=None):
+    def forward(self, query, key, value, k_cache, v_cache, meta, scale, window=None, softcap=None):
         self._impl.reshape_and_cache(key, value, k_cache, v_cache, meta.slot_mapping)
         return self._impl.paged_attention(
             query,
@@ -109,6 +113,7 @@ class TorchAttention:
             meta.seq_lens,
             scale,
             window,
+            softcap,
         )
 
 
@@ -134,7 +139,7 @@ class TritonAttention:
     def prepare(self, meta):
         return meta
 
-    def forward(self, query, key, value, k_cache, v_cache, meta, scale, window=None):
+    def forward(self, query, key, value, k_cache, v_cache, meta, scale, window=None, softcap=None):
         self._write(key, value, k_cache, v_cache, meta.slot_mapping)
         if meta.is_pure_decode:
             return self._decode(
@@ -147,6 +152,7 @@ class TritonAttention:
                 num_splits=meta.decode_num_splits,
                 max_seq_len=meta.max_seq_len,
                 window=window,
+                softcap=softcap,
             )
         return self._prefill(
             query,
@@ -158,6 +164,7 @@ class TritonAttention:
             scale,
             max_query_len=meta.max_query_len,
             window=window,
+            softcap=softcap,
         )
 
 

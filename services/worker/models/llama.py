@@ -64,6 +64,7 @@ class Attention(nn.Module):
         super().__init__()
         self.backend = backend
         self.window = window  # sliding window (`common.sliding_window`); None: full
+        self.softcap: float | None = None  # tanh cap of the scores (Gemma 2); None: none
         self.tp = tp
         self.num_heads = len(shard.q_heads)
         self.num_kv_heads = len(shard.kv_heads)
@@ -122,7 +123,9 @@ class Attention(nn.Module):
         k_cache, v_cache = cache
         if self.kv_scales is not None and k_cache.element_size() == 1:
             return self._scaled(q, k, v, k_cache, v_cache, meta)
-        return self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.window)
+        return self.backend.forward(
+            q, k, v, k_cache, v_cache, meta, self.scale, self.window, softcap=self.softcap
+        )
 
     def _fused(self, qkv, rope, cache, meta) -> torch.Tensor | None:
         """Attention through the backend's fused rotate-and-write (CPU, float32), where it
@@ -134,7 +137,7 @@ class Attention(nn.Module):
         k_cache, v_cache = cache
         return fused(
             qkv, self.num_heads, self.num_kv_heads, rope, k_cache, v_cache, meta, self.scale,
-            self.window,
+            self.window, softcap=self.softcap,
         )  # fmt: skip
 
     def _scaled(self, q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
@@ -146,8 +149,9 @@ class Attention(nn.Module):
         group = self.num_heads // self.num_kv_heads
         q = q * k_scale.repeat_interleave(group, 0)
         out = self.backend.forward(
-            q, k / k_scale, v / v_scale, k_cache, v_cache, meta, self.scale, self.window
-        )
+            q, k / k_scale, v / v_scale, k_cache, v_cache, meta, self.scale, self.window,
+            softcap=self.softcap,
+        )  # fmt: skip
         return out * v_scale.repeat_interleave(group, 0)
 
 
@@ -212,7 +216,11 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embeddings, decoder stack and final norm (HF's `model.` prefix); a pipeline stage
     holds its own layers, the embedding if it is first (or last with a tied LM head) and
-    the norm if it is last."""
+    the norm if it is last. A family with its own layers and norm (`gemma.py`) subclasses
+    it with other `layer_class` / `norm_class`."""
+
+    layer_class: type[nn.Module] = DecoderLayer
+    norm_class: type[RMSNorm] = RMSNorm
 
     def __init__(
         self,
@@ -236,11 +244,13 @@ class LlamaModel(nn.Module):
             rows = torch.empty(shard.vocab_per_rank, config.hidden_size, dtype=dtype)
             self.embed_tokens = nn.Embedding(rows.shape[0], rows.shape[1], _weight=rows)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype, backend, shard, tp, layer)
+            self.layer_class(config, dtype, backend, shard, tp, layer)
             for layer in stage.layer_range(config.num_hidden_layers)
         )
         self.norm = (
-            RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if stage.is_last else None
+            self.norm_class(config.hidden_size, config.rms_norm_eps, dtype)
+            if stage.is_last
+            else None
         )
         self.rotary_emb = RotaryEmbedding(
             config.head_dim,
@@ -284,6 +294,8 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Decoder plus LM head; `forward` returns hidden states, `compute_logits` the logits."""
 
+    model_class: type[LlamaModel] = LlamaModel
+
     def __init__(
         self,
         config: ModelConfig,
@@ -298,7 +310,9 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp or TpGroup()
         self.stage = stage or PipelineStage()
         self.shard = self.tp.shard(config)
-        self.model = LlamaModel(config, dtype, self.attention, self.shard, self.tp, self.stage)
+        self.model = self.model_class(
+            config, dtype, self.attention, self.shard, self.tp, self.stage
+        )
         vocab = self.shard.vocab_per_rank
         self.lm_head: nn.Module | None = None
         if self.stage.is_last:

@@ -1,5 +1,5 @@
-"""Loads a Hugging Face checkpoint's weights into our `LlamaForCausalLM` modules (the files
-themselves are read by `common.hf_checkpoint_reader`).
+"""Loads a Hugging Face checkpoint's weights into our `LlamaForCausalLM` modules (Gemma's:
+`gemma.GemmaForCausalLM`; the files themselves are read by `common.hf_checkpoint_reader`).
 
 Reads the config through `ModelConfig.from_folder`, builds the module skeleton on the meta
 device (no wasted random init), then reads `model.safetensors` or the shards listed in
@@ -33,6 +33,7 @@ from common.hf_checkpoint_reader import iter_tensors
 from common.model_config import ModelConfig
 from services.worker.models.attention_backend import AttentionBackend
 from services.worker.models.expert_weights import stacked_experts
+from services.worker.models.gemma import causal_lm_class
 from services.worker.models.llama import LlamaForCausalLM
 from services.worker.models.quantized_weights import (
     QuantizedWeight,
@@ -108,7 +109,9 @@ def load_model(
         config = dataclasses.replace(config, num_hidden_layers=num_layers)
     device = torch.device(device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, dtype=dtype, attention=attention, tp=tp, stage=stage)
+        model = causal_lm_class(config)(
+            config, dtype=dtype, attention=attention, tp=tp, stage=stage
+        )
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     tied_head = "lm_head.weight" if config.tie_word_embeddings else None
 
