@@ -14,6 +14,16 @@ The scheduler owns which physical block holds what; the worker only stores bytes
   `fork` for parallel sampling), the block is replaced by a fresh copy; the copies to make
   are returned for the worker to run before the step.
 
+- Sliding windows: when every layer of the model attends through a window of W tokens, a
+  query at position p reads only keys p - W < k <= p, so a block whose last position is
+  before (next query - W + 1) is never read again. `trim` swaps such blocks in a table for
+  the *null block* (block 0, reserved in a windowed pool: never allocated, never written,
+  zeros on the worker) and frees them, and a table made for KV that is already computed
+  (a transfer's or a swap-in's destination) holds the null block there from the start.
+  A request then holds about (W + one block) / context of the blocks full attention
+  needs. The null block is never cached, copied, shared, freed or moved: transfers and
+  swaps skip its pairs (`is_null`).
+
 Predicate/action pairs (`can_allocate` / `allocate`) keep the policy readable. Pure Python.
 """
 
@@ -22,6 +32,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 
 from common.prefix_hash import BlockHash
+
+NULL_BLOCK = 0  # in a windowed pool: the stand-in for blocks out of every query's window
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -84,13 +96,18 @@ class FreeBlockQueue:
 class BlockPool:
     """Physical blocks 0..num_blocks-1: ref counts, the LRU free queue, the hash index."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, reserve_null: bool = False
+    ) -> None:
+        if num_blocks <= int(reserve_null):
+            raise ValueError(f"num_blocks must be more than {int(reserve_null)}, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free = FreeBlockQueue(self.blocks)
+        self.reserve_null = reserve_null  # block NULL_BLOCK is never handed out
+        if reserve_null:
+            self.blocks[NULL_BLOCK].ref_count = 1  # held for ever: never in the free queue
+        self._free = FreeBlockQueue(b for b in self.blocks if b.ref_count == 0)
         self._cached: dict[BlockHash, Block] = {}
         self.num_evictions = 0
 
@@ -119,6 +136,9 @@ class BlockPool:
             out.append(block.block_id)
         return out
 
+    def is_null(self, block_id: int) -> bool:
+        return self.reserve_null and block_id == NULL_BLOCK
+
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take a reference on cached blocks found by `lookup` (free ones leave the queue)."""
         for block_id in block_ids:
@@ -129,6 +149,8 @@ class BlockPool:
 
     def incref(self, block_ids: Iterable[int]) -> None:
         for block_id in block_ids:
+            if self.is_null(block_id):
+                continue
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 raise ValueError(f"block {block_id} is free; cannot share it")
@@ -137,6 +159,8 @@ class BlockPool:
     def decref(self, block_ids: Iterable[int]) -> None:
         """Drop references; a block reaching 0 joins the free queue's tail (still cached)."""
         for block_id in block_ids:
+            if self.is_null(block_id):
+                continue
             block = self.blocks[block_id]
             if block.ref_count <= 0:
                 raise ValueError(f"block {block_id} freed twice")
@@ -147,7 +171,7 @@ class BlockPool:
     def cache(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int]) -> bool:
         """Register a full, computed block; False if caching is off or the hash is taken."""
         block = self.blocks[block_id]
-        if not self.enable_caching or block.block_hash is not None:
+        if not self.enable_caching or block.block_hash is not None or self.is_null(block_id):
             return False
         if block_hash in self._cached:
             return False  # another block already holds this prefix; this one stays private
@@ -195,20 +219,63 @@ class BlockPool:
 
 
 class BlockManager:
-    """Per-request block tables over one BlockPool, with prefix caching and copy-on-write."""
+    """Per-request block tables over one BlockPool, with prefix caching and copy-on-write.
+    `window`: every layer's sliding window, in tokens, when all layers have one (the widest);
+    blocks out of it are trimmed (module docstring). None: full attention somewhere."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        window: int | None = None,
+    ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if window is not None and window <= 0:
+            raise ValueError(f"window must be positive, got {window}")
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.window = window
+        self.pool = BlockPool(num_blocks, enable_caching, reserve_null=window is not None)
         self._tables: dict[str, list[int]] = {}
         # Leading blocks of each table already offered to the cache.
         self._num_cached: dict[str, int] = {}
+        # Leading blocks of each table already trimmed (the null block, windowed pools).
+        self._trimmed: dict[str, int] = {}
 
     @property
     def num_blocks(self) -> int:
-        return self.pool.num_blocks
+        """Blocks requests can hold (the null block of a windowed pool is not one)."""
+        return self.pool.num_blocks - int(self.pool.reserve_null)
+
+    def is_null(self, block_id: int) -> bool:
+        """Whether a table entry is the null block (no KV: skip it when moving blocks)."""
+        return self.pool.is_null(block_id)
+
+    def num_held(self, request_id: str) -> int:
+        """Blocks the request holds (its table less the null entries)."""
+        return sum(1 for b in self._tables.get(request_id, ()) if not self.is_null(b))
+
+    def unread_blocks(self, next_position: int) -> int:
+        """Leading blocks no query at `next_position` or later reads (0 without a window)."""
+        if self.window is None:
+            return 0
+        return max(0, (next_position - self.window + 1) // self.block_size)
+
+    def trim(self, request_id: str, next_position: int) -> bool:
+        """Free the request's blocks that no query from `next_position` on reads, putting the
+        null block in their place; whether the table changed."""
+        table = self._tables.get(request_id)
+        end = min(self.unread_blocks(next_position), len(table or ()))
+        start = self._trimmed.get(request_id, 0)
+        if table is None or end <= start:
+            return False
+        dropped = [table[i] for i in range(start, end) if not self.is_null(table[i])]
+        for index in range(start, end):
+            table[index] = NULL_BLOCK
+        self._trimmed[request_id] = end
+        self.pool.decref(reversed(dropped))
+        return bool(dropped)
 
     @property
     def num_free_blocks(self) -> int:
@@ -257,6 +324,8 @@ class BlockManager:
         bs = self.block_size
         end = min(len(block_hashes), num_computed_tokens // bs, len(table))
         for index in range(self._num_cached.get(request_id, 0), end):
+            if self.is_null(table[index]):
+                continue
             tokens = token_ids[index * bs : (index + 1) * bs]
             self.pool.cache(table[index], block_hashes[index], tokens)
         self._num_cached[request_id] = max(self._num_cached.get(request_id, 0), end)
@@ -270,7 +339,7 @@ class BlockManager:
         first, last = start // self.block_size, (end - 1) // self.block_size
         return [
             i for i in range(first, min(last + 1, len(table)))
-            if self.pool.ref_count(table[i]) > 1
+            if self.pool.ref_count(table[i]) > 1 and not self.is_null(table[i])
         ]  # fmt: skip
 
     def blocks_needed(
@@ -310,17 +379,23 @@ class BlockManager:
         num_tokens: int,
         write_from: int | None = None,
         hits: Sequence[int] = (),
+        next_position: int = 0,
     ) -> tuple[list[int], list[tuple[int, int]]]:
         """Grow the table to hold `num_tokens` (starting from cached `hits` for a request
-        with no table yet). Returns (blocks appended, (src, dst) copies for shared blocks
-        that tokens from `write_from` on will write — the table now holds the dst)."""
+        with no table yet). Returns (table entries appended after the hits, (src, dst)
+        copies for shared blocks that tokens from `write_from` on will write — the table
+        now holds the dst). A new table for KV computed elsewhere, whose next query is at
+        `next_position`, holds the null block where no query reads (windowed pools)."""
         table = self._tables.get(request_id)
+        first_new = len(table) if table is not None else len(hits)  # entries returned
         if table is None:
             table = self._tables[request_id] = []
-            if hits:
-                self.pool.touch(hits)
-                table.extend(hits)
-                self._num_cached[request_id] = len(hits)
+            skip = min(self.unread_blocks(next_position), self.blocks_for_tokens(num_tokens))
+            self.pool.touch(hits[skip:])
+            table.extend([NULL_BLOCK] * skip)
+            table.extend(hits[skip:])
+            self._num_cached[request_id] = len(hits)
+            self._trimmed[request_id] = skip
         copies: list[tuple[int, int]] = []
         if write_from is not None:
             for index in self._shared_in_range(request_id, write_from, num_tokens):
@@ -331,7 +406,7 @@ class BlockManager:
                 self._num_cached[request_id] = min(self._num_cached.get(request_id, 0), index)
         new_blocks = self.pool.allocate(max(0, self.blocks_for_tokens(num_tokens) - len(table)))
         table.extend(new_blocks)
-        return new_blocks, copies
+        return table[first_new:], copies
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Give `child_id` the parent's table, sharing every block (parallel sampling)."""
@@ -341,11 +416,13 @@ class BlockManager:
         self.pool.incref(table)
         self._tables[child_id] = list(table)
         self._num_cached[child_id] = self._num_cached.get(parent_id, 0)
+        self._trimmed[child_id] = self._trimmed.get(parent_id, 0)
 
     def free(self, request_id: str) -> int:
         """Release every block of the request, tail first (so the tail is evicted first)."""
-        blocks = self._tables.pop(request_id, [])
+        blocks = [b for b in self._tables.pop(request_id, []) if not self.is_null(b)]
         self._num_cached.pop(request_id, None)
+        self._trimmed.pop(request_id, None)
         self.pool.decref(reversed(blocks))
         return len(blocks)
 
@@ -357,6 +434,8 @@ class BlockManager:
             for block in blocks:
                 counts[block] = counts.get(block, 0) + 1
         for block in range(self.pool.num_blocks):
+            if self.is_null(block):
+                continue
             if counts.get(block, 0) != self.pool.ref_count(block):
                 raise AssertionError(
                     f"block {block}: {counts.get(block, 0)} table refs, "

@@ -105,7 +105,12 @@ def pool_scheduler(config: SchedulerConfig, info: WorkerInfo) -> PoolScheduler:
         else None
     )
     return PoolScheduler(
-        BlockManager(info.num_blocks, info.block_size, config.enable_prefix_caching),
+        BlockManager(
+            info.num_blocks,
+            info.block_size,
+            config.enable_prefix_caching,
+            window=info.model.kv_window_tokens or None,
+        ),
         config.max_num_batched_tokens,
         config.max_num_seqs,
         runs_decodes=info.role != "prefill",

@@ -114,13 +114,17 @@ class Transfer:
             return
         start, self.next_block = self.next_block, max(end_block, self.next_block)
         first = self.first_block
-        self.parts.put_nowait(
-            TransferPart(
-                src_table[start:end_block],
-                self.dst_blocks[start - first : end_block - first],
-                ready_step_id,
-                last,
+        pairs = [
+            (s, d)
+            for s, d in zip(
+                src_table[start:end_block], self.dst_blocks[start - first : end_block - first],
+                strict=True,
             )
+            # the null block (windowed pools) stands in for KV no query reads: not moved
+            if not self.dst.blocks.is_null(d) and not self.src.blocks.is_null(s)
+        ]  # fmt: skip
+        self.parts.put_nowait(
+            TransferPart([s for s, _ in pairs], [d for _, d in pairs], ready_step_id, last)
         )
 
 

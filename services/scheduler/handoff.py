@@ -210,7 +210,10 @@ class KvHandoff:
         request, src = handle.request, handle.pool
         rid = request.request_id
         num_tokens = request.num_known_tokens if streamed else request.num_computed_tokens
-        dst_blocks, _ = dst.blocks.allocate(rid, num_tokens, hits=hits)
+        # Where every layer is windowed, blocks no decode query reads get the null block.
+        dst_blocks, _ = dst.blocks.allocate(
+            rid, num_tokens, hits=hits, next_position=max(0, num_tokens - 1)
+        )
         dst.counters.kv_blocks_reused += len(hits)
         if not dst_blocks:  # the decode pool already holds every block
             handle.start_transfer(None)

@@ -387,9 +387,12 @@ class PoolScheduler(Migration):
                 break
             self.swapped.popleft()
             swap_table = self.swap_blocks.table(request.request_id)
-            self.blocks.allocate(request.request_id, computed)
+            self.blocks.allocate(request.request_id, computed, next_position=computed)
             device_table = self.blocks.table(request.request_id)
-            plan.swap_in.extend(zip(swap_table, device_table, strict=True))
+            plan.swap_in.extend(
+                (s, d) for s, d in zip(swap_table, device_table, strict=True)
+                if not self.blocks.is_null(d)
+            )  # fmt: skip
             self.swap_blocks.free(request.request_id)
             self.running.append(request)
             budget -= num_new
@@ -485,6 +488,7 @@ class PoolScheduler(Migration):
         added, copies = self.blocks.allocate(
             rid, start + ahead + num_new + lookahead, start, hits or ()
         )
+        trimmed = self.blocks.trim(rid, start)  # sliding windows: blocks no query reads
         request.num_lookahead_in_flight += lookahead
         plan.block_copies.extend(copies)
         prompt_end = max(len(request.prompt_token_ids), request.num_known_tokens - 1)
@@ -505,7 +509,9 @@ class PoolScheduler(Migration):
                 is_new=is_new,
                 new_block_ids=self.blocks.table(rid) if is_new else added,
                 num_computed_before=start,
-                replaced_table=self.blocks.table(rid) if copies and not is_new else None,
+                replaced_table=self.blocks.table(rid)
+                if (copies or trimmed) and not is_new
+                else None,
                 samples=samples,
                 num_lookahead_tokens=lookahead,
             )
@@ -530,7 +536,10 @@ class PoolScheduler(Migration):
             return False  # swap space is full: recompute instead
         device_table = self.blocks.table(victim.request_id)[: swap.blocks_for_tokens(computed)]
         swap.allocate(victim.request_id, computed)
-        plan.swap_out.extend(zip(device_table, swap.table(victim.request_id), strict=True))
+        plan.swap_out.extend(
+            (d, s) for d, s in zip(device_table, swap.table(victim.request_id), strict=True)
+            if not self.blocks.is_null(d)
+        )  # fmt: skip
         self.blocks.free(victim.request_id)
         self.swapped.append(victim)
         plan.swapped_out.append(victim)

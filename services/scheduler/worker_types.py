@@ -53,6 +53,7 @@ class ModelShape:
     lora_adapters: tuple[str, ...] = ()  # the LoRA adapters every worker loaded
     rope_type: str = ""  # the RoPE scaling type ("" from a worker that does not say)
     rope_length_threshold: int = 0  # see common.rope_config.rope_length_threshold
+    kv_window_tokens: int = 0  # every layer windowed: the widest window (0: not all are)
 
     def prompt_rope_key(self, prompt_len: int) -> str:
         """The RoPE state a prompt of `prompt_len` tokens is computed under, beyond its

@@ -16,6 +16,7 @@ from common.parallel_plan import Layout
 from common.pb.tandem.internal.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from common.rope_config import rope_length_threshold
 from common.sampling_pb import ROLE_TO_PB
+from common.sliding_window import kv_window_tokens
 from common.structured_output import ConstraintError, constraint_from_pb
 from common.tracing import rpc_span
 from services.worker.batch import PlanError
@@ -121,6 +122,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 lora_adapters=[] if worker.lora is None else worker.lora.names,
                 rope_type=cfg.rope_type,
                 rope_length_threshold=rope_length_threshold(cfg),
+                kv_window_tokens=kv_window_tokens(cfg.layer_windows),
             ),
             kv_cache=types_pb2.KvCacheDescription(
                 num_blocks=worker.kv_cache.num_blocks,

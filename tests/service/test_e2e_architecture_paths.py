@@ -1,5 +1,6 @@
 """The architectures issue 43 added (Mixtral and Qwen3-MoE experts, a windowed Mistral whose
-12-token window is shorter than a block and than every prompt here) through the scheduling
+40-token window is shorter than every prompt here: its requests hold the blocks of the
+window and one more, the rest are trimmed) through the scheduling
 paths that move or rebuild a request's KV, each checked against HF `generate` token for
 token:
 - recompute preemption: the workload of `test_e2e_scheduling` queued together on small
@@ -30,13 +31,17 @@ from tests.stack_client import (
 )
 
 DECODE = 2  # WorkerRole
+# Shorter than every prompt of the workload (51-62 tokens), so its blocks are trimmed, yet
+# over two blocks: a request holds up to 4 of the decode pool's 9, and the workload still
+# preempts (7 requests at once).
+WINDOW = 40
 LONG_OUTPUT = 48
 
 
 @pytest.fixture(scope="module")
 def tiny_windowed_mistral_dir(tmp_path_factory):
     return build_checkpoint(
-        tmp_path_factory.mktemp("ckpt") / "mistral-window", "mistral", sliding_window=12
+        tmp_path_factory.mktemp("ckpt") / "mistral-window", "mistral", sliding_window=WINDOW
     )
 
 
@@ -47,12 +52,13 @@ def folder(request):
 
 def start(module_stacks, folder, preemption: str, decode: int):
     scheduler = [*SMALL_POOLS["scheduler"], *HEALTH_FLAGS, "--preemption-mode", preemption]
+    pools = dict(SMALL_POOLS)
     return module_stacks(
         folder,
         name=f"{folder.name}-{preemption}",
         prefill=1,
         decode=decode,
-        extra_args={**SMALL_POOLS, "scheduler": scheduler},
+        extra_args={**pools, "scheduler": scheduler},
     )
 
 
