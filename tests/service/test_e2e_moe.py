@@ -3,8 +3,9 @@ HF `generate`: one disaggregated stack per architecture (a prefill worker, and a
 worker of two ranks: tensor-parallel experts for Mixtral, each expert's inner dimension
 split; expert-parallel for Qwen3-MoE, half the experts whole on each rank) with a 16-token
 step budget, so every longer prompt is computed in chunks whose KV then moves to the decode
-worker's ranks, a layout other than the prefill worker's; concurrent requests share steps (experts see batches of several tokens,
-some experts none), a repeated prompt hits the prefix cache. And a worker given a checkpoint
+worker's ranks, a layout other than the prefill worker's; concurrent requests share steps
+(experts see batches of several tokens, some experts none), a repeated prompt hits the
+prefix cache. And a worker given a checkpoint
 whose experts Tandem does not compute exits with one line naming the field.
 """
 
