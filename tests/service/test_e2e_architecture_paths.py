@@ -1,6 +1,7 @@
 """The architectures issue 43 added (Mixtral and Qwen3-MoE experts, a windowed Mistral whose
 40-token window is shorter than every prompt here: its requests hold the blocks of the
-window and one more, the rest are trimmed) through the scheduling
+window and one more, the rest are trimmed; Gemma 2 and Gemma 3 with sliding and full
+layers) through the scheduling
 paths that move or rebuild a request's KV, each checked against HF `generate` token for
 token:
 - recompute preemption: the workload of `test_e2e_scheduling` queued together on small
@@ -19,6 +20,8 @@ from devtools.checkpoint_builder import build_checkpoint
 from tests.fault_injection import assert_all_alive_but, kill_busiest, wait_healthy_pools
 from tests.hf_reference import hf_greedy, hf_tokenizer
 from tests.service.test_e2e import run_concurrently
+from tests.service.test_e2e_gemma import CHECKPOINTS as GEMMA_CHECKPOINTS
+from tests.service.test_e2e_gemma import WINDOW as GEMMA_WINDOW
 from tests.service.test_e2e_scheduling import check_against_hf, workload
 from tests.service.test_faults import HEALTH_FLAGS
 from tests.stack_client import (
@@ -45,7 +48,30 @@ def tiny_windowed_mistral_dir(tmp_path_factory):
     )
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "windowed_mistral"])
+@pytest.fixture(scope="module")
+def tiny_gemma2_dir(tmp_path_factory):
+    return gemma_checkpoint(tmp_path_factory, "gemma2")
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_text_dir(tmp_path_factory):
+    return gemma_checkpoint(tmp_path_factory, "gemma3_text")
+
+
+def gemma_checkpoint(tmp_path_factory, architecture: str):
+    """`test_e2e_gemma`'s checkpoint: sliding / full / sliding layers (window 12)."""
+    return build_checkpoint(
+        tmp_path_factory.mktemp("ckpt") / architecture,
+        architecture,
+        num_hidden_layers=3,
+        sliding_window=GEMMA_WINDOW,
+        **GEMMA_CHECKPOINTS[architecture],
+    )
+
+
+@pytest.fixture(
+    scope="module", params=["mixtral", "qwen3_moe", "windowed_mistral", "gemma2", "gemma3_text"]
+)
 def folder(request):
     return request.getfixturevalue(f"tiny_{request.param}_dir")
 

@@ -1,6 +1,6 @@
 """Gemma 3 text and Gemma 2 served end to end, checked against HF `generate` (fp32 greedy):
-one disaggregated stack per architecture (a prefill and a decode worker) with a 16-token
-step budget. Tiny checkpoints with sliding / full / sliding layers and a window of 12
+one disaggregated stack per architecture (a prefill worker and a decode worker of two
+tensor-parallel ranks) with a 16-token step budget. Tiny checkpoints with sliding / full / sliding layers and a window of 12
 (shorter than a KV block, the step budget and every prompt here): Gemma 3 with its local
 RoPE on the sliding layers and linear-scaled global RoPE on the full one, q/k norms; Gemma 2
 with soft-caps small enough to bend its attention scores and logits. Prompts are prefilled
@@ -61,7 +61,10 @@ def served(request, module_stacks, tmp_path_factory):
     stack = module_stacks(
         folder,
         name=request.param,
-        extra_args={"scheduler": ["--max-num-batched-tokens", str(BUDGET)]},
+        extra_args={
+            "scheduler": ["--max-num-batched-tokens", str(BUDGET)],
+            "decode": ["--tensor-parallel-size", "2"],  # KV moves into another layout
+        },
     )
     return folder, stack
 
