@@ -1,6 +1,6 @@
 """Sliding-window attention served end to end: a tiny Mistral whose window (12 tokens) is
 shorter than a KV block (16), than the step budget (16) and than every prompt here, behind one
-disaggregated stack (1 prefill + 1 decode worker). Prompts are prefilled in chunks that
+disaggregated stack (1 prefill worker + 1 decode worker of two tensor-parallel ranks). Prompts are prefilled in chunks that
 attend to earlier chunks through the cache, their KV moves to the decode worker, and the
 greedy output equals HF `generate` token for token; a repeated prompt hits the prefix cache
 and still equals HF. A request at 8x the window holds two blocks of the decode pool (the
@@ -41,7 +41,10 @@ def served(tmp_path_factory):
         tmp_path_factory.mktemp("sliding-window"),
         prefill=1,
         decode=1,
-        extra_args={"scheduler": ["--max-num-batched-tokens", str(BUDGET)]},
+        extra_args={
+            "scheduler": ["--max-num-batched-tokens", str(BUDGET)],
+            "decode": ["--tensor-parallel-size", "2"],  # KV moves into another layout
+        },
     )
     yield folder, stack
     stack.stop()
