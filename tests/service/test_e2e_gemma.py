@@ -1,13 +1,13 @@
-"""Gemma 3 text and Gemma 2 served end to end, checked against HF `generate` (fp32 greedy):
-one disaggregated stack per architecture (a prefill worker and a decode worker of two
-tensor-parallel ranks) with a 16-token step budget. Tiny checkpoints with sliding / full / sliding layers and a window of 12
-(shorter than a KV block, the step budget and every prompt here): Gemma 3 with its local
-RoPE on the sliding layers and linear-scaled global RoPE on the full one, q/k norms; Gemma 2
-with soft-caps small enough to bend its attention scores and logits. Prompts are prefilled
-in chunks attending to earlier chunks through the cache, their KV moves to the decode worker,
-concurrent requests share steps, a repeated prompt hits the prefix cache; every output equals
-HF's. And a worker given a Gemma checkpoint with a feature Tandem does not compute exits
-with one line naming it.
+"""Gemma 3 text and Gemma 2 served end to end, checked against HF `generate` (fp32 greedy): one
+disaggregated stack per architecture (a prefill worker and a decode worker of two tensor-parallel
+ranks) with a 16-token step budget. Tiny checkpoints with sliding / full / sliding layers and a
+window of 12 (shorter than a KV block, the step budget and every prompt here): Gemma 3 with its
+local RoPE on the sliding layers and linear-scaled global RoPE on the full one, q/k norms; Gemma 2
+with soft-caps small enough to bend its attention scores and logits. Prompts are prefilled in chunks
+attending to earlier chunks through the cache, their KV moves to the decode worker, concurrent
+requests share steps, a repeated prompt hits the prefix cache; every output equals HF's. And a
+worker given a Gemma checkpoint with a feature Tandem does not compute exits with one line naming
+it.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""Sliding-window attention served end to end: a tiny Mistral whose window (12 tokens) is
-shorter than a KV block (16), than the step budget (16) and than every prompt here, behind one
-disaggregated stack (1 prefill worker + 1 decode worker of two tensor-parallel ranks). Prompts are prefilled in chunks that
-attend to earlier chunks through the cache, their KV moves to the decode worker, and the
-greedy output equals HF `generate` token for token; a repeated prompt hits the prefix cache
-and still equals HF. A request at 8x the window holds two blocks of the decode pool (the
-window and one), not the 7 its context spans. Every block is back in the pool afterwards.
+"""Sliding-window attention served end to end: a tiny Mistral whose window (12 tokens) is shorter
+than a KV block (16), than the step budget (16) and than every prompt here, behind one disaggregated
+stack (1 prefill worker + 1 decode worker of two tensor-parallel ranks). Prompts are prefilled in
+chunks that attend to earlier chunks through the cache, their KV moves to the decode worker, and the
+greedy output equals HF `generate` token for token; a repeated prompt hits the prefix cache and
+still equals HF. A request at 8x the window holds two blocks of the decode pool (the window and
+one), not the 7 its context spans. Every block is back in the pool afterwards.
 """
 
 from __future__ import annotations
