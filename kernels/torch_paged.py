@@ -76,6 +76,7 @@ def paged_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a varlen batch of new tokens over their paged context.
 
@@ -86,12 +87,19 @@ def paged_attention(
     W, only those above its own minus W: W positions, as Hugging Face's
     `sliding_window_overlay`). Query head `h` reads KV
     head `h // (q_heads // kv_heads)`. With a `softcap` c (Gemma 2), a score s becomes
-    c * tanh(s / c) before masking, as Hugging Face's eager attention does. Scores and
+    c * tanh(s / c) before masking, as Hugging Face's eager attention does. With `sinks`
+    (gpt-oss's attention sinks: one logit per query head, `[q_heads]`), each head's softmax
+    denominator also holds exp(sink): a column of that logit joins the scores for the softmax
+    and is dropped after it, as Hugging Face's gpt-oss eager attention does. Scores and
     softmax run in float32; the result is `[T, q_heads, head_dim]` in the query's dtype.
     """
     starts = [int(x) for x in query_start_loc]
     lens = [int(x) for x in seq_lens]
     _check_attention_args(query, k_cache, v_cache, block_tables, starts, lens)
+    if sinks is not None:
+        if sinks.shape != (query.shape[1],):
+            raise ValueError(f"sinks must be [q_heads={query.shape[1]}], got {tuple(sinks.shape)}")
+        sinks = sinks.float().to(query.device)
     out = torch.empty_like(query)
     q_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
     # Decodes (one query each) share one batched gather and matmul; prompts (chunks of many
@@ -100,13 +108,13 @@ def paged_attention(
     if decodes:
         _decode_batch(
             query, k_cache, v_cache, block_tables, starts, lens, decodes, scale, out, window,
-            softcap,
+            softcap, sinks,
         )  # fmt: skip
     for i, q_len in enumerate(q_lens):
         if q_len > 1:
             _prefill_one(
                 query, k_cache, v_cache, block_tables[i], starts[i], q_len, lens[i], scale, out,
-                window, softcap,
+                window, softcap, sinks,
             )  # fmt: skip
     return out
 
@@ -124,8 +132,18 @@ def capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return torch.tanh(scores / softcap) * softcap
 
 
+def sink_softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dimension; with `sinks` (broadcastable to `scores[..., :1]`: one
+    logit per head) a column of them joins the scores and is dropped after the softmax, so
+    each row's weights sum to less than 1 (gpt-oss's attention sinks, Hugging Face's steps)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    combined = torch.cat([scores, sinks.expand(*scores.shape[:-1], 1)], dim=-1)
+    return torch.softmax(combined, dim=-1)[..., :-1]
+
+
 def _decode_batch(
-    query, k_cache, v_cache, block_tables, starts, lens, seqs, scale, out, window, softcap
+    query, k_cache, v_cache, block_tables, starts, lens, seqs, scale, out, window, softcap, sinks
 ):
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     device = k_cache.device
@@ -146,13 +164,14 @@ def _decode_batch(
         k_pos = torch.arange(keys.shape[1], device=device)[None, :]
         hidden = padding | (k_pos <= seq_lens[:, None] - 1 - window)
     scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    heads = None if sinks is None else sinks.view(1, num_kv_heads, -1, 1)
+    probs = sink_softmax(scores, heads)
     result = torch.einsum("nhgk,nkhd->nhgd", probs, values)
     out[rows] = result.reshape(len(seqs), -1, head_dim).to(query.dtype)
 
 
 def _prefill_one(
-    query, k_cache, v_cache, table, start, q_len, seq_len, scale, out, window, softcap
+    query, k_cache, v_cache, table, start, q_len, seq_len, scale, out, window, softcap, sinks
 ):
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     num_blocks = -(-seq_len // block_size)
@@ -167,7 +186,7 @@ def _prefill_one(
     if window is not None:
         hidden = hidden | (k_pos[None, :] <= q_pos[:, None] - window)
     scores = scores.masked_fill(hidden[None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    probs = sink_softmax(scores, None if sinks is None else sinks.view(num_kv_heads, -1, 1, 1))
     result = torch.einsum("hgqk,khd->qhgd", probs, values)
     out[start : start + q_len] = result.reshape(q_len, -1, head_dim).to(query.dtype)
 

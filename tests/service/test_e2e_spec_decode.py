@@ -1,10 +1,10 @@
 """Speculative decoding end to end on the real services, checked against HF `generate`.
 
-N-gram: greedy output is HF's on Llama and Qwen2 through prefill and decode workers with
-concurrency, chunked prompts, prefix hits and decode-side preemption; requests whose output
-repeats itself (three tokens pushed up by logit_bias, HF's sequence_bias) get their
-proposals accepted, several tokens per step; the counts reach GetPoolStats, the sample's
-usage and the scheduler's log; every block comes back.
+N-gram: greedy output is HF's on Llama, Qwen2, Qwen3-MoE and a windowed Mistral through
+prefill and decode workers with concurrency, chunked prompts, prefix hits and decode-side
+preemption; requests whose output repeats itself (three tokens pushed up by logit_bias,
+HF's sequence_bias) get their proposals accepted, several tokens per step; the counts reach
+GetPoolStats, the sample's usage and the scheduler's log; every block comes back.
 
 Draft model (the target as its own draft on Llama; its first layer on Qwen2, with swap
 preemption): the same, across two decode workers, one of them SIGKILLed with requests on it
@@ -18,6 +18,7 @@ import time
 import grpc
 import pytest
 
+from devtools.checkpoint_builder import build_checkpoint
 from tests.fault_injection import kill_busiest
 from tests.hf_reference import hf_generate, hf_greedy, hf_tokenizer
 from tests.service.test_e2e import run_concurrently
@@ -62,7 +63,15 @@ def biased(model_dir, prompt: list[int], max_tokens: int):
     return request, want
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.fixture(scope="module")
+def tiny_windowed_mistral_dir(tmp_path_factory):
+    """Every layer windowed (40 tokens, shorter than the long prompts): trimmed tables."""
+    return build_checkpoint(
+        tmp_path_factory.mktemp("ckpt") / "mistral-window", "mistral", sliding_window=40
+    )
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3_moe", "windowed_mistral"])
 def test_ngram_speculation_is_hf_exact_and_accepts_repeating_output(arch, request, tmp_path):
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     pools = dict(SMALL_POOLS)
