@@ -238,3 +238,25 @@ def test_expert_parallel_halves_sum_to_the_whole_layer() -> None:
     low_only = torch.tensor([[0, 1]] * 7)
     untouched = fused_experts(x, w13[3:], w2[3:], weights, low_only, False, first_expert=3)
     assert torch.equal(untouched, torch.zeros_like(whole))
+
+
+def test_expert_parallel_shards_and_its_refusal(tiny_qwen3_moe_dir) -> None:
+    """Which experts a rank holds with and without expert parallelism, and a count the
+    ranks cannot split evenly refused in one line naming both numbers."""
+    import dataclasses
+
+    from common.model_config import ModelConfig
+    from services.worker.parallel.tp_group import TpShard
+
+    config = ModelConfig.from_folder(tiny_qwen3_moe_dir)
+    count, inner = config.moe.num_experts, config.moe.expert_intermediate_size
+    sliced = TpShard.of(config, 1, 2)
+    assert (sliced.experts, sliced.expert_inner) == (range(count), range(inner // 2, inner))
+    split = TpShard.of(config, 1, 2, expert_parallel=True)
+    assert (split.experts, split.expert_inner) == (range(count // 2, count), range(inner))
+    odd = dataclasses.replace(config, moe=dataclasses.replace(config.moe, num_experts=6))
+    with pytest.raises(ValueError) as refused:
+        TpShard.of(odd, 0, 4, expert_parallel=True)
+    assert str(refused.value) == (
+        "--enable-expert-parallel: tensor_parallel_size 4 must divide the model's 6 experts"
+    )
