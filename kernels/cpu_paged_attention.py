@@ -27,6 +27,11 @@ does it to its scores; SDPA cannot, so there the prompt chunks (and the fallback
 take `_capped`, Hugging Face's eager steps (scores, cap, mask, float32 softmax) in slices of
 query rows.
 
+A layer with attention sinks (gpt-oss; `attend(..., sinks=s)`, one logit per query head)
+adds exp(s_h) to head h's softmax denominator: the C++ kernel adds it to its sum (and to the
+maximum it subtracts); SDPA cannot, so the prompt chunks (and the fallback's decodes) take
+`_capped` too, whose softmax then holds the sink column (`torch_paged.sink_softmax`).
+
 On the SDPA paths masked positions get weight zero rather than being skipped, so every slot
 of a referenced block must hold a finite value: the pool is zero-initialised and only ever
 holds written K/V, so stale slots past a sequence's end are finite. Results match
@@ -42,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ops
+from kernels.torch_paged import sink_softmax
 
 
 @dataclass(frozen=True)
@@ -194,16 +200,17 @@ def rotate_and_write(
 _CAPPED_ROWS = 256  # query rows per slice of `_capped` scores (~L KiB per row and head)
 
 
-def _sdpa(q, k, v, scale, mask=None, causal=False, softcap=None):
+def _sdpa(q, k, v, scale, mask=None, causal=False, softcap=None, sinks=None):
     """q [Q, H, D], k/v [L, KV, D] -> [Q, H, D] (grouped-query heads, float32 math).
     Inputs go in as 4-d [1, heads, len, D]: only then does torch pick its fused CPU kernel
     (3-d inputs fall back to the unfused math path, ~8x slower on a 2k-token prompt).
-    `softcap`: soft-capped scores through `_capped` instead (`causal`: aligned to the end)."""
-    if softcap is not None:
+    `softcap` / `sinks`: soft-capped scores or attention sinks through `_capped` instead
+    (`causal`: aligned to the end)."""
+    if softcap is not None or sinks is not None:
         if causal:
             k_pos = torch.arange(k.shape[0], device=q.device)
             mask = k_pos[None, :] <= k_pos[-q.shape[0] :, None]
-        return _capped_rows(q, k, v, scale, softcap, mask)
+        return _capped_rows(q, k, v, scale, softcap, mask, sinks)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0).float(),
         k.transpose(0, 1).unsqueeze(0).float(),
@@ -216,7 +223,7 @@ def _sdpa(q, k, v, scale, mask=None, causal=False, softcap=None):
     return out[0].transpose(0, 1)
 
 
-def _capped_rows(q, k, v, scale, softcap, mask):
+def _capped_rows(q, k, v, scale, softcap, mask, sinks=None):
     """`_capped` of q [Q, H, D] over k/v [L, KV, D] (`mask` [Q, L] or None), in slices of
     `_CAPPED_ROWS` query rows -> float32 [Q, H, D]."""
     k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (k, v))
@@ -225,22 +232,25 @@ def _capped_rows(q, k, v, scale, softcap, mask):
         rows = slice(first, first + _CAPPED_ROWS)
         part = None if mask is None else mask[rows][None, None]
         q4 = q[rows].transpose(0, 1).unsqueeze(0)
-        out[rows] = _capped(q4, k4, v4, scale, softcap, part)[0].transpose(0, 1)
+        out[rows] = _capped(q4, k4, v4, scale, softcap, part, sinks)[0].transpose(0, 1)
     return out
 
 
-def _capped(q, k, v, scale, softcap, mask=None):
-    """Soft-capped attention in Hugging Face's eager steps: q [B, H, Q, D], k/v [B, KV, L, D]
-    (grouped-query heads, not copied), `mask` bool broadcastable to [B, 1, Q, L] (True:
-    visible) -> float32 [B, H, Q, D]."""
+def _capped(q, k, v, scale, softcap, mask=None, sinks=None):
+    """Soft-capped attention, or attention with sinks (`sinks` float32 [H]; `softcap` None:
+    no cap), in Hugging Face's eager steps: q [B, H, Q, D], k/v [B, KV, L, D] (grouped-query
+    heads, not copied), `mask` bool broadcastable to [B, 1, Q, L] (True: visible) -> float32
+    [B, H, Q, D]."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads = k.shape[1]
     grouped = q.float().reshape(batch, kv_heads, heads // kv_heads, q_len, head_dim)
     scores = grouped @ k.float().unsqueeze(2).transpose(-1, -2) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ v.float().unsqueeze(2)
+    per_head = None if sinks is None else sinks.float().view(1, kv_heads, -1, 1, 1)
+    out = sink_softmax(scores, per_head) @ v.float().unsqueeze(2)
     return out.reshape(batch, heads, q_len, head_dim)
 
 
@@ -254,38 +264,45 @@ def attend(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the pass's queries `[T, q_heads, head_dim]` (after `write`), given the
     step's own keys and values `[T, kv_heads, head_dim]`; returns `[T, q_heads, head_dim]`.
     `window`: the layer's sliding window (None: full causal attention); `softcap`: the
-    scores' tanh cap (None: none)."""
+    scores' tanh cap (None: none); `sinks`: one sink logit per query head (None: none)."""
     num_tokens, _, head_dim = query.shape
     num_kv = k_cache.shape[2]
+    if sinks is not None:
+        sinks = sinks.float().contiguous()
     decode_mask, prompt_masks = plan.decode_mask, (None,) * len(plan.prompts)
     if window is not None:
         decode_mask, prompt_masks = _window_masks(plan, window)
     if plan.num_decodes == num_tokens and not plan.prompts:
-        return _decode(query, k_cache, v_cache, plan, scale, window, decode_mask, softcap)
+        return _decode(query, k_cache, v_cache, plan, scale, window, decode_mask, softcap, sinks)
     out = torch.empty_like(query)
     if plan.num_decodes:
         rows = plan.decode_rows
         out[rows] = _decode(
-            query[rows], k_cache, v_cache, plan, scale, window, decode_mask, softcap
+            query[rows], k_cache, v_cache, plan, scale, window, decode_mask, softcap, sinks
         )
     for chunk, windowed in zip(plan.prompts, prompt_masks, strict=True):
         rows = slice(chunk.start, chunk.start + chunk.q_len)
         if chunk.blocks is None:
             k, v = key[rows], value[rows]
             if windowed is None:
-                result = _sdpa(query[rows], k, v, scale, causal=True, softcap=softcap)
+                result = _sdpa(query[rows], k, v, scale, causal=True, softcap=softcap, sinks=sinks)
             else:
-                result = _sdpa(query[rows], k, v, scale, mask=windowed, softcap=softcap)
+                result = _sdpa(
+                    query[rows], k, v, scale, mask=windowed, softcap=softcap, sinks=sinks
+                )
         else:
             k = k_cache.index_select(0, chunk.blocks).view(-1, num_kv, head_dim)
             v = v_cache.index_select(0, chunk.blocks).view(-1, num_kv, head_dim)
             length = chunk.seq_len
             mask = chunk.mask if windowed is None else windowed
-            result = _sdpa(query[rows], k[:length], v[:length], scale, mask=mask, softcap=softcap)
+            result = _sdpa(
+                query[rows], k[:length], v[:length], scale, mask=mask, softcap=softcap, sinks=sinks
+            )
         out[rows] = result.to(query.dtype)
     return out
 
@@ -319,14 +336,17 @@ def _window_masks(plan: SdpaPlan, window: int):
     return cached
 
 
-def _decode(query, k_cache, v_cache, plan: SdpaPlan, scale, window=None, mask=None, softcap=None):
+def _decode(
+    query, k_cache, v_cache, plan: SdpaPlan, scale, window=None, mask=None, softcap=None,
+    sinks=None,
+):  # fmt: skip
     """The plan's decodes; `mask`: the SDPA fallback's (None: `plan.decode_mask`)."""
     if plan.use_kernel:
         q = query.float().contiguous()
         out = torch.empty_like(q)
         torch.ops.tandem_cpu.paged_decode_attention(
             out, q, k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale, window or 0,
-            softcap or 0.0,
+            softcap or 0.0, sinks,
         )  # fmt: skip
         return out.to(query.dtype)
     n = plan.num_decodes
@@ -334,10 +354,10 @@ def _decode(query, k_cache, v_cache, plan: SdpaPlan, scale, window=None, mask=No
     blocks = plan.decode_tables.view(-1)
     keys = k_cache.index_select(0, blocks).view(n, -1, num_kv, head_dim)
     values = v_cache.index_select(0, blocks).view(n, -1, num_kv, head_dim)
-    if softcap is not None:
+    if softcap is not None or sinks is not None:
         out = _capped(
             query.view(n, -1, 1, head_dim), keys.transpose(1, 2), values.transpose(1, 2),
-            scale, softcap, plan.decode_mask if mask is None else mask,
+            scale, softcap, plan.decode_mask if mask is None else mask, sinks,
         )  # fmt: skip
         return out.view(n, -1, head_dim).to(query.dtype)
     out = F.scaled_dot_product_attention(

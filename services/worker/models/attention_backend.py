@@ -10,8 +10,9 @@ one new token — the shape CUDA graphs capture — and the prefill/extend kerne
 
 `forward` takes the layer's sliding window (None: full attention; see
 `common.sliding_window`) and its score soft-cap (Gemma 2's `attn_logit_softcapping`:
-scores become `softcap * tanh(scores / softcap)` before the softmax; None: none), which
-every backend's kernels honour.
+scores become `softcap * tanh(scores / softcap)` before the softmax; None: none) and its
+attention sinks (gpt-oss: one logit per query head whose exp joins each softmax's
+denominator; None: none), which every backend's kernels honour.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class AttentionBackend(Protocol):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -68,14 +70,19 @@ class CpuAttention:
         )
         return dataclasses.replace(meta, backend_plan=plan)
 
-    def forward(self, query, key, value, k_cache, v_cache, meta, scale, window=None, softcap=None):
+    def forward(
+        self, query, key, value, k_cache, v_cache, meta, scale, window=None, softcap=None,
+        sinks=None,
+    ):  # fmt: skip
         plan = meta.backend_plan
         self._impl.write(key, value, k_cache, v_cache, plan)
-        return self._impl.attend(query, key, value, k_cache, v_cache, plan, scale, window, softcap)
+        return self._impl.attend(
+            query, key, value, k_cache, v_cache, plan, scale, window, softcap, sinks
+        )
 
     def forward_qkv(
         self, qkv, num_heads, num_kv_heads, rope, k_cache, v_cache, meta, scale, window=None,
-        softcap=None,
+        softcap=None, sinks=None,
     ):  # fmt: skip
         """`forward` from the merged projection's output, rotating its queries and keys in
         the same C++ call as the write; None where that call does not apply."""
@@ -86,7 +93,9 @@ class CpuAttention:
         if written is None:
             return None
         query, key, value = written
-        return self._impl.attend(query, key, value, k_cache, v_cache, plan, scale, window, softcap)
+        return self._impl.attend(
+            query, key, value, k_cache, v_cache, plan, scale, window, softcap, sinks
+        )
 
 
 class TorchAttention:
@@ -102,7 +111,10 @@ class TorchAttention:
     def prepare(self, meta):
         return meta
 
-    def forward(self, query, key, value, k_cache, v_cache, meta, scale, window=None, softcap=None):
+    def forward(
+        self, query, key, value, k_cache, v_cache, meta, scale, window=None, softcap=None,
+        sinks=None,
+    ):  # fmt: skip
         self._impl.reshape_and_cache(key, value, k_cache, v_cache, meta.slot_mapping)
         return self._impl.paged_attention(
             query,
@@ -114,6 +126,7 @@ class TorchAttention:
             scale,
             window,
             softcap,
+            sinks,
         )
 
 
@@ -139,7 +152,10 @@ class TritonAttention:
     def prepare(self, meta):
         return meta
 
-    def forward(self, query, key, value, k_cache, v_cache, meta, scale, window=None, softcap=None):
+    def forward(
+        self, query, key, value, k_cache, v_cache, meta, scale, window=None, softcap=None,
+        sinks=None,
+    ):  # fmt: skip
         self._write(key, value, k_cache, v_cache, meta.slot_mapping)
         if meta.is_pure_decode:
             return self._decode(
@@ -153,6 +169,7 @@ class TritonAttention:
                 max_seq_len=meta.max_seq_len,
                 window=window,
                 softcap=softcap,
+                sinks=sinks,
             )
         return self._prefill(
             query,
@@ -165,6 +182,7 @@ class TritonAttention:
             max_query_len=meta.max_query_len,
             window=window,
             softcap=softcap,
+            sinks=sinks,
         )
 
 

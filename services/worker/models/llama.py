@@ -65,6 +65,7 @@ class Attention(nn.Module):
         self.backend = backend
         self.window = window  # sliding window (`common.sliding_window`); None: full
         self.softcap: float | None = None  # tanh cap of the scores (Gemma 2); None: none
+        self.sinks: torch.Tensor | None = None  # per-head sink logits (gpt-oss); None: none
         self.tp = tp
         self.num_heads = len(shard.q_heads)
         self.num_kv_heads = len(shard.kv_heads)
@@ -124,8 +125,9 @@ class Attention(nn.Module):
         if self.kv_scales is not None and k_cache.element_size() == 1:
             return self._scaled(q, k, v, k_cache, v_cache, meta)
         return self.backend.forward(
-            q, k, v, k_cache, v_cache, meta, self.scale, self.window, softcap=self.softcap
-        )
+            q, k, v, k_cache, v_cache, meta, self.scale, self.window, softcap=self.softcap,
+            sinks=self.sinks,
+        )  # fmt: skip
 
     def _fused(self, qkv, rope, cache, meta) -> torch.Tensor | None:
         """Attention through the backend's fused rotate-and-write (CPU, float32), where it
@@ -137,7 +139,7 @@ class Attention(nn.Module):
         k_cache, v_cache = cache
         return fused(
             qkv, self.num_heads, self.num_kv_heads, rope, k_cache, v_cache, meta, self.scale,
-            self.window, softcap=self.softcap,
+            self.window, softcap=self.softcap, sinks=self.sinks,
         )  # fmt: skip
 
     def _scaled(self, q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
@@ -150,7 +152,7 @@ class Attention(nn.Module):
         q = q * k_scale.repeat_interleave(group, 0)
         out = self.backend.forward(
             q, k / k_scale, v / v_scale, k_cache, v_cache, meta, self.scale, self.window,
-            softcap=self.softcap,
+            softcap=self.softcap, sinks=self.sinks,
         )  # fmt: skip
         return out * v_scale.repeat_interleave(group, 0)
 
