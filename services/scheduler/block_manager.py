@@ -348,17 +348,23 @@ class BlockManager:
         num_tokens: int,
         write_from: int | None = None,
         hits: Sequence[int] = (),
+        next_position: int = 0,
     ) -> int:
         """Free blocks that growing the table to `num_tokens` would consume: new blocks,
-        copies of shared blocks written from `write_from`, and free cached hits reused."""
-        have = len(self._tables.get(request_id, ())) or len(hits)
+        copies of shared blocks written from `write_from`, and free cached hits reused
+        (for a new table, as `allocate` makes it: none below `next_position`'s window)."""
+        table = self._tables.get(request_id)
+        skip = 0
+        if table is None:
+            skip = min(self.unread_blocks(next_position), self.blocks_for_tokens(num_tokens))
+        have = len(table) if table else max(len(hits), skip)
         missing = max(0, self.blocks_for_tokens(num_tokens) - have)
         copies = (
             0
             if write_from is None
             else len(self._shared_in_range(request_id, write_from, num_tokens))
         )
-        revived = sum(1 for b in hits if self.pool.ref_count(b) == 0)
+        revived = sum(1 for b in hits[skip:] if self.pool.ref_count(b) == 0)
         return missing + copies + revived
 
     def can_allocate(

@@ -193,7 +193,9 @@ class KvHandoff:
             [
                 DecodeCandidate(
                     transfer_blocks=needed - len(h),
-                    consumed_blocks=p.blocks.blocks_needed(request.request_id, computed, hits=h),
+                    consumed_blocks=p.blocks.blocks_needed(
+                        request.request_id, computed, hits=h, next_position=max(0, computed - 1)
+                    ),
                     free_blocks=p.blocks.num_free_blocks,
                 )
                 for p, h in zip(healthy, hits, strict=True)

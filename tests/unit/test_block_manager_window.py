@@ -102,6 +102,9 @@ def test_a_table_for_kv_computed_elsewhere_starts_with_the_null_block() -> None:
     hits = manager.cached_prefix(block_hashes, ids, 12)
     assert len(hits) == 3
     free_before = manager.num_free_blocks
+    # What placement is told it would consume: only the blocks of the window.
+    assert manager.blocks_needed("new", 40, hits=hits, next_position=39) == 2
+    assert manager.blocks_needed("new", 40, hits=hits) == 10 - 3 + 3  # full: all revived
     entries, _ = manager.allocate("new", 40, hits=hits, next_position=39)
     table = manager.table("new")
     skip = manager.unread_blocks(39)  # blocks 0..7 are before 39 - 6 + 1
