@@ -24,9 +24,12 @@ sequence's length load nothing and are masked. With a sliding window W (`window`
 splits cut the last W positions instead of the whole context (`WINDOWED` compiles apart).
 A score soft-cap c (`softcap`, Gemma 2; `SOFTCAP` compiles apart) turns each score s into
 c * tanh(s / c) before the softmax (`triton_utils.soft_cap`, in log2 units: both scaled by
-log2(e)). `max_seq_len` only steers the split heuristic (it may be any upper bound, e.g. the
-model's context length); without it the bound
-`block_tables.shape[1] * block_size` is used, so even the defaults never synchronise.
+log2(e)). Attention sinks (`sinks`, gpt-oss: one logit per query head; `SINKS` compiles
+apart) add exp(sink) to each head's softmax denominator: with one split the online softmax
+starts from the sink (running maximum = sink, sum = 1, output 0); with several the combine
+kernel counts the sink as one more, empty, partial. `max_seq_len` only steers the split
+heuristic (it may be any upper bound, e.g. the model's context length); without it the
+bound `block_tables.shape[1] * block_size` is used, so even the defaults never synchronise.
 For the same reason tensor values are not validated (the torch reference does): each
 `seq_lens[s]` must fit its block-table row (a length of 0 yields zeros).
 """
@@ -45,6 +48,7 @@ from kernels.triton_utils import (
     dot_config,
     kv_block_slot,
     num_sms,
+    sink_logits,
     soft_cap,
 )
 
@@ -62,6 +66,7 @@ def _paged_decode_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    sinks_ptr,
     qk_scale,
     num_splits,
     window,
@@ -91,6 +96,7 @@ def _paged_decode_kernel(
     DOT_PRECISION: tl.constexpr,
     WINDOWED: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -118,8 +124,12 @@ def _paged_decode_kernel(
     q = tl.load(q_ptr + q_offsets, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
     q = q.to(DOT_DTYPE)
 
-    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    if SINKS and not SPLIT:  # the sink as the first score (log2 units): max = sink, sum = 1
+        m_i = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0) * LOG2E
+        l_i = tl.full([GROUP_PAD], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_head = k_cache_ptr + kv_head * stride_kh + dims[None, :] * stride_kd
@@ -171,14 +181,17 @@ def _combine_splits_kernel(
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
+    sinks_ptr,
     num_splits,
     stride_os,
     stride_oh,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
-    """One program merges the split partials of one (sequence, q head)."""
+    """One program merges the split partials of one (sequence, q head) (and the head's sink:
+    a partial of log-sum-exp `sink` and output 0)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
@@ -187,6 +200,9 @@ def _combine_splits_kernel(
     lse = tl.load(part_lse_ptr + base + splits, mask=splits < num_splits, other=float("-inf"))
     live = lse > float("-inf")  # empty splits wrote no partial output
     top = tl.max(lse, 0)
+    if SINKS:
+        sink = tl.load(sinks_ptr + head) * LOG2E
+        top = tl.maximum(top, sink)
     top = tl.where(top > float("-inf"), top, 0.0)  # no live split (length 0): output 0
     weights = tl.where(live, tl.exp2(lse - top), 0.0)
     part = tl.load(
@@ -195,6 +211,8 @@ def _combine_splits_kernel(
         other=0.0,
     )
     total = tl.sum(weights, 0)
+    if SINKS:
+        total += tl.exp2(sink - top)
     out = tl.sum(part * weights[:, None], 0) / tl.where(total > 0.0, total, 1.0)
     tl.store(
         out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + dims,
@@ -242,10 +260,12 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new query per sequence over its paged context (incl. itself);
     with a sliding `window` W, over its last W positions only; with a `softcap` c, of the
-    scores c * tanh(s / c).
+    scores c * tanh(s / c); with `sinks` `[q_heads]`, each head's sink logit in its softmax
+    denominator.
 
     `query` `[S, q_heads, head_dim]`; caches `[num_blocks, block_size, kv_heads, head_dim]`
     (strided views allowed, head_dim contiguous or not; the query's dtype or float8_e4m3fn);
@@ -271,6 +291,7 @@ def paged_decode_attention(
     if window is not None and window < 1:
         raise ValueError(f"window must be a positive int or None, got {window!r}")
     check_softcap(softcap)
+    sinks = sink_logits(sinks, query)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_seqs == 0:
         return out
@@ -300,6 +321,7 @@ def paged_decode_attention(
         out,
         part_out,
         part_lse,
+        out if sinks is None else sinks,  # unused without SINKS
         scale * LOG2E,
         num_splits,
         window or 0,
@@ -321,6 +343,7 @@ def paged_decode_attention(
         DOT_PRECISION=precision,
         WINDOWED=window is not None,
         SOFTCAP=softcap is not None,
+        SINKS=sinks is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -329,12 +352,14 @@ def paged_decode_attention(
             part_out,
             part_lse,
             out,
+            part_lse if sinks is None else sinks,  # unused without SINKS
             num_splits,
             out.stride(0),
             out.stride(1),
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
+            SINKS=sinks is not None,
             num_warps=4 if head_dim_pad * triton.next_power_of_2(num_splits) >= 2048 else 1,
         )
     return out

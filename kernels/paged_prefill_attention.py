@@ -23,6 +23,9 @@ validated (the torch reference does): `max_query_len` must bound every sequence'
 
 A score soft-cap c (`softcap`, Gemma 2; `SOFTCAP` compiles apart) turns each score s into
 c * tanh(s / c) before masking and the softmax (`triton_utils.soft_cap`, in log2 units).
+Attention sinks (`sinks`, gpt-oss: one logit per query head; `SINKS` compiles apart) add
+exp(sink) to each row's softmax denominator: the online softmax starts from the sink
+(running maximum = sink, sum = 1, output 0).
 
 An fp8 (float8_e4m3fn) cache is read as stored and each K/V tile upcast in registers to the
 `tl.dot` operand dtype (the query's 16-bit dtype, exactly, or fp32); the kernel compiles
@@ -42,6 +45,7 @@ from kernels.triton_utils import (
     check_softcap,
     dot_config,
     kv_block_slot,
+    sink_logits,
     soft_cap,
 )
 
@@ -55,6 +59,7 @@ def _paged_prefill_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     out_ptr,
+    sinks_ptr,
     qk_scale,
     window,
     softcap,
@@ -84,6 +89,7 @@ def _paged_prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     WINDOWED: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     # Heaviest tiles (last queries: longest key range) first, for better load balance.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -117,8 +123,12 @@ def _paged_prefill_kernel(
     ).to(DOT_DTYPE)
     q_pos = prefix + tokens  # each row's position in the context
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if SINKS:  # the sink as the first score (log2 units): max = sink, sum = 1
+        m_i = tl.load(sinks_ptr + heads, mask=in_group < GROUP, other=0.0) * LOG2E
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_head = k_cache_ptr + kv_head * stride_kh + dims[None, :] * stride_kd
@@ -235,10 +245,12 @@ def paged_prefill_attention(
     max_query_len: int,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a varlen batch of new tokens over their paged context; with a
     sliding `window` W, query position p sees keys p - W < k <= p only; with a `softcap` c,
-    the scores are c * tanh(s / c).
+    the scores are c * tanh(s / c); with `sinks` `[q_heads]`, each head's sink logit joins
+    its softmax denominator.
 
     `query` `[T, q_heads, head_dim]`; caches `[num_blocks, block_size, kv_heads, head_dim]`
     (strided views allowed; the query's dtype or float8_e4m3fn); `block_tables` int
@@ -263,6 +275,7 @@ def paged_prefill_attention(
     if window is not None and window < 1:
         raise ValueError(f"window must be a positive int or None, got {window!r}")
     check_softcap(softcap)
+    sinks = sink_logits(sinks, query)
     if max_query_len > query.shape[0]:
         raise ValueError(f"max_query_len {max_query_len} > number of query rows {query.shape[0]}")
     num_tokens, num_q_heads, head_dim = query.shape
@@ -288,6 +301,7 @@ def paged_prefill_attention(
         query_start_loc,
         seq_lens,
         out,
+        out if sinks is None else sinks,  # unused without SINKS
         scale * LOG2E,
         window or 0,
         (softcap or 1.0) * LOG2E,
@@ -309,6 +323,7 @@ def paged_prefill_attention(
         DOT_PRECISION=precision,
         WINDOWED=window is not None,
         SOFTCAP=softcap is not None,
+        SINKS=sinks is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

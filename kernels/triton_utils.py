@@ -1,7 +1,8 @@
 """Helpers shared by the Triton paged-attention kernels: argument validation for the paged
 K/V caches, the choice of `tl.dot` operand dtype and precision, the in-kernel block-table
-lookup that turns token positions into cache addresses, the scores' soft-cap (Gemma 2)
-and the float -> fp8 (e4m3fn) rounding used when writing an fp8 cache.
+lookup that turns token positions into cache addresses, the scores' soft-cap (Gemma 2), the
+check of attention sinks (gpt-oss) and the float -> fp8 (e4m3fn) rounding used when writing
+an fp8 cache.
 
 Nothing here keeps state; every function is a pure function of its arguments.
 """
@@ -136,6 +137,21 @@ def check_softcap(softcap: float | None) -> None:
         return
     if isinstance(softcap, bool) or not isinstance(softcap, int | float) or not softcap > 0:
         raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
+
+
+def sink_logits(sinks: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | None:
+    """gpt-oss's per-head sink logits as the kernels read them (float32, contiguous, on the
+    query's device), or None; ValueError unless one per query head."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or sinks.shape != (query.shape[1],):
+        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else sinks
+        raise ValueError(f"sinks must be a tensor [q_heads={query.shape[1]}], got {shape!r}")
+    if not sinks.dtype.is_floating_point or sinks.device != query.device:
+        raise ValueError(
+            f"sinks must be floats on {query.device}, got {sinks.dtype} on {sinks.device}"
+        )
+    return sinks.float().contiguous()
 
 
 @triton.jit

@@ -13,7 +13,9 @@
 // a few positions ahead are prefetched. A sliding window W > 0 (0: none) reads only the
 // last W positions [len - W, len): the query (at len - 1) and the W - 1 before it. A score
 // soft-cap c > 0 (Gemma 2; 0: none) turns every score s into c * tanh(s / c) before the
-// softmax, as Hugging Face's eager attention does.
+// softmax, as Hugging Face's eager attention does. Attention sinks (gpt-oss; an optional
+// float32 [heads] of logits) join each head's softmax as one more score with no value: the
+// maximum subtracted covers the sink, and exp(sink - max) is added to the denominator.
 //
 // Caches are the strided per-layer views [num_blocks, block_size, kv_heads, head_dim] of
 // the block-major pool (last dimension contiguous); float32, bfloat16 or float8 (e4m3fn).
@@ -104,8 +106,9 @@ inline void score_heads(const float* q, const float* k_pos, int64_t h, int64_t g
 }
 #endif
 
-// Scores -> exp(score - max) in place; returns their sum (the softmax's denominator).
-inline float softmax_numerators(float* sc, int64_t len) {
+// Scores -> exp(score - max) in place; returns their sum plus exp(sink - max) (the softmax's
+// denominator), where the maximum also covers `sink` (-inf: no sink, adding 0).
+inline float softmax_numerators(float* sc, int64_t len, float sink) {
   int64_t pos = 0;
   float sum = 0.0f;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -114,7 +117,7 @@ inline float softmax_numerators(float* sc, int64_t len) {
     for (pos = 8; pos + 8 <= len; pos += 8) high = _mm256_max_ps(high, _mm256_loadu_ps(sc + pos));
     float lanes[8];
     _mm256_storeu_ps(lanes, high);
-    float top = *std::max_element(lanes, lanes + 8);
+    float top = std::max(*std::max_element(lanes, lanes + 8), sink);
     for (; pos < len; ++pos) top = std::max(top, sc[pos]);
     const __m256 vtop = _mm256_set1_ps(top);
     __m256 vsum = _mm256_setzero_ps();
@@ -135,21 +138,22 @@ inline float softmax_numerators(float* sc, int64_t len) {
         sum += tail[j];
       }
     }
-    return sum;
+    return sum + std::exp(sink - top);
   }
 #endif
-  const float top = *std::max_element(sc, sc + len);
+  const float top = std::max(*std::max_element(sc, sc + len), sink);
   for (; pos < len; ++pos) {
     sc[pos] = std::exp(sc[pos] - top);
     sum += sc[pos];
   }
-  return sum;
+  return sum + std::exp(sink - top);
 }
 
 template <typename T>
 void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                    const at::Tensor& v_cache, const at::Tensor& block_tables,
-                   const at::Tensor& seq_lens, double scale, int64_t window, double softcap) {
+                   const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
+                   const float* sinks) {
   const int64_t num_seqs = query.size(0);
   const int64_t num_heads = query.size(1);
   const int64_t head_dim = query.size(2);
@@ -238,7 +242,8 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
         for (int64_t i = 0; i < heads * len; ++i) scores[i] = cap * std::tanh(scores[i] / cap);
       }
       for (int64_t h = 0; h < heads; ++h) {
-        total[h] = softmax_numerators(scores.data() + h * len, len);
+        const float sink = sinks != nullptr ? sinks[h0 * group + h] : -INFINITY;
+        total[h] = softmax_numerators(scores.data() + h * len, len, sink);
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t pos = 0; pos < len; ++pos) {
@@ -266,11 +271,12 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
 // out: float32 [n, heads, head_dim] (written); query: float32 [n, heads, head_dim];
 // caches: [num_blocks, block_size, kv_heads, head_dim] float32, bfloat16 or float8_e4m3fn;
 // block_tables: int64 [n, max_blocks]; seq_lens: int64 [n] (>= 1); window: the sliding
-// window (0: full attention); softcap: the scores' tanh cap (0: none).
+// window (0: full attention); softcap: the scores' tanh cap (0: none); sinks: float32
+// [heads], each head's sink logit (None: none).
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, double scale, int64_t window,
-                            double softcap) {
+                            double softcap, const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
   TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0 (0: none)");
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [n, H, D]");
@@ -289,15 +295,22 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
               "block_tables must be [n, max_blocks] with contiguous rows");
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.is_contiguous() && seq_lens.size(0) == query.size(0),
               "seq_lens must be [n]");
+  const float* sink_logits = nullptr;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->dim() == 1 &&
+                    sinks->is_contiguous() && sinks->size(0) == query.size(1),
+                "sinks must be a contiguous float32 [heads]");
+    sink_logits = sinks->data_ptr<float>();
+  }
   if (k_cache.scalar_type() == at::kFloat) {
     decode_kernel<float>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, window,
-                         softcap);
+                         softcap, sink_logits);
   } else if (k_cache.scalar_type() == at::kBFloat16) {
     decode_kernel<at::BFloat16>(out, query, k_cache, v_cache, block_tables, seq_lens, scale,
-                                window, softcap);
+                                window, softcap, sink_logits);
   } else if (k_cache.scalar_type() == at::kFloat8_e4m3fn) {
     decode_kernel<c10::Float8_e4m3fn>(out, query, k_cache, v_cache, block_tables, seq_lens,
-                                      scale, window, softcap);
+                                      scale, window, softcap, sink_logits);
   } else {
     TORCH_CHECK(false, "caches must be float32, bfloat16 or float8_e4m3fn");
   }
@@ -308,7 +321,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor seq_lens, float scale, int window=0, "
-        "float softcap=0.0) -> ()");
+        "float softcap=0.0, Tensor? sinks=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tandem_cpu, CPU, m) {
