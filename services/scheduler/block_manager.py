@@ -142,6 +142,8 @@ class BlockPool:
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take a reference on cached blocks found by `lookup` (free ones leave the queue)."""
         for block_id in block_ids:
+            if self.is_null(block_id):
+                continue
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 self._free.remove(block)
@@ -298,17 +300,39 @@ class BlockManager:
     def cached_prefix(
         self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int], max_tokens: int
     ) -> list[int]:
-        """Cached blocks holding the longest prefix of at most `max_tokens` tokens."""
+        """Cached blocks holding the longest prefix of at most `max_tokens` tokens. With a
+        window, a prefix counts when the blocks its next query reads are cached (the
+        chained hashes make their prefix the same); the blocks before them come back as
+        the null block, which `allocate` never takes (vLLM's sliding-window hit search)."""
         hits: list[int] = []
         if not self.pool.enable_caching:
             return hits
         bs = self.block_size
-        for index in range(min(len(block_hashes), max_tokens // bs)):
+        limit = min(len(block_hashes), max_tokens // bs)
+        if self.window is not None:
+            return self._windowed_prefix(block_hashes, token_ids, limit)
+        for index in range(limit):
             block = self.pool.lookup(block_hashes[index], token_ids[index * bs : (index + 1) * bs])
             if block is None:
                 break
             hits.append(block)
         return hits
+
+    def _windowed_prefix(
+        self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int], limit: int
+    ) -> list[int]:
+        bs = self.block_size
+        found: list[int | None] = []
+        best, run_start = 0, 0  # run_start: first block of the cached run ending here
+        for index in range(limit):
+            block = self.pool.lookup(block_hashes[index], token_ids[index * bs : (index + 1) * bs])
+            found.append(block)
+            if block is None:
+                run_start = index + 1
+            elif run_start <= self.unread_blocks((index + 1) * bs - 1):
+                best = index + 1  # the last query of the prefix reads only cached blocks
+        unread = self.unread_blocks(best * bs - 1) if best else 0
+        return [NULL_BLOCK if i < unread else found[i] for i in range(best)]
 
     def cache_full_blocks(
         self,

@@ -486,9 +486,10 @@ class PoolScheduler(Migration):
         is_new = rid not in self._on_worker
         ahead = request.num_lookahead_in_flight  # slots its steps in flight may fill
         added, copies = self.blocks.allocate(
-            rid, start + ahead + num_new + lookahead, start, hits or ()
+            rid, start + ahead + num_new + lookahead, start, hits or (), next_position=start
         )
-        trimmed = self.blocks.trim(rid, start)  # sliding windows: blocks no query reads
+        # Sliding windows: blocks no query reads are freed; the worker gets the new table.
+        replaced = self.blocks.trim(rid, start) or copies
         request.num_lookahead_in_flight += lookahead
         plan.block_copies.extend(copies)
         prompt_end = max(len(request.prompt_token_ids), request.num_known_tokens - 1)
@@ -509,9 +510,7 @@ class PoolScheduler(Migration):
                 is_new=is_new,
                 new_block_ids=self.blocks.table(rid) if is_new else added,
                 num_computed_before=start,
-                replaced_table=self.blocks.table(rid)
-                if (copies or trimmed) and not is_new
-                else None,
+                replaced_table=self.blocks.table(rid) if replaced and not is_new else None,
                 samples=samples,
                 num_lookahead_tokens=lookahead,
             )

@@ -100,18 +100,53 @@ def test_a_table_for_kv_computed_elsewhere_starts_with_the_null_block() -> None:
     manager.cache_full_blocks("old", block_hashes, ids, 12)
     manager.free("old")
     hits = manager.cached_prefix(block_hashes, ids, 12)
-    assert len(hits) == 3
+    # The prefix's last query (11) reads 6..11: block 0 stands as the null block.
+    assert len(hits) == 3 and hits[0] == NULL_BLOCK and NULL_BLOCK not in hits[1:]
     free_before = manager.num_free_blocks
     # What placement is told it would consume: only the blocks of the window.
     assert manager.blocks_needed("new", 40, hits=hits, next_position=39) == 2
-    assert manager.blocks_needed("new", 40, hits=hits) == 10 - 3 + 3  # full: all revived
+    assert manager.blocks_needed("new", 40, hits=hits) == 10 - 3 + 2  # all: 2 hits revived
     entries, _ = manager.allocate("new", 40, hits=hits, next_position=39)
     table = manager.table("new")
     skip = manager.unread_blocks(39)  # blocks 0..7 are before 39 - 6 + 1
     assert skip == 8 and table[:skip] == [NULL_BLOCK] * skip
     assert entries == table[len(hits) :]  # aligned after the hits (null ones included)
     assert manager.num_held("new") == 2 == free_before - manager.num_free_blocks
-    assert all(manager.pool.ref_count(b) == 0 for b in hits)  # hits below: not taken
+    assert all(manager.pool.ref_count(b) == 0 for b in hits[1:])  # hits below: not taken
     manager.free("new")
+    assert manager.num_free_blocks == manager.num_blocks
+    manager.check_integrity()
+
+
+def test_a_prefix_whose_early_blocks_were_evicted_still_hits() -> None:
+    """Only the blocks the next query reads must be cached: with a prompt's first blocks
+    evicted the prefix still hits, those standing as the null block, which allocating from
+    the hits never takes; a gap inside the window ends the hit before it."""
+    ids = tokens(32)
+    block_hashes = extend_block_hashes([], ids, BS, ROOT)
+    manager = BlockManager(12, BS, window=6)
+    manager.allocate("c", 28)
+    manager.cache_full_blocks("c", block_hashes, ids, 28)
+    kept = manager.table("c")
+    manager.free("c")
+    plain = BlockManager(12, BS)  # the same cache without a window: hits need block 0 on
+    plain.allocate("c", 28)
+    plain.cache_full_blocks("c", block_hashes, ids, 28)
+    plain_kept = plain.table("c")
+    plain.free("c")
+    for index in range(5):  # blocks 0..4 evicted (as reuse by other requests would)
+        manager.pool._uncache(manager.pool.blocks[kept[index]])
+        plain.pool._uncache(plain.pool.blocks[plain_kept[index]])
+    assert plain.cached_prefix(block_hashes, ids, 31) == []
+    # The query at 27 reads 22..27: blocks 5 and 6, both cached; 0..4 are read by nobody.
+    hits = manager.cached_prefix(block_hashes, ids, 31)
+    assert hits == [NULL_BLOCK] * 5 + kept[5:7]
+    manager.allocate("d", 29, write_from=28, hits=hits, next_position=28)
+    assert manager.table("d")[:7] == hits and manager.num_held("d") == 3
+    manager.check_integrity()
+    manager.free("d")
+    # A gap inside the window (block 5 evicted too): no prefix ends on cached blocks only.
+    manager.pool._uncache(manager.pool.blocks[kept[5]])
+    assert manager.cached_prefix(block_hashes, ids, 31) == []
     assert manager.num_free_blocks == manager.num_blocks
     manager.check_integrity()
