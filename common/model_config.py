@@ -7,6 +7,8 @@ llama-family models (llama, mistral, qwen2, qwen3) and their mixture-of-experts 
 `common.moe_config.MoeConfig`) with default, linear, llama3, yarn, dynamic or longrope
 RoPE (`common.rope_config`), and Gemma 2 / Gemma 3 text (gemma2, gemma3_text: their own
 norms, scales, soft-caps and local RoPE in `common.gemma_config.GemmaConfig`).
+OpenAI's gpt-oss (gpt_oss: attention sinks, biased experts with a clamped SwiGLU,
+`common.gpt_oss_config`) too.
 Anything outside that is rejected here with a `ValueError`, before any weights are read.
 Both the transformers-v5 layout (`rope_parameters`) and the legacy v4 layout (`rope_theta` +
 `rope_scaling`) are accepted. Pure Python: no torch import, so the gateway and scheduler can
@@ -29,12 +31,20 @@ from common.gemma_config import (
     parse_gemma,
     with_defaults,
 )
+from common.gpt_oss_config import (
+    GPT_OSS,
+    GptOssConfig,
+    gpt_oss_defaults,
+    gpt_oss_moe,
+    parse_gpt_oss,
+)
 from common.moe_config import MoeConfig, parse_moe
 from common.rope_config import parse_rope, validate_rope_scaling
 from common.sliding_window import parse_layer_windows
 
 SUPPORTED_ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text",
+    "gpt_oss",
 )  # fmt: skip
 _QWEN3_DEFAULT_HEAD_DIM = 128  # Qwen3Config's own default when config.json has no head_dim
 
@@ -66,6 +76,7 @@ class ModelConfig:
     # Each layer's sliding window (`common.sliding_window`); None: every layer attends fully.
     layer_windows: tuple[int | None, ...] | None = None
     gemma: GemmaConfig | None = None  # gemma2, gemma3_text; None: llama family
+    gpt_oss: GptOssConfig | None = None  # gpt_oss's clamped SwiGLU; None: other families
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -155,6 +166,8 @@ class ModelConfig:
             )
         if architecture in GEMMA_ARCHITECTURES:
             raw = with_defaults(raw, architecture)  # the config classes' defaults
+        if architecture == GPT_OSS:
+            raw = gpt_oss_defaults(raw)  # GptOssConfig's
         _reject_unsupported_features(raw, architecture)
 
         hidden_size = _required_int(raw, "hidden_size")
@@ -202,9 +215,10 @@ class ModelConfig:
             eos_token_ids=_token_ids(eos),
             bos_token_id=bos if bos is None else int(bos),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
-            moe=parse_moe(raw, architecture),
+            moe=gpt_oss_moe(raw) if architecture == GPT_OSS else parse_moe(raw, architecture),
             layer_windows=parse_layer_windows(raw, architecture),
             gemma=parse_gemma(raw, architecture),
+            gpt_oss=parse_gpt_oss(raw, architecture),
         )
 
 

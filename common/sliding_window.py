@@ -10,6 +10,8 @@ Hugging Face `config.json` exactly as transformers v5 reads it.
 - gemma2, gemma3_text: `layer_types` names each layer; without it, Gemma 2 windows every
   other layer from layer 0 and Gemma 3 all but every `sliding_window_pattern`-th (default 6;
   `gemma_layer_types`);
+- gpt_oss: `layer_types` names each layer; without it, every other layer from layer 0 is
+  windowed (as Gemma 2);
 - llama: never windowed.
 
 A window of W (HF's `sliding_window`) lets the query at position p see keys at positions
@@ -42,7 +44,7 @@ def parse_layer_windows(raw: Mapping[str, Any], architecture: str) -> tuple[int 
         if not raw.get("use_sliding_window"):
             return None
         windows = _qwen_layer_windows(raw, window, num_layers)
-    elif architecture in ("gemma2", "gemma3_text"):
+    elif architecture in ("gemma2", "gemma3_text", "gpt_oss"):
         layer_types = gemma_layer_types(raw, architecture, num_layers)
         windows = [window if t == SLIDING else None for t in layer_types]
     else:
@@ -51,14 +53,14 @@ def parse_layer_windows(raw: Mapping[str, Any], architecture: str) -> tuple[int 
 
 
 def gemma_layer_types(raw: Mapping[str, Any], architecture: str, num_layers: Any) -> list[str]:
-    """Each layer's type as `Gemma2Config` / `Gemma3TextConfig` set it: `layer_types`, else
-    Gemma 2's sliding layers 0, 2, 4, ... and Gemma 3's every layer but each
-    `sliding_window_pattern`-th."""
+    """Each layer's type as `Gemma2Config` / `Gemma3TextConfig` (and `GptOssConfig`) set it:
+    `layer_types`, else Gemma 2's (and gpt-oss's) sliding layers 0, 2, 4, ... and Gemma 3's
+    every layer but each `sliding_window_pattern`-th."""
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers <= 0:
         raise ValueError(f"num_hidden_layers must be a positive integer, got {num_layers!r}")
     if raw.get("layer_types") is not None:
         return _checked_layer_types(raw["layer_types"], num_layers)
-    pattern = 2 if architecture == "gemma2" else raw.get("sliding_window_pattern", 6)
+    pattern = 2 if architecture in ("gemma2", "gpt_oss") else raw.get("sliding_window_pattern", 6)
     if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern <= 0:
         raise ValueError(f"sliding_window_pattern must be a positive integer, got {pattern!r}")
     return [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]

@@ -11,7 +11,9 @@ qwen3_moe keeps layer 0 dense (`mlp_only_layers`), so both kinds of layer run. G
 Gemma 3 text keep their config classes' defaults (soft-caps, `query_pre_attn_scalar`,
 alternating sliding layers), Gemma 3 with its own RoPE thetas per layer type (a
 `rope_scaling` applies to its full layers); their norm weights (applied as 1 + w) are
-perturbed around 0.
+perturbed around 0. gpt-oss gets `TINY_MOE` experts too; its experts' biases are perturbed
+like the others and its attention sinks drawn from N(0, 1), so that they matter
+(`devtools.mxfp4_checkpoint` then stores its experts in MXFP4, as the real checkpoints do).
 
 CLI: `python -m devtools.checkpoint_builder --out DIR [--arch llama] [--tiny]`.
 """
@@ -34,11 +36,13 @@ BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"
 DEFAULT_MODEL_NAME = "tandem-tiny-llama"
 SUPPORTED_ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text",
+    "gpt_oss",
 )  # fmt: skip
 GEMMA = ("gemma2", "gemma3_text")
 # The experts of a tiny MoE checkpoint (each architecture keeps the fields it has).
 TINY_MOE: dict[str, dict[str, Any]] = {
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "qwen3_moe": {
         "num_experts": 4,
         "num_experts_per_tok": 2,
@@ -207,6 +211,7 @@ def _hf_config(architecture: str, **kwargs: Any) -> Any:
         "qwen3_moe": transformers.Qwen3MoeConfig,
         "gemma2": transformers.Gemma2Config,
         "gemma3_text": transformers.Gemma3TextConfig,
+        "gpt_oss": transformers.GptOssConfig,
     }
     extra: dict[str, Any] = {}
     if architecture in ("mistral", "mixtral"):
@@ -227,7 +232,7 @@ def _window_fields(architecture: str, window: int | None, max_window_layers: int
         return {"sliding_window": window}
     if architecture == "qwen3_moe":
         return {"use_sliding_window": True, "sliding_window": window}
-    if architecture in GEMMA:
+    if architecture in (*GEMMA, "gpt_oss"):
         return {"sliding_window": window}
     if architecture in ("qwen2", "qwen3"):
         return {
@@ -261,8 +266,10 @@ def _random_model(config: Any, seed: int) -> torch.nn.Module:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(norm_base + 0.1 * torch.randn_like(param))
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_proj_bias")):  # (gpt-oss's experts: *_proj_bias)
                 param.copy_(0.1 * torch.randn_like(param))
+            elif name.endswith("self_attn.sinks"):  # gpt-oss
+                param.copy_(torch.randn_like(param))
     return model
 
 

@@ -121,6 +121,23 @@ CASES: dict[str, str | dict] = {
         },
         "seed": 10,
     },
+    # gpt-oss: sliding / full / sliding layers (window 6) with attention sinks, biased q/k/v/o,
+    # YaRN RoPE (truncate false), 4 biased experts (top 2 of the biased router's logits,
+    # softmaxed over the 2) with the clamped SwiGLU, in transformers' own (unquantized)
+    # layout; MXFP4 experts: test_gpt_oss.py.
+    "gpt_oss": {
+        "architecture": "gpt_oss",
+        "num_hidden_layers": 3,
+        "sliding_window": 6,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "truncate": False,
+        },
+        "seed": 12,
+    },
 }
 
 

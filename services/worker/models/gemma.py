@@ -27,6 +27,7 @@ from torch import nn
 from common.model_config import ModelConfig
 from services.worker.models.attention_backend import AttentionBackend
 from services.worker.models.attention_metadata import AttentionMetadata
+from services.worker.models.gpt_oss import GptOssForCausalLM
 from services.worker.models.llama import MLP, Attention, LlamaForCausalLM, LlamaModel
 from services.worker.models.rms_norm import RMSNorm, _kernel_fits
 from services.worker.models.rope import RotaryEmbedding
@@ -219,5 +220,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
 
 def causal_lm_class(config: ModelConfig) -> type[LlamaForCausalLM]:
-    """The model class for `config`'s architecture."""
+    """The model class for `config`'s architecture (gpt-oss's: `gpt_oss.py`)."""
+    if config.gpt_oss is not None:
+        return GptOssForCausalLM
     return GemmaForCausalLM if config.gemma is not None else LlamaForCausalLM

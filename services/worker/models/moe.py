@@ -9,7 +9,10 @@ as one matrix product over its rows, each row is scaled by its routing weight, a
 `index_add_` sums each token's k rows into its output. Rows are summed in ascending expert
 order, the order of HF's loop over experts, and in the same dtypes (Mixtral scales by the
 float32 weights and casts the product; Qwen3-MoE casts the weights to the activations'
-dtype first), so results equal HF's to float rounding.
+dtype first), so results equal HF's to float rounding. gpt-oss's experts (`gpt_oss.py`) have
+biases, added right after each product as HF adds them, and their own activation on the
+gate/up product (`activation`: any `[.., 2I] -> [.., I]` function of the gate half and the
+up half; silu(gate) * up by default).
 
 `SparseMoeBlock` holds a layer's router (`gate`, applied with `F.linear` as HF does: the
 routing decision sees the same logits) and its experts stacked per layer, with the names and
@@ -40,7 +43,7 @@ free since every rank already has every token: attention is tensor-parallel).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +77,8 @@ def fused_experts(
     transposed: bool,
     projections: Sequence[tuple[MergedLinear, MergedLinear]] | None = None,
     first_expert: int | None = None,
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+    activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
 ) -> torch.Tensor:
     """`sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))` over `e = experts[t, j]`,
     for every token `t` of `x` `[T, H]`. `gate_up` / `down`: every expert's matrices, stacked,
@@ -83,7 +88,9 @@ def fused_experts(
     The products run in `x`'s dtype; the scaled rows are cast back to it. With expert
     parallelism the stacked matrices are experts `first_expert ..` only (None: every expert):
     the assignments to other experts are skipped (another rank computes them; the group's
-    sum adds them)."""
+    sum adds them). `biases`: the held experts' gate/up `[E, 2I]` and down `[E, H]` biases,
+    each added to its product; `activation`: `[rows, 2I] -> [rows, I]` in place of
+    `silu_and_mul`."""
     num_tokens, top_k = experts.shape
     held = gate_up.shape[0]
     flat = experts.reshape(-1)
@@ -103,12 +110,14 @@ def fused_experts(
         if count == 0:
             continue
         end = start + count
-        if projections is not None:
-            gate_up_e, down_e = projections[expert]
-            out[start:end] = down_e(silu_and_mul(gate_up_e(rows[start:end])))
-        else:
-            inner = silu_and_mul(_product(rows[start:end], gate_up[expert], transposed))
-            out[start:end] = _product(inner, down[expert], transposed)
+        layers = projections[expert] if projections is not None else None
+        h = rows[start:end]
+        h = layers[0](h) if layers else _product(h, gate_up[expert], transposed)
+        if biases is not None:
+            h = h + biases[0][expert]
+        h = activation(h)
+        h = layers[1](h) if layers else _product(h, down[expert], transposed)
+        out[start:end] = h if biases is None else h + biases[1][expert]
         start = end
     # Every row scaled at once (the same elementwise products as per expert; with float32
     # weights over lower-precision rows the product is computed in float32, then cast back).
@@ -142,7 +151,9 @@ class ExpertProjection(MergedLinear):
 
 class Experts(nn.Module):
     """One layer's experts, stacked: those this rank holds (`first_expert` onwards; None: all
-    of them), each's inner dimension or this rank's slice of it."""
+    of them), each's inner dimension or this rank's slice of it. `bias`: with HF's
+    `gate_up_proj_bias` [E, 2I] and `down_proj_bias` [E, H] (gpt-oss); `activation`: of the
+    gate/up product (`fused_experts`)."""
 
     def __init__(
         self,
@@ -151,9 +162,21 @@ class Experts(nn.Module):
         inner: int,
         dtype: torch.dtype,
         first_expert: int | None = None,
+        bias: bool = False,
+        activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
     ) -> None:
         super().__init__()
         self.first_expert = first_expert
+        self.activation = activation
+        self.gate_up_proj_bias: nn.Parameter | None = None
+        self.down_proj_bias: nn.Parameter | None = None
+        if bias:
+            self.gate_up_proj_bias = nn.Parameter(
+                torch.empty(num_experts, 2 * inner, dtype=dtype), requires_grad=False
+            )
+            self.down_proj_bias = nn.Parameter(
+                torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False
+            )
         self.gate_up_proj = nn.Parameter(
             torch.empty(num_experts, 2 * inner, hidden, dtype=dtype), requires_grad=False
         )
@@ -182,7 +205,11 @@ class Experts(nn.Module):
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     ) -> torch.Tensor:
-        if x.device.type == "cuda":  # one grouped-GEMM launch per projection (Triton)
+        biases = None
+        if self.gate_up_proj_bias is not None and self.down_proj_bias is not None:
+            biases = (self.gate_up_proj_bias, self.down_proj_bias)
+        plain = biases is None and self.activation is silu_and_mul
+        if x.device.type == "cuda" and plain:  # one grouped-GEMM launch per projection (Triton)
             from kernels.fused_moe import fused_moe
 
             offset = self.first_expert or 0
@@ -197,6 +224,8 @@ class Experts(nn.Module):
             self.transposed,
             self.projections,
             self.first_expert,
+            biases,
+            self.activation,
         )
 
 

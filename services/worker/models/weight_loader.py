@@ -17,7 +17,9 @@ layers (then the final norm and LM head): the truncated, self-speculative draft 
 their tensors are read or, where `packed_matmul` says so (CUDA by default), kept packed and
 merged into `quantized_linear.QuantizedLinear` layers for the Triton quantized matmul.
 A mixture-of-experts checkpoint's per-expert tensors are stacked per layer as they are read
-(`expert_weights.py`); quantized MoE checkpoints are refused.
+(`expert_weights.py`); quantized MoE checkpoints are refused, except gpt-oss's MXFP4 experts,
+dequantized to the model's dtype as they are read (`gpt_oss_weights.py`, which also lays out
+its unquantized experts).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from common.model_config import ModelConfig
 from services.worker.models.attention_backend import AttentionBackend
 from services.worker.models.expert_weights import stacked_experts
 from services.worker.models.gemma import causal_lm_class
+from services.worker.models.gpt_oss_weights import gpt_oss_tensors, is_mxfp4_checkpoint
 from services.worker.models.llama import LlamaForCausalLM
 from services.worker.models.quantized_weights import (
     QuantizedWeight,
@@ -135,14 +138,17 @@ def load_model(
         return f"model.layers.{int(layer.group(1)) - layers.start}.{name[layer.end() :]}"
 
     kv_scales: dict[str, torch.Tensor] = {}
-    fmt = quant_format(path)  # a format that is not supported stops here, named
+    mxfp4 = config.gpt_oss is not None and is_mxfp4_checkpoint(path)  # (gpt-oss's experts)
+    fmt = None if mxfp4 else quant_format(path)  # an unsupported format stops here, named
     if fmt is not None and config.moe is not None:
         raise ValueError(
             f"quantized {config.architecture} checkpoints are not supported (mixture-of-experts "
             f"weights load unquantized only)"
         )
     tensors = iter_tensors(path, keep=wanted)
-    if config.moe is not None:
+    if config.gpt_oss is not None:
+        tensors = gpt_oss_tensors(tensors, dtype)
+    elif config.moe is not None:
         tensors = stacked_experts(tensors, config.moe.num_experts)
     packed: dict[str, QuantizedWeight] = {}  # layers kept quantized, by their weight's name
     if packed_matmul(fmt, device, model.tp.size, quantized_matmul):
