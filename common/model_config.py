@@ -5,8 +5,10 @@
 llama-family models (llama, mistral, qwen2, qwen3) and their mixture-of-experts relatives
 (mixtral: mistral's attention; qwen3_moe: qwen3's; experts described by
 `common.moe_config.MoeConfig`) with default, linear, llama3, yarn, dynamic or longrope
-RoPE (`common.rope_config`), and Gemma 2 / Gemma 3 text (gemma2, gemma3_text: their own
-norms, scales, soft-caps and local RoPE in `common.gemma_config.GemmaConfig`).
+RoPE (`common.rope_config`), Gemma 2 / Gemma 3 text (gemma2, gemma3_text: their own
+norms, scales, soft-caps and local RoPE in `common.gemma_config.GemmaConfig`), and
+DeepSeek-V2 / V3 (deepseek_v2, deepseek_v3: latent attention, `common.mla_config.MlaConfig`,
+whose KV cache geometry `num_key_value_heads` / `head_dim` describe; DeepSeek's experts).
 OpenAI's gpt-oss (gpt_oss: attention sinks, biased experts with a clamped SwiGLU,
 `common.gpt_oss_config`) too.
 Anything outside that is rejected here with a `ValueError`, before any weights are read.
@@ -38,6 +40,7 @@ from common.gpt_oss_config import (
     gpt_oss_moe,
     parse_gpt_oss,
 )
+from common.mla_config import MlaConfig, parse_mla
 from common.moe_config import MoeConfig, parse_moe
 from common.rope_config import parse_rope, validate_rope_scaling
 from common.sliding_window import parse_layer_windows
@@ -45,6 +48,7 @@ from common.sliding_window import parse_layer_windows
 SUPPORTED_ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text",
     "gpt_oss",
+    "deepseek_v2", "deepseek_v3",
 )  # fmt: skip
 _QWEN3_DEFAULT_HEAD_DIM = 128  # Qwen3Config's own default when config.json has no head_dim
 
@@ -77,6 +81,9 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...] | None = None
     gemma: GemmaConfig | None = None  # gemma2, gemma3_text; None: llama family
     gpt_oss: GptOssConfig | None = None  # gpt_oss's clamped SwiGLU; None: other families
+    # Latent attention (deepseek_v2, deepseek_v3); None: every head has its own K/V. With
+    # it, num_key_value_heads (1) and head_dim (latent_dim / 2) are the KV cache's geometry.
+    mla: MlaConfig | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -102,14 +109,14 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
-        if self.head_dim % 2 != 0:
+        if self.head_dim % 2 != 0 and self.mla is None:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if not (isinstance(self.rms_norm_eps, int | float) and self.rms_norm_eps > 0):
             raise ValueError(f"rms_norm_eps must be positive, got {self.rms_norm_eps!r}")
         if not (isinstance(self.rope_theta, int | float) and self.rope_theta > 0):
             raise ValueError(f"rope_theta must be positive, got {self.rope_theta!r}")
         if self.rope_scaling is not None:
-            validate_rope_scaling(dict(self.rope_scaling), self.head_dim)
+            validate_rope_scaling(dict(self.rope_scaling), self.rope_head_dim)
         for token_id in self.eos_token_ids:
             if not isinstance(token_id, int) or token_id < 0:
                 raise ValueError(
@@ -124,6 +131,11 @@ class ModelConfig:
         if self.rope_scaling is None:
             return "default"
         return str(dict(self.rope_scaling)["rope_type"])
+
+    @property
+    def rope_head_dim(self) -> int:
+        """The rotated size: every head's (MLA: its `qk_rope_head_dim` part)."""
+        return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -175,7 +187,11 @@ class ModelConfig:
         num_kv_heads = raw.get("num_key_value_heads") or num_heads
         max_positions = _required_int(raw, "max_position_embeddings")
         head_dim = raw.get("head_dim")
-        if head_dim is None:
+        rope_theta, rope_scaling = parse_rope(global_rope_raw(raw, architecture), max_positions)
+        mla = parse_mla(raw, architecture, None if rope_scaling is None else dict(rope_scaling))
+        if mla is not None:  # one latent "head" split over the cache's K and V halves
+            num_kv_heads, head_dim = 1, mla.latent_dim // 2
+        elif head_dim is None:
             if architecture == "qwen3":  # (Qwen3MoeConfig has no such default)
                 head_dim = _QWEN3_DEFAULT_HEAD_DIM
             elif hidden_size % num_heads != 0:
@@ -185,7 +201,6 @@ class ModelConfig:
                 )
             else:
                 head_dim = hidden_size // num_heads
-        rope_theta, rope_scaling = parse_rope(global_rope_raw(raw, architecture), max_positions)
 
         generation = generation_config or {}
         eos = generation.get("eos_token_id")
@@ -219,6 +234,7 @@ class ModelConfig:
             layer_windows=parse_layer_windows(raw, architecture),
             gemma=parse_gemma(raw, architecture),
             gpt_oss=parse_gpt_oss(raw, architecture),
+            mla=mla,
         )
 
 

@@ -6,8 +6,11 @@ weights come from transformers' own model classes after `torch.manual_seed(seed)
 wider init than usual (and non-trivial norm weights and biases) so that logits are far from
 uniform and greedy decoding does not collapse onto one token. The result is an ordinary HF
 folder that both transformers and Tandem's loader read. Mixture-of-experts architectures
-(mixtral, qwen3_moe) get `TINY_MOE` experts unless `moe=` overrides its fields; the tiny
-qwen3_moe keeps layer 0 dense (`mlp_only_layers`), so both kinds of layer run. Gemma 2 /
+(mixtral, qwen3_moe, deepseek_v2, deepseek_v3) get `TINY_MOE` experts unless `moe=`
+overrides its fields; the tiny qwen3_moe and DeepSeeks keep layer 0 dense
+(`mlp_only_layers`, `first_k_dense_replace`), so both kinds of layer run. DeepSeek's latent
+attention takes `TINY_MLA`'s sizes (`config_overrides` changes them), and V3's router
+correction bias is random. Gemma 2 /
 Gemma 3 text keep their config classes' defaults (soft-caps, `query_pre_attn_scalar`,
 alternating sliding layers), Gemma 3 with its own RoPE thetas per layer type (a
 `rope_scaling` applies to its full layers); their norm weights (applied as 1 + w) are
@@ -37,8 +40,18 @@ DEFAULT_MODEL_NAME = "tandem-tiny-llama"
 SUPPORTED_ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text",
     "gpt_oss",
+    "deepseek_v2", "deepseek_v3",
 )  # fmt: skip
 GEMMA = ("gemma2", "gemma3_text")
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")
+# The latent attention of a tiny DeepSeek checkpoint (entries of 32 + 16 values).
+TINY_MLA: dict[str, Any] = {
+    "kv_lora_rank": 32,
+    "q_lora_rank": 24,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 24,
+}
 # The experts of a tiny MoE checkpoint (each architecture keeps the fields it has).
 TINY_MOE: dict[str, dict[str, Any]] = {
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
@@ -50,6 +63,29 @@ TINY_MOE: dict[str, dict[str, Any]] = {
         "norm_topk_prob": True,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [0],
+    },
+    # layer 0 dense; 8 experts in 4 groups, the best 2 groups (V3 sigmoid + correction bias)
+    "deepseek_v3": {
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 48,
+        "n_shared_experts": 1,
+        "n_group": 4,
+        "topk_group": 2,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "first_k_dense_replace": 1,
+    },
+    "deepseek_v2": {
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 48,
+        "n_shared_experts": 2,
+        "n_group": 4,
+        "topk_group": 2,
+        "topk_method": "group_limited_greedy",
+        "routed_scaling_factor": 1.5,
+        "first_k_dense_replace": 1,
     },
 }
 INITIALIZER_RANGE = 0.2
@@ -166,6 +202,8 @@ def build_checkpoint(
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
 
+    if architecture in DEEPSEEK:  # (MLA: transformers expands the latent into every head)
+        num_key_value_heads = num_attention_heads
     config = _hf_config(
         architecture,
         hidden_size=hidden_size,
@@ -184,7 +222,7 @@ def build_checkpoint(
         pad_token_id=pad_id,
         **{**TINY_MOE.get(architecture, {}), **(moe or {})},
         **_window_fields(architecture, sliding_window, max_window_layers),
-        **(config_overrides or {}),
+        **{**(TINY_MLA if architecture in DEEPSEEK else {}), **(config_overrides or {})},
     )
     model = _random_model(config, seed).to(dtype)
     save_kwargs: dict[str, Any] = {"save_original_format": save_original_format}
@@ -212,6 +250,8 @@ def _hf_config(architecture: str, **kwargs: Any) -> Any:
         "gemma2": transformers.Gemma2Config,
         "gemma3_text": transformers.Gemma3TextConfig,
         "gpt_oss": transformers.GptOssConfig,
+        "deepseek_v2": transformers.DeepseekV2Config,
+        "deepseek_v3": transformers.DeepseekV3Config,
     }
     extra: dict[str, Any] = {}
     if architecture in ("mistral", "mixtral"):
@@ -270,6 +310,9 @@ def _random_model(config: Any, seed: int) -> torch.nn.Module:
                 param.copy_(0.1 * torch.randn_like(param))
             elif name.endswith("self_attn.sinks"):  # gpt-oss
                 param.copy_(torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's, zero at init
+                buffer.copy_(0.1 * torch.randn_like(buffer))
     return model
 
 

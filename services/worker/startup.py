@@ -202,6 +202,11 @@ def load_worker(
             f"--enable-lora is not supported for mixture-of-experts models "
             f"({model_config.architecture}) yet"
         )
+    if config.enable_lora and model_config.mla is not None:
+        raise ValueError(
+            f"--enable-lora is not supported for latent-attention models "
+            f"({model_config.architecture}) yet"
+        )
     dtype = resolve_dtype(config.dtype, device, model_config.torch_dtype)
     backend = select_backend(config.attention_backend, device)
     if (

@@ -255,7 +255,7 @@ class LlamaModel(nn.Module):
             else None
         )
         self.rotary_emb = RotaryEmbedding(
-            config.head_dim,
+            config.rope_head_dim,
             config.max_position_embeddings,
             config.rope_theta,
             dict(config.rope_scaling) if config.rope_scaling is not None else None,

@@ -39,6 +39,13 @@ flag): each rank holds 1/size of the experts whole instead, routes every token (
 is whole), computes the assignments to its own experts only and skips the rest; the same
 all-reduce then sums each token's experts from every rank (the combine; the dispatch is
 free since every rank already has every token: attention is tensor-parallel).
+
+DeepSeek-V2 / V3 (`SharedExpertMoeBlock`): the same experts behind DeepSeek's routers
+(`grouped_route`, transformers' `DeepseekV2TopkRouter` / `DeepseekV3TopkRouter` step for
+step: float32 logits, V3's sigmoid with `e_score_correction_bias` for the choice and its
+group-limited top-k, V2's softmax greedy or group-limited, `routed_scaling_factor`), each
+expert's output scaled by the float32 weights, plus the always-on shared experts (one
+SwiGLU MLP, `shared_experts`), added before the block's one all-reduce.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.moe_config import MoeConfig
+from common.moe_config import SIGMOID_GROUPS, SOFTMAX_GROUPS, MoeConfig
 from services.worker.models.activation import silu_and_mul
 from services.worker.models.gemm_plan import PLAIN
 from services.worker.models.linear import MergedLinear
@@ -263,3 +270,92 @@ class SparseMoeBlock(nn.Module):
         if not self.float32_weights:
             weights = weights.to(x.dtype)
         return self.tp.all_reduce(self.experts(x, weights, experts))
+
+
+def grouped_route(
+    router_logits: torch.Tensor, moe: MoeConfig, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's routing of float32 router logits `[T, E]` -> (float32 weights `[T, k]`,
+    expert ids `[T, k]`), in transformers' operations (`moe.routing`: V3's sigmoid over the
+    best groups, choosing by score + `bias`; V2's softmax, greedy or over the best groups),
+    times `routed_scaling_factor`."""
+    top_k, groups = moe.num_experts_per_tok, moe.n_group
+    per_group = moe.num_experts // groups
+    if moe.routing == SIGMOID_GROUPS:
+        scores = router_logits.sigmoid()
+        choice = scores + bias
+        group_scores = choice.view(-1, groups, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+        choice = choice.masked_fill(~_group_mask(group_scores, moe), float("-inf"))
+        experts = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, experts)
+        if moe.norm_topk_prob:
+            weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
+    else:
+        scores = router_logits.softmax(dim=-1, dtype=torch.float32)
+        if moe.routing == SOFTMAX_GROUPS:
+            group_scores = scores.view(-1, groups, per_group).max(dim=-1).values
+            scores = scores.masked_fill(~_group_mask(group_scores, moe), 0.0)
+        weights, experts = torch.topk(scores, k=top_k, dim=-1, sorted=False)
+    return weights * moe.routed_scaling_factor, experts
+
+
+def _group_mask(group_scores: torch.Tensor, moe: MoeConfig) -> torch.Tensor:
+    """`[T, E]` True for the experts of each token's `topk_group` best groups."""
+    group_idx = torch.topk(group_scores, k=moe.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores)
+    group_mask.scatter_(1, group_idx, 1)
+    per_group = moe.num_experts // moe.n_group
+    expanded = group_mask.unsqueeze(-1).expand(-1, moe.n_group, per_group)
+    return expanded.reshape(-1, moe.num_experts).bool()
+
+
+class TopkRouter(nn.Module):
+    """DeepSeek's router (HF's `mlp.gate`): `weight` [E, H] applied in float32, and V3's
+    float32 `e_score_correction_bias` [E] (None for V2)."""
+
+    def __init__(self, hidden: int, moe: MoeConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden, dtype=dtype))
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(moe.num_experts, dtype=torch.float32), requires_grad=False)
+            if moe.routing == SIGMOID_GROUPS
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
+class SharedExpertMoeBlock(SparseMoeBlock):
+    """HF's `DeepseekV2Moe` / `DeepseekV3MoE` over a flat `[T, hidden]` batch: routed experts
+    (`grouped_route`, outputs scaled by the float32 weights) plus `shared_experts`, a SwiGLU
+    MLP with merged `gate_up_proj` / `down_proj` (`llama.MLP`, this rank's slice of its
+    inner size; None: no shared experts), summed over the group once."""
+
+    def __init__(
+        self,
+        hidden: int,
+        moe: MoeConfig,
+        inner: int,
+        dtype: torch.dtype,
+        tp: TpGroup | None = None,
+        experts: range | None = None,
+        shared_experts: nn.Module | None = None,
+    ) -> None:
+        super().__init__(hidden, moe, inner, dtype, tp, float32_weights=True, experts=experts)
+        self.moe = moe
+        self.gate = TopkRouter(hidden, moe, dtype)
+        self.shared_experts = shared_experts
+
+    def merge_projections(self) -> None:
+        super().merge_projections()
+        if self.shared_experts is not None:
+            self.shared_experts.merge_projections()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = grouped_route(self.gate(x), self.moe, self.gate.e_score_correction_bias)
+        out = self.experts(x, weights, experts)
+        shared = self.shared_experts
+        if shared is not None:  # its down projection's partial sum joins the routed one's
+            out = out + shared.down_proj(silu_and_mul(shared.gate_up_proj(x)))
+        return self.tp.all_reduce(out)

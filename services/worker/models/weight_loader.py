@@ -1,5 +1,6 @@
 """Loads a Hugging Face checkpoint's weights into our `LlamaForCausalLM` modules (Gemma's:
-`gemma.GemmaForCausalLM`; the files themselves are read by `common.hf_checkpoint_reader`).
+`gemma.GemmaForCausalLM`; DeepSeek's: `deepseek.DeepseekForCausalLM`; the files themselves
+are read by `common.hf_checkpoint_reader`).
 
 Reads the config through `ModelConfig.from_folder`, builds the module skeleton on the meta
 device (no wasted random init), then reads `model.safetensors` or the shards listed in
@@ -34,6 +35,7 @@ import torch
 from common.hf_checkpoint_reader import iter_tensors
 from common.model_config import ModelConfig
 from services.worker.models.attention_backend import AttentionBackend
+from services.worker.models.deepseek import DeepseekForCausalLM
 from services.worker.models.expert_weights import stacked_experts
 from services.worker.models.gemma import causal_lm_class
 from services.worker.models.gpt_oss_weights import gpt_oss_tensors, is_mxfp4_checkpoint
@@ -52,6 +54,7 @@ from services.worker.parallel.weight_shards import shard_weight
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # fp8 KV cache scales (compressed-tensors / vLLM naming), used with --kv-cache-dtype fp8.
 _KV_SCALES = ("self_attn.k_scale", "self_attn.v_scale")
+_FLOAT32_SUFFIXES = ("mlp.gate.e_score_correction_bias",)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # Held by the pipeline stages that need them only (first / last).
 _STAGE_ENDS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
@@ -112,9 +115,8 @@ def load_model(
         config = dataclasses.replace(config, num_hidden_layers=num_layers)
     device = torch.device(device)
     with torch.device("meta"):
-        model = causal_lm_class(config)(
-            config, dtype=dtype, attention=attention, tp=tp, stage=stage
-        )
+        model_class = DeepseekForCausalLM if config.mla is not None else causal_lm_class(config)
+        model = model_class(config, dtype=dtype, attention=attention, tp=tp, stage=stage)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     tied_head = "lm_head.weight" if config.tie_word_embeddings else None
 
@@ -145,6 +147,8 @@ def load_model(
             f"quantized {config.architecture} checkpoints are not supported (mixture-of-experts "
             f"weights load unquantized only)"
         )
+    if fmt is not None and config.mla is not None:
+        raise ValueError(f"quantized {config.architecture} checkpoints are not supported")
     tensors = iter_tensors(path, keep=wanted)
     if config.gpt_oss is not None:
         tensors = gpt_oss_tensors(tensors, dtype)
@@ -171,7 +175,9 @@ def load_model(
         if isinstance(tensor, QuantizedWeight):
             packed[name] = tensor.to(device)
             continue
-        state[name] = tensor.to(device=device, dtype=dtype)
+        # (DeepSeek-V3's router bias stays float32, as transformers keeps it)
+        kept = torch.float32 if name.endswith(_FLOAT32_SUFFIXES) else dtype
+        state[name] = tensor.to(device=device, dtype=kept)
     missing = sorted(set(expected) - set(state) - set(packed) - {tied_head})
     if missing or unexpected:
         raise ValueError(
@@ -186,6 +192,11 @@ def load_model(
 
         install_quantized(model, packed)  # merges every projection
     model.to(device)
+    if kv_scales and config.mla is not None:
+        raise ValueError(
+            f"fp8 KV scales (k_scale / v_scale) are not supported with {config.architecture}'s "
+            f"latent attention"
+        )
     set_kv_scales(model, kv_scales, config, device)
     model.eval()
     model.requires_grad_(False)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from common.model_config import ModelConfig
+from services.worker.parallel.mla_shards import mla_slice
 from services.worker.parallel.tp_group import TpShard
 
 
@@ -31,7 +32,8 @@ def shard_weight(name: str, tensor: torch.Tensor, config: ModelConfig, shard: Tp
     the whole tensor can be freed."""
     if shard.size == 1:
         return tensor
-    return _slice(name, tensor, config, shard).clone()
+    part = None if config.mla is None else mla_slice(name, tensor, config, shard)  # DeepSeek
+    return (_slice(name, tensor, config, shard) if part is None else part).clone()
 
 
 def _slice(name: str, tensor: torch.Tensor, config: ModelConfig, shard: TpShard):
