@@ -17,6 +17,12 @@ non-transposed layout) to float rounding.
    and stored at its assignment's row of `[T * k, H]`.
 4. Each token's `k` rows are summed in float32 (torch), cast to `x`'s dtype.
 
+gpt-oss's experts (`gate_up_bias` `[E, 2I]`, `down_bias` `[E, H]`, `swiglu_clamp` (alpha,
+limit)): each bias joins its fp32 accumulator before the activation (gate/up) or before the
+routing weight (down), and the activation is the clamped SwiGLU (up + 1) * g *
+sigmoid(alpha * g) with g = min(gate, limit) and up clamped to [-limit, limit]
+(`BIAS` / `CLAMPED` compile apart).
+
 Expert parallelism: a rank holding experts `[expert_offset, expert_offset + n)` passes those
 experts' weights (`gate_up[e - expert_offset]`) and the range; assignments to other experts
 contribute zero (their rows are never planned; the per-assignment output starts zeroed), so
@@ -54,25 +60,32 @@ def _gate_up_kernel(
     x_ptr,
     w_ptr,
     out_ptr,
+    bias_ptr,
     sorted_ids_ptr,
     block_experts_ptr,
     num_assignments,
     inner,
     hidden,
+    alpha,
+    limit,
     stride_xm,
     stride_xk,
     stride_we,
     stride_wn,
     stride_wk,
     stride_om,
+    stride_be,
     TOP_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BIAS: tl.constexpr,
+    CLAMPED: tl.constexpr,
 ):
-    """`silu(x @ gate.T) * (x @ up.T)` for one [BLOCK_M, BLOCK_N] tile of one block's rows."""
+    """`silu(x @ gate.T) * (x @ up.T)` for one [BLOCK_M, BLOCK_N] tile of one block's rows
+    (with `BIAS`, each product plus its bias; `CLAMPED`: gpt-oss's clamped SwiGLU)."""
     expert = tl.load(block_experts_ptr + tl.program_id(0))
     if expert < 0:  # past the plan's last block
         return
@@ -96,7 +109,16 @@ def _gate_up_kernel(
         up = tl.load(up_cols + w_offsets, mask=w_mask, other=0.0)
         acc_gate += tl.dot(a, gate.to(DOT_DTYPE), input_precision=PRECISION)
         acc_up += tl.dot(a, up.to(DOT_DTYPE), input_precision=PRECISION)
-    act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    if BIAS:
+        bias_row = bias_ptr + expert.to(tl.int64) * stride_be
+        acc_gate += tl.load(bias_row + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc_up += tl.load(bias_row + inner + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if CLAMPED:
+        gate = tl.minimum(acc_gate, limit)
+        up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+        act = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+    else:
+        act = acc_gate * tl.sigmoid(acc_gate) * acc_up
     out = out_ptr + ids[:, None] * stride_om + cols[None, :]
     tl.store(out, act.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -106,6 +128,7 @@ def _down_kernel(
     h_ptr,
     w_ptr,
     out_ptr,
+    bias_ptr,
     topk_weights_ptr,
     sorted_ids_ptr,
     block_experts_ptr,
@@ -117,13 +140,16 @@ def _down_kernel(
     stride_wn,
     stride_wk,
     stride_om,
+    stride_be,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BIAS: tl.constexpr,
 ):
-    """`weight * (h @ down.T)` for one [BLOCK_M, BLOCK_N] tile of one block's rows."""
+    """`weight * (h @ down.T)` for one [BLOCK_M, BLOCK_N] tile of one block's rows (with
+    `BIAS`, `weight * (h @ down.T + bias)`)."""
     expert = tl.load(block_experts_ptr + tl.program_id(0))
     if expert < 0:
         return
@@ -143,6 +169,9 @@ def _down_kernel(
             other=0.0,
         )
         acc += tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=PRECISION)
+    if BIAS:
+        bias_row = bias_ptr + expert.to(tl.int64) * stride_be
+        acc += tl.load(bias_row + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     acc *= tl.load(topk_weights_ptr + ids, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     out = out_ptr + ids[:, None] * stride_om + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -163,6 +192,26 @@ def choose_tiles(
     if per_expert <= 64:
         return 32, 64, 64, 4
     return 64, 128, 64, 8
+
+
+def _check_gpt_oss(gate_up, down, gate_up_bias, down_bias, swiglu_clamp) -> None:
+    if (gate_up_bias is None) != (down_bias is None):
+        raise ValueError("gate_up_bias and down_bias come together")
+    if gate_up_bias is not None:
+        experts, hidden = down.shape[0], down.shape[1]
+        if gate_up_bias.shape != (experts, gate_up.shape[1]) or down_bias.shape != (
+            experts, hidden,
+        ):  # fmt: skip
+            raise ValueError(
+                f"biases must be [{experts}, {gate_up.shape[1]}] and [{experts}, {hidden}], "
+                f"got {tuple(gate_up_bias.shape)} and {tuple(down_bias.shape)}"
+            )
+        if gate_up_bias.device != gate_up.device or down_bias.device != gate_up.device:
+            raise ValueError("biases must be on the weights' device")
+    if swiglu_clamp is not None:
+        alpha, limit = swiglu_clamp
+        if not limit > 0:
+            raise ValueError(f"swiglu_clamp limit must be positive, got {limit!r}")
 
 
 def _check(x, gate_up, down, topk_weights, topk_ids, expert_offset, num_local) -> None:
@@ -210,14 +259,19 @@ def fused_moe(
     expert_offset: int = 0,
     num_local_experts: int | None = None,
     block_m: int | None = None,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    swiglu_clamp: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """`[T, H]`: the experts' weighted sum for every token of `x` (module docstring).
     `gate_up` / `down` hold experts `expert_offset ..` (`gate_up[e - expert_offset]` is
     expert `e`'s); only `num_local_experts` of them (default: all held) are used, and
     assignments to any other expert add nothing. `block_m`: the plan's row block (a power
-    of two >= 16; default by shape)."""
+    of two >= 16; default by shape). `gate_up_bias` `[E, 2I]` / `down_bias` `[E, H]` (held
+    experts, together) and `swiglu_clamp` (alpha, limit): gpt-oss's experts."""
     num_local = gate_up.shape[0] if num_local_experts is None else num_local_experts
     _check(x, gate_up, down, topk_weights, topk_ids, expert_offset, num_local)
+    _check_gpt_oss(gate_up, down, gate_up_bias, down_bias, swiglu_clamp)
     num_tokens, top_k = topk_ids.shape
     count = num_tokens * top_k
     if count == 0:
@@ -228,7 +282,10 @@ def fused_moe(
             raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
         bm = block_m
     plan = align_block_size(topk_ids, bm, num_local, expert_offset)
-    return _launch(x, gate_up, down, topk_weights, plan, top_k, bm, block_n, block_k, warps)
+    gpt_oss = (gate_up_bias, down_bias, swiglu_clamp)
+    return _launch(
+        x, gate_up, down, topk_weights, plan, top_k, bm, block_n, block_k, warps, gpt_oss
+    )
 
 
 def _launch(
@@ -242,34 +299,46 @@ def _launch(
     block_n: int,
     block_k: int,
     warps: int,
+    gpt_oss: tuple = (None, None, None),
 ) -> torch.Tensor:
+    gate_up_bias, down_bias, swiglu_clamp = gpt_oss
+    alpha, limit = swiglu_clamp if swiglu_clamp is not None else (1.0, 1.0)
+    biased = gate_up_bias is not None
     num_tokens, hidden = x.shape
     inner = down.shape[2]
     count = plan.num_assignments
     blocks = plan.block_experts.shape[0]
     dot_dtype, precision = dot_config(x.dtype, x.dtype, _gate_up_kernel)
     scratch = torch.empty(count, inner, dtype=x.dtype, device=x.device)
+    gate_up_bias = gate_up_bias.contiguous() if biased else scratch  # unused without BIAS
+    down_bias = down_bias.contiguous() if biased else scratch
     _gate_up_kernel[(blocks, triton.cdiv(inner, block_n))](
         x,
         gate_up,
         scratch,
+        gate_up_bias,
         plan.sorted_ids,
         plan.block_experts,
         count,
         inner,
         hidden,
+        float(alpha),
+        float(limit),
         x.stride(0),
         x.stride(1),
         gate_up.stride(0),
         gate_up.stride(1),
         gate_up.stride(2),
         scratch.stride(0),
+        gate_up_bias.stride(0),
         TOP_K=top_k,
         DOT_DTYPE=dot_dtype,
         PRECISION=precision,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        BIAS=biased,
+        CLAMPED=swiglu_clamp is not None,
         num_warps=warps,
     )
     rows = torch.zeros(count, hidden, dtype=x.dtype, device=x.device)  # skipped: zero
@@ -277,6 +346,7 @@ def _launch(
         scratch,
         down,
         rows,
+        down_bias,
         topk_weights.reshape(-1).contiguous(),
         plan.sorted_ids,
         plan.block_experts,
@@ -288,11 +358,13 @@ def _launch(
         down.stride(1),
         down.stride(2),
         rows.stride(0),
+        down_bias.stride(0),
         DOT_DTYPE=dot_dtype,
         PRECISION=precision,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        BIAS=biased,
         num_warps=warps,
     )
     if top_k == 1:

@@ -26,7 +26,8 @@ from devtools.checkpoint_builder import build_checkpoint
 from devtools.mxfp4_checkpoint import quantize_checkpoint_experts, quantize_mxfp4
 from kernels import cpu_ops
 from services.worker.models.attention_backend import TorchAttention
-from services.worker.models.gpt_oss import GptOssForCausalLM, clamped_swiglu
+from services.worker.models.gpt_oss import GptOssForCausalLM
+from services.worker.models.moe import ClampedSwiGLU
 from services.worker.models.mxfp4 import dequantize_mxfp4
 from services.worker.models.weight_loader import load_model
 from tests.hf_reference import hf_greedy, hf_log_softmax
@@ -108,7 +109,7 @@ def test_clamped_swiglu_is_hf_apply_gate() -> None:
     interleaved = 6 * torch.randn(7, 24, generator=torch.Generator().manual_seed(2))
     expected = GptOssExperts(config)._apply_gate(interleaved)  # beyond the limit of 7 too
     grouped = torch.cat([interleaved[:, 0::2], interleaved[:, 1::2]], dim=-1)
-    got = clamped_swiglu(grouped, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
+    got = ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit)(grouped)
     assert torch.equal(got, expected)
 
 

@@ -10,7 +10,7 @@ pieces (merged projections, attention backends, tensor and pipeline parallelism,
 - `GptOssMoeBlock`: the router `mlp.router` (a biased linear layer) picks each token's top k
   experts by logit and weights them by a softmax over those k logits; the experts
   (`moe.Experts`, grouped products over the batch, tensor or expert parallel like the other
-  MoE families) have biases and apply `clamped_swiglu`;
+  MoE families) have biases and apply `moe.ClampedSwiGLU`;
 - `GptOssRMSNorm`: transformers keeps gpt-oss's norm weights in float32 and scales the
   float32 normalised states before casting (the same as Llama's norm in float32);
 - `GptOssModel`, `GptOssForCausalLM`: Llama's stack and head with these layers.
@@ -21,8 +21,6 @@ by `gpt_oss_weights.py`. RoPE is the llama family's (YaRN in every gpt-oss check
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,19 +29,9 @@ from common.model_config import ModelConfig
 from services.worker.models.attention_backend import AttentionBackend
 from services.worker.models.attention_metadata import AttentionMetadata
 from services.worker.models.llama import Attention, LlamaForCausalLM, LlamaModel
-from services.worker.models.moe import Experts
+from services.worker.models.moe import ClampedSwiGLU, Experts
 from services.worker.models.rms_norm import RMSNorm
 from services.worker.parallel.tp_group import TpGroup, TpShard
-
-
-def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """`gate_up` [..., 2I] (gate, then up) -> (up + 1) * g * sigmoid(alpha * g) [..., I],
-    g = min(gate, limit), up clamped to [-limit, limit] (transformers' `GptOssExperts.
-    _apply_gate`, on gate and up halves instead of interleaved columns)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    gate = gate.clamp(min=None, max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 class GptOssRMSNorm(RMSNorm):
@@ -91,9 +79,7 @@ class GptOssMoeBlock(nn.Module):
         self.tp, self.top_k = tp, moe.num_experts_per_tok
         self.router = nn.Linear(config.hidden_size, moe.num_experts, bias=True, dtype=dtype)
         first = None if len(experts) == moe.num_experts else experts.start
-        activation = functools.partial(
-            clamped_swiglu, alpha=swiglu.swiglu_alpha, limit=swiglu.swiglu_limit
-        )
+        activation = ClampedSwiGLU(swiglu.swiglu_alpha, swiglu.swiglu_limit)
         self.experts = Experts(
             len(experts), config.hidden_size, inner, dtype, first, bias=True,
             activation=activation,

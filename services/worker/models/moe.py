@@ -12,7 +12,7 @@ float32 weights and casts the product; Qwen3-MoE casts the weights to the activa
 dtype first), so results equal HF's to float rounding. gpt-oss's experts (`gpt_oss.py`) have
 biases, added right after each product as HF adds them, and their own activation on the
 gate/up product (`activation`: any `[.., 2I] -> [.., I]` function of the gate half and the
-up half; silu(gate) * up by default).
+up half; silu(gate) * up by default, gpt-oss's `ClampedSwiGLU`).
 
 `SparseMoeBlock` holds a layer's router (`gate`, applied with `F.linear` as HF does: the
 routing decision sees the same logits) and its experts stacked per layer, with the names and
@@ -27,7 +27,8 @@ layers, in the format and for the row counts its plan names (issue 43: on the 2-
 c16 decode step of qwen3-moe-tiny took 25 -> 11 ms with Tandem's panels in the huge-page
 arena, the experts' part of it 17 -> 6 ms: `bench.moe_step`).
 On a GPU the layer runs `kernels.fused_moe` (Triton: one grouped GEMM over every expert's
-tokens for gate/up, one for down; tested under the interpreter only so far). Unmerged on
+tokens for gate/up, one for down, with gpt-oss's biases and `ClampedSwiGLU` where the
+experts have them; tested under the interpreter only so far). Unmerged on
 CPU, the products are plain torch ones (`torch.mm`, or `F.linear` in HF's layout). The
 routing weights scale all grouped rows in one product after the loop.
 
@@ -51,6 +52,7 @@ SwiGLU MLP, `shared_experts`), added before the block's one all-reduce.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +75,23 @@ def route(
     if renormalize:
         weights /= weights.sum(dim=-1, keepdim=True)
     return weights, experts
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation: `gate_up` [..., 2I] (gate, then up) -> (up + 1) * g *
+    sigmoid(alpha * g) [..., I], g = min(gate, limit), up clamped to [-limit, limit]
+    (transformers' `GptOssExperts._apply_gate`, on gate and up halves instead of its
+    interleaved columns)."""
+
+    alpha: float
+    limit: float
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
 def fused_experts(
@@ -215,13 +234,18 @@ class Experts(nn.Module):
         biases = None
         if self.gate_up_proj_bias is not None and self.down_proj_bias is not None:
             biases = (self.gate_up_proj_bias, self.down_proj_bias)
-        plain = biases is None and self.activation is silu_and_mul
-        if x.device.type == "cuda" and plain:  # one grouped-GEMM launch per projection (Triton)
-            from kernels.fused_moe import fused_moe
+        clamped = isinstance(self.activation, ClampedSwiGLU)
+        if x.device.type == "cuda" and (clamped or self.activation is silu_and_mul):
+            from kernels.fused_moe import fused_moe  # one grouped-GEMM launch per projection
 
-            offset = self.first_expert or 0
-            return fused_moe(x, self.gate_up_proj, self.down_proj, weights, experts,
-                             expert_offset=offset)  # fmt: skip
+            swiglu = (self.activation.alpha, self.activation.limit) if clamped else None
+            return fused_moe(
+                x, self.gate_up_proj, self.down_proj, weights, experts,
+                expert_offset=self.first_expert or 0,
+                gate_up_bias=None if biases is None else biases[0],
+                down_bias=None if biases is None else biases[1],
+                swiglu_clamp=swiglu,
+            )  # fmt: skip
         return fused_experts(
             x,
             self.gate_up_proj,
