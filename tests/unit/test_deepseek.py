@@ -202,16 +202,21 @@ def test_router_chooses_and_weighs_as_hf(architecture, fields) -> None:
 
 
 @pytest.mark.parametrize("case", ["v3-moe"], indirect=True)
-def test_tensor_parallel_two_ranks_equal_hf(case, tmp_path) -> None:
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
+def test_tensor_parallel_two_ranks_equal_hf(case, expert_parallel, tmp_path) -> None:
     """Each rank holds half the heads (its q_b/kv_b rows, o_proj columns), half of every
-    expert's and the shared expert's inner dimension, and the whole latent in its cache."""
+    expert's inner dimension (or, with expert parallelism, half the experts whole), half
+    the shared expert's, and the whole latent in its cache."""
     _, folder, _, _, _ = case
     prompt = [5, 17, 230, 9, 44, 101, 7]
-    results = run_group(folder, 2, prompt, tmp_path)
+    results = run_group(folder, 2, prompt, tmp_path, expert_parallel=expert_parallel)
     reference = hf_log_softmax(folder, prompt)[-1]
-    for _, tokens, logits, _, kv_heads, _ in results:
+    for rank, tokens, logits, _, kv_heads, experts in results:
         assert tokens == hf_greedy(folder, prompt, NEW_TOKENS)
         assert kv_heads == 1  # the latent head, replicated
+        held, shape = experts  # (experts held, stacked gate_up shape) of the first MoE layer
+        assert (held, shape[0]) == ((range(4 * rank, 4 * rank + 4), 4) if expert_parallel
+                                    else (range(8), 8))  # fmt: skip
         got = torch.log_softmax(torch.tensor(logits), dim=-1)
         torch.testing.assert_close(got, reference, atol=1e-4, rtol=1e-4)
 

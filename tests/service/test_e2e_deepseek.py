@@ -1,0 +1,157 @@
+"""DeepSeek-V3 (latent attention, grouped sigmoid router, a shared expert) through the real
+services, checked against HF `generate` (fp32 greedy): a disaggregated stack of a prefill
+worker and a decode worker of two tensor-parallel ranks (each holding half the heads and
+the whole latent) with a 16-token step budget; the latents move through the decode
+worker's shared-memory pull and, in a second stack, over UCX. Both workers describe the
+latent KV layout: one KV head of (kv_lora_rank + qk_rope_head_dim) / 2 values, a block of
+layers x block size x (kv_lora_rank + qk_rope_head_dim) values. Prompts are prefilled in
+chunks attending to earlier chunks through the cached latents, their latents move to the
+decode worker's ranks (another layout), concurrent requests share steps, a repeated prompt
+hits the prefix cache; every output equals HF's. Recompute and swap preemption and a
+SIGKILLed decode worker as `test_e2e_architecture_paths` checks the other issue-43 models.
+And a worker given a DeepSeek checkpoint Tandem cannot serve exits with one line naming the
+field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import grpc
+import pytest
+import torch
+
+from common.model_config import ModelConfig
+from common.pb.tandem.internal.v1 import worker_pb2, worker_pb2_grpc
+from devtools.checkpoint_builder import build_checkpoint
+from services.stack.launcher import ROOT
+from tests.hf_reference import hf_greedy
+from tests.service import test_e2e_architecture_paths as paths
+from tests.service.test_e2e import run_concurrently
+from tests.service.test_e2e_tensor_parallel import peer_ranks
+from tests.stack_client import generate, greedy_request, wait_until_idle
+
+BUDGET = 16  # prompt tokens per step
+BLOCK = 16  # the stacks' block size
+PREFILL, DECODE = 1, 2  # WorkerRole
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "deepseek_v3", "deepseek_v3",
+                            seed=41)  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=["shm", "ucx"])
+def served(request, folder, module_stacks):
+    """(checkpoint folder, stack) per transport: the decode ranks copy the latents from the
+    prefill worker's shared pool, or the prefill worker sends them to each rank over UCX."""
+    ucx = ["--kv-transfer-shared-memory", "false"] if request.param == "ucx" else []
+    stack = module_stacks(
+        folder,
+        name=f"deepseek_v3-{request.param}",
+        extra_args={
+            "scheduler": ["--max-num-batched-tokens", str(BUDGET)],
+            "prefill": ucx,
+            "decode": ["--tensor-parallel-size", "2", *ucx],  # into another layout
+        },
+    )
+    decode = [p.name for p in stack.processes if p.name.startswith("decode-")]
+    assert [len(peer_ranks(stack, name)) for name in decode] == [1]  # two ranks
+    return folder, stack
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 1000, (length,), generator=generator).tolist()
+
+
+def test_workers_describe_the_latent_kv_layout(served) -> None:
+    folder, stack = served
+    config = ModelConfig.from_folder(folder)
+    latent = config.mla.kv_lora_rank + config.mla.qk_rope_head_dim
+    for process in stack.processes:
+        if not process.name.startswith(("prefill-", "decode-")):
+            continue
+        with grpc.insecure_channel(process.address) as channel:
+            stub = worker_pb2_grpc.WorkerServiceStub(channel)
+            described = stub.DescribeWorker(worker_pb2.DescribeWorkerRequest(), timeout=10)
+        assert (described.model.num_kv_heads, 2 * described.model.head_dim) == (1, latent)
+        assert described.kv_cache.block_bytes == config.num_hidden_layers * BLOCK * latent * 4
+
+
+def test_chunked_prompts_equal_hf_and_move_to_the_decode_ranks(served) -> None:
+    folder, stack = served
+    work = [(prompt(45, 1), 20), (prompt(20, 2), 24), (prompt(13, 3), 16)]
+    before = {p.worker_id: p for p in wait_until_idle(stack).pools}
+    results = run_concurrently(stack.spec.gateway_address, work)
+    for (ids, max_tokens), got in zip(work, results, strict=True):
+        expected = hf_greedy(folder, ids, max_tokens)
+        assert got.token_ids == expected, ids
+        assert len(set(expected)) >= 4, f"degenerate reference {expected}"
+    stats = wait_until_idle(stack)
+    moved = sum(
+        p.kv_transfers - before[p.worker_id].kv_transfers for p in stats.pools if p.role == DECODE
+    )
+    assert moved >= len(work) - 1  # P/D: the prompts' latents went to the decode worker
+    prefill_steps = sum(
+        p.steps - before[p.worker_id].steps for p in stats.pools if p.role == PREFILL
+    )
+    assert prefill_steps >= -(-sum(len(ids) for ids, _ in work) // BUDGET)  # chunked
+    assert all(p.num_free_blocks == p.num_blocks for p in stats.pools)
+
+
+def test_repeated_prompt_hits_the_prefix_cache(served) -> None:
+    folder, stack = served
+    ids = prompt(40, 4)  # two full 16-token blocks and 8 tokens
+    request = greedy_request(ids, 12)
+    request.cache_salt = "deepseek-repeated"
+    first = generate(stack.spec.gateway_address, request)
+    again = generate(stack.spec.gateway_address, request)
+    assert first.token_ids == again.token_ids == hf_greedy(folder, ids, 12)
+    assert first.usage.cached_tokens == 0 and again.usage.cached_tokens == 32
+    stats = wait_until_idle(stack)
+    assert all(p.num_free_blocks == p.num_blocks for p in stats.pools)
+
+
+def test_worker_exits_naming_an_unsupported_deepseek_field(tmp_path) -> None:
+    """The start stops on the config, before any weight is read: one stderr line."""
+    raw = {
+        "model_type": "deepseek_v2",
+        "vocab_size": 1024,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 128,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "topk_method": "noaux_tc",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "services.worker", "--model", str(tmp_path),
+            "--host", "127.0.0.1", "--port", "0", "--device", "cpu"]  # fmt: skip
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = [text for text in done.stderr.splitlines() if "startup error" in text]
+    assert lines == [
+        "python -m services.worker: startup error: deepseek_v2 with topk_method='noaux_tc' is "
+        "not supported (greedy, group_limited_greedy)"
+    ], done.stderr
+
+
+def test_recompute_preemption_and_a_killed_decode_worker(module_stacks, folder) -> None:
+    """`test_e2e_architecture_paths`' check on DeepSeek-V3: a workload that outgrows small
+    pools (recomputed), then a decode worker SIGKILLed while it holds requests."""
+    paths.test_recompute_preemption_and_a_killed_decode_worker(module_stacks, folder)
+
+
+def test_swap_preemption(module_stacks, folder) -> None:
+    """Latent blocks swapped out to the decode worker's swap space and back."""
+    paths.test_swap_preemption(module_stacks, folder)
