@@ -1,7 +1,7 @@
 """The architectures issue 43 added (Mixtral and Qwen3-MoE experts, a windowed Mistral whose
 40-token window is shorter than every prompt here: its requests hold the blocks of the
 window and one more, the rest are trimmed; Gemma 2 and Gemma 3 with sliding and full
-layers) through the scheduling
+layers; gpt-oss with MXFP4 experts, sinks, sliding and full layers) through the scheduling
 paths that move or rebuild a request's KV, each checked against HF `generate` token for
 token:
 - recompute preemption: the workload of `test_e2e_scheduling` queued together on small
@@ -22,6 +22,7 @@ from tests.hf_reference import hf_greedy, hf_tokenizer
 from tests.service.test_e2e import run_concurrently
 from tests.service.test_e2e_gemma import CHECKPOINTS as GEMMA_CHECKPOINTS
 from tests.service.test_e2e_gemma import WINDOW as GEMMA_WINDOW
+from tests.service.test_e2e_gpt_oss import mxfp4_checkpoint
 from tests.service.test_e2e_scheduling import check_against_hf, workload
 from tests.service.test_faults import HEALTH_FLAGS
 from tests.stack_client import (
@@ -58,6 +59,11 @@ def tiny_gemma3_text_dir(tmp_path_factory):
     return gemma_checkpoint(tmp_path_factory, "gemma3_text")
 
 
+@pytest.fixture(scope="module")
+def tiny_gpt_oss_dir(tmp_path_factory):
+    return mxfp4_checkpoint(tmp_path_factory)  # test_e2e_gpt_oss's
+
+
 def gemma_checkpoint(tmp_path_factory, architecture: str):
     """`test_e2e_gemma`'s checkpoint: sliding / full / sliding layers (window 12)."""
     return build_checkpoint(
@@ -70,7 +76,8 @@ def gemma_checkpoint(tmp_path_factory, architecture: str):
 
 
 @pytest.fixture(
-    scope="module", params=["mixtral", "qwen3_moe", "windowed_mistral", "gemma2", "gemma3_text"]
+    scope="module",
+    params=["mixtral", "qwen3_moe", "windowed_mistral", "gemma2", "gemma3_text", "gpt_oss"],
 )
 def folder(request):
     return request.getfixturevalue(f"tiny_{request.param}_dir")

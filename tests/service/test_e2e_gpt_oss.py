@@ -42,16 +42,21 @@ YARN = {
 }
 
 
-@pytest.fixture(scope="module")
-def served(module_stacks, tmp_path_factory):
-    """(MXFP4 checkpoint folder, stack) for the whole module."""
+def mxfp4_checkpoint(tmp_path_factory):
+    """The tiny gpt-oss checkpoint with MXFP4 experts (module docstring)."""
     plain = build_checkpoint(
         tmp_path_factory.mktemp("ckpt") / "gpt-oss", "gpt_oss", num_hidden_layers=3,
         intermediate_size=64, sliding_window=WINDOW, rope_scaling=YARN, seed=43,
     )  # fmt: skip
     folder = tmp_path_factory.mktemp("ckpt") / "gpt-oss-mxfp4"
     shutil.copytree(plain, folder)
-    quantize_checkpoint_experts(folder)
+    return quantize_checkpoint_experts(folder)
+
+
+@pytest.fixture(scope="module")
+def served(module_stacks, tmp_path_factory):
+    """(MXFP4 checkpoint folder, stack) for the whole module."""
+    folder = mxfp4_checkpoint(tmp_path_factory)
     stack = module_stacks(
         folder,
         name="gpt-oss",
