@@ -8,8 +8,9 @@ layers x block size x (kv_lora_rank + qk_rope_head_dim) values. Prompts are pref
 chunks attending to earlier chunks through the cached latents, their latents move to the
 decode worker's ranks (another layout), concurrent requests share steps, a repeated prompt
 hits the prefix cache; every output equals HF's. Recompute and swap preemption and a
-SIGKILLed decode worker as `test_e2e_architecture_paths` checks the other issue-43 models.
-And a worker given a DeepSeek checkpoint Tandem cannot serve exits with one line naming the
+SIGKILLed decode worker as `test_e2e_architecture_paths` checks the other issue-43 models;
+n-gram and first-layer-draft speculative decoding, verified over the latent cache. And a
+worker given a DeepSeek checkpoint Tandem cannot serve exits with one line naming the
 field.
 """
 
@@ -28,11 +29,13 @@ from common.model_config import ModelConfig
 from common.pb.tandem.internal.v1 import worker_pb2, worker_pb2_grpc
 from devtools.checkpoint_builder import build_checkpoint
 from services.stack.launcher import ROOT
-from tests.hf_reference import hf_greedy
+from tests.hf_reference import hf_greedy, hf_tokenizer
 from tests.service import test_e2e_architecture_paths as paths
+from tests.service import test_e2e_spec_decode as spec_e2e
 from tests.service.test_e2e import run_concurrently
+from tests.service.test_e2e_scheduling import SMALL_POOLS, check_against_hf, workload
 from tests.service.test_e2e_tensor_parallel import peer_ranks
-from tests.stack_client import generate, greedy_request, wait_until_idle
+from tests.stack_client import generate, greedy_request, start_stack, wait_until_idle
 
 BUDGET = 16  # prompt tokens per step
 BLOCK = 16  # the stacks' block size
@@ -155,3 +158,28 @@ def test_recompute_preemption_and_a_killed_decode_worker(module_stacks, folder) 
 def test_swap_preemption(module_stacks, folder) -> None:
     """Latent blocks swapped out to the decode worker's swap space and back."""
     paths.test_swap_preemption(module_stacks, folder)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"], ids=["ngram", "first-layer-draft"])
+def test_speculative_decoding_is_hf_exact(method, folder, tmp_path) -> None:
+    """N-gram proposals, or DeepSeek-V3's own first layer as the draft (its own latent
+    pool), verified over the latent cache: the preempting workload twice (prefix hits),
+    equal to HF; proposals made and some accepted; every block back."""
+    spec = spec_e2e.NGRAM if method == "ngram" else spec_e2e.draft_config(folder, 1)
+    args = {
+        "prefill": SMALL_POOLS["prefill"],
+        "decode": [*SMALL_POOLS["decode"], "--speculative-config", spec],
+        "scheduler": [*SMALL_POOLS["scheduler"], *spec_e2e.ALL_SLOTS],
+    }
+    stack = start_stack(folder, tmp_path / "run", extra_args=args)
+    try:
+        work = workload(hf_tokenizer(str(folder)))
+        for _ in range(2):
+            results = run_concurrently(stack.spec.gateway_address, work, held=stack)
+            check_against_hf(folder, work, results)
+        stats = wait_until_idle(stack)
+        (decode,) = [p for p in stats.pools if p.role == DECODE]
+        assert decode.spec_decode_num_draft_tokens >= decode.spec_decode_num_accepted_tokens > 0
+        assert all(p.num_free_blocks == p.num_blocks for p in stats.pools)
+    finally:
+        stack.stop()
