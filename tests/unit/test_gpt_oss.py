@@ -25,6 +25,7 @@ from common.model_config import ModelConfig
 from devtools.checkpoint_builder import build_checkpoint
 from devtools.mxfp4_checkpoint import quantize_checkpoint_experts, quantize_mxfp4
 from kernels import cpu_ops
+from services.worker.models import mxfp4
 from services.worker.models.attention_backend import TorchAttention
 from services.worker.models.gpt_oss import GptOssForCausalLM
 from services.worker.models.moe import ClampedSwiGLU
@@ -68,8 +69,11 @@ def hf_mxfp4(folders):
     ).eval()
 
 
+@pytest.mark.parametrize("chunk", [None, 100], ids=["one-step", "in-steps"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dequantize_mxfp4_is_transformers_conversion(dtype) -> None:
+def test_dequantize_mxfp4_is_transformers_conversion(dtype, chunk, monkeypatch) -> None:
+    if chunk is not None:  # a few rows (of 128 values) per step
+        monkeypatch.setattr(mxfp4, "CHUNK_VALUES", chunk * 3)
     generator = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (3, 10, 4, 16), dtype=torch.uint8, generator=generator)
     for low, high in ((110, 140), (0, 256)):  # every exponent, 2^-127 .. 2^128 included

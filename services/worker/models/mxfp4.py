@@ -9,10 +9,10 @@ A quantized weight `W` `[..., N]` is two uint8 tensors:
 W[..., 32 g + i] = FP4(blocks[..., g, i // 2] nibble i % 2) * 2^(scales[..., g] - 127).
 
 `dequantize_mxfp4` computes that in transformers' steps (`integrations.mxfp4.
-_convert_moe_packed_tensors`: a lookup table in the target dtype, then `ldexp`), one slice
-of the leading dimension at a time so the int64 lookup indices stay small; it equals
-transformers' function bit for bit (`tests/unit/test_mxfp4.py`), without its layout change
-(transformers then transposes the last two dimensions for its own expert layout).
+_convert_moe_packed_tensors`: a lookup table in the target dtype, then `ldexp`), 16M values
+at a time so the lookup indices stay small; it equals transformers' function bit for bit
+(`tests/unit/test_gpt_oss.py`), without its layout change (transformers then transposes the
+last two dimensions for its own expert layout).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ FP4_VALUES = (
 )  # fmt: skip
 BLOCK = 32  # values per scale
 SCALE_BIAS = 127
+CHUNK_VALUES = 1 << 24  # values dequantized per step (their int32 lookup indices: 64 MiB)
 
 
 def dequantize_mxfp4(
@@ -42,13 +43,15 @@ def dequantize_mxfp4(
             f"{tuple(blocks.shape)} and {tuple(scales.shape)}"
         )
     lut = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)
-    lead = blocks.shape[:-2]
-    rows = blocks.reshape(-1, *blocks.shape[-2:]) if lead else blocks.unsqueeze(0)
-    exps = scales.reshape(-1, scales.shape[-1]) if lead else scales.unsqueeze(0)
-    out = torch.empty(*rows.shape[:-1], BLOCK, dtype=dtype, device=blocks.device)
-    for i in range(rows.shape[0]):  # one slice of the leading dimension at a time
-        part = out[i]
-        part[..., 0::2] = lut[(rows[i] & 0x0F).int()]
-        part[..., 1::2] = lut[(rows[i] >> 4).int()]
-        torch.ldexp(part, exps[i].int().sub_(SCALE_BIAS).unsqueeze(-1), out=part)
-    return out.reshape(*blocks.shape[:-2], blocks.shape[-2] * BLOCK)
+    groups = blocks.shape[-2]
+    rows = blocks.reshape(-1, groups, BLOCK // 2)
+    exps = scales.reshape(-1, groups)
+    out = torch.empty(rows.shape[0], groups, BLOCK, dtype=dtype, device=blocks.device)
+    step = max(1, CHUNK_VALUES // (groups * BLOCK))
+    for first in range(0, rows.shape[0], step):  # bounded int64 lookup indices
+        part, chunk = out[first : first + step], rows[first : first + step]
+        part[..., 0::2] = lut[(chunk & 0x0F).int()]
+        part[..., 1::2] = lut[(chunk >> 4).int()]
+        exponent = exps[first : first + step].int().sub_(SCALE_BIAS).unsqueeze(-1)
+        torch.ldexp(part, exponent, out=part)
+    return out.reshape(*blocks.shape[:-2], groups * BLOCK)
