@@ -56,6 +56,11 @@ MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost (query load, partial w
 MAX_SPLITS = 32
 
 
+# log2(e) inside kernels (a jit function reads only constexpr globals; the interpreter
+# reads any, so only a compile for a GPU shows it).
+SINK_LOG2E = tl.constexpr(LOG2E)
+
+
 @triton.jit
 def _paged_decode_kernel(
     q_ptr,
@@ -125,7 +130,7 @@ def _paged_decode_kernel(
     q = q.to(DOT_DTYPE)
 
     if SINKS and not SPLIT:  # the sink as the first score (log2 units): max = sink, sum = 1
-        m_i = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0) * LOG2E
+        m_i = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0) * SINK_LOG2E
         l_i = tl.full([GROUP_PAD], 1.0, dtype=tl.float32)
     else:
         m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
@@ -201,7 +206,7 @@ def _combine_splits_kernel(
     live = lse > float("-inf")  # empty splits wrote no partial output
     top = tl.max(lse, 0)
     if SINKS:
-        sink = tl.load(sinks_ptr + head) * LOG2E
+        sink = tl.load(sinks_ptr + head) * SINK_LOG2E
         top = tl.maximum(top, sink)
     top = tl.where(top > float("-inf"), top, 0.0)  # no live split (length 0): output 0
     weights = tl.where(live, tl.exp2(lse - top), 0.0)

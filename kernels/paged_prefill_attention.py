@@ -49,6 +49,10 @@ from kernels.triton_utils import (
     soft_cap,
 )
 
+# log2(e) inside kernels (a jit function reads only constexpr globals; the interpreter
+# reads any, so only a compile for a GPU shows it).
+SINK_LOG2E = tl.constexpr(LOG2E)
+
 
 @triton.jit
 def _paged_prefill_kernel(
@@ -124,7 +128,7 @@ def _paged_prefill_kernel(
     q_pos = prefix + tokens  # each row's position in the context
 
     if SINKS:  # the sink as the first score (log2 units): max = sink, sum = 1
-        m_i = tl.load(sinks_ptr + heads, mask=in_group < GROUP, other=0.0) * LOG2E
+        m_i = tl.load(sinks_ptr + heads, mask=in_group < GROUP, other=0.0) * SINK_LOG2E
         l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)

@@ -450,6 +450,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels import paged_decode_attention as dec, paged_prefill_attention as pre
 from kernels.reshape_and_cache import _reshape_and_cache_kernel
+from kernels import fused_moe as moe
 
 def compile_sm90(fn, pointers, constexprs, num_warps, num_stages):
     """Lower to a cubin for sm_90 as a launch would: aligned pointers and strides, unit
@@ -462,7 +463,7 @@ def compile_sm90(fn, pointers, constexprs, num_warps, num_stages):
             signature[name] = pointers[name]
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
-            signature[name] = "fp32" if name == "qk_scale" else "i32"
+            signature[name] = "fp32" if name in ("qk_scale", "alpha", "limit") else "i32"
             if name.startswith("stride"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     kernel = triton.compile(
@@ -479,37 +480,67 @@ def compile_sm90(fn, pointers, constexprs, num_warps, num_stages):
     regs, stack = map(int, re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
     return dict(name=fn.__name__, shared=kernel.metadata.shared, regs=regs, stack=stack)
 
-def decode(dtype, head_dim, group, split, cache=None):
+# Per-model features, compiled apart: sliding window, Gemma 2's soft-cap, gpt-oss's sinks.
+PLAIN = dict(WINDOWED=False, SOFTCAP=False, SINKS=False)
+GPT_OSS = dict(WINDOWED=True, SOFTCAP=False, SINKS=True)
+
+def decode(dtype, head_dim, group, split, cache=None, features=PLAIN):
     dot = {"bf16": tl.bfloat16, "fp32": tl.float32}[dtype]
     block_n, warps, stages = dec._tile_config(head_dim, dot == tl.float32, cache == "fp8e4nv")
     ptr, kv = "*" + dtype, "*" + (cache or dtype)
     pointers = dict(q_ptr=ptr, k_cache_ptr=kv, v_cache_ptr=kv, block_tables_ptr="*i32",
-                    seq_lens_ptr="*i32", out_ptr=ptr, part_out_ptr="*fp32", part_lse_ptr="*fp32")
+                    seq_lens_ptr="*i32", out_ptr=ptr, part_out_ptr="*fp32", part_lse_ptr="*fp32",
+                    sinks_ptr="*fp32")
     constexprs = dict(stride_qd=1, stride_kd=1, stride_vd=1, GROUP=group,
                       GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
                       HEAD_DIM_PAD=head_dim, BLOCK_SIZE=16, BLOCK_N=block_n, SPLIT=split,
-                      DOT_DTYPE=dot, DOT_PRECISION="ieee" if dot == tl.float32 else "tf32")
+                      DOT_DTYPE=dot, DOT_PRECISION="ieee" if dot == tl.float32 else "tf32",
+                      **features)
     return compile_sm90(dec._paged_decode_kernel, pointers, constexprs, warps, stages)
 
-def prefill(dtype, head_dim, group, cache=None):
+def prefill(dtype, head_dim, group, cache=None, features=PLAIN):
     dot = {"bf16": tl.bfloat16, "fp32": tl.float32}[dtype]
     block_m, block_n, warps, stages = pre._tile_config(
         head_dim, dot == tl.float32, cache == "fp8e4nv")
     ptr, kv = "*" + dtype, "*" + (cache or dtype)
     pointers = dict(q_ptr=ptr, k_cache_ptr=kv, v_cache_ptr=kv, block_tables_ptr="*i32",
-                    query_start_loc_ptr="*i32", seq_lens_ptr="*i32", out_ptr=ptr)
+                    query_start_loc_ptr="*i32", seq_lens_ptr="*i32", out_ptr=ptr,
+                    sinks_ptr="*fp32")
     constexprs = dict(stride_qd=1, stride_kd=1, stride_vd=1, GROUP=group, GROUP_PAD=group,
                       HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, BLOCK_SIZE=16,
                       BLOCK_Q=block_m // group, BLOCK_M=block_m, BLOCK_N=block_n, DOT_DTYPE=dot,
-                      DOT_PRECISION="ieee" if dot == tl.float32 else "tf32")
+                      DOT_PRECISION="ieee" if dot == tl.float32 else "tf32", **features)
     return compile_sm90(pre._paged_prefill_kernel, pointers, constexprs, warps, stages)
 
+def experts(per_expert, bias, clamped):
+    """The fused-MoE kernels (bf16, tensor cores) at the tiles `choose_tiles` picks for
+    `per_expert` rows an expert; gpt-oss's biases and clamped SwiGLU, or neither."""
+    block_m, block_n, block_k, warps = moe.choose_tiles(per_expert * 8, 8)
+    tiles = dict(DOT_DTYPE=tl.bfloat16, PRECISION="tf32", BLOCK_M=block_m, BLOCK_N=block_n,
+                 BLOCK_K=block_k, BIAS=bias)
+    ids = dict(sorted_ids_ptr="*i32", block_experts_ptr="*i32")
+    gate_up = compile_sm90(moe._gate_up_kernel, dict(x_ptr="*bf16", w_ptr="*bf16",
+                           out_ptr="*bf16", bias_ptr="*bf16", **ids),
+                           dict(TOP_K=4, CLAMPED=clamped, **tiles), warps, 2)
+    down = compile_sm90(moe._down_kernel, dict(h_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16",
+                        bias_ptr="*bf16", topk_weights_ptr="*fp32", **ids), tiles, warps, 2)
+    return [gate_up, down]
+
 results = [
+    *experts(4, False, False),  # decode: few rows an expert
+    *experts(100, False, False),  # prefill: the widest tiles
+    *experts(100, True, True),  # gpt-oss
     decode("bf16", 128, 4, False),
     decode("bf16", 128, 4, True),
     decode("fp32", 128, 4, True),
-    compile_sm90(dec._combine_splits_kernel, dict(part_out_ptr="*fp32", part_lse_ptr="*fp32",
-                 out_ptr="*bf16"), dict(HEAD_DIM=128, HEAD_DIM_PAD=128, SPLITS_PAD=32), 4, 1),
+    *[compile_sm90(dec._combine_splits_kernel, dict(part_out_ptr="*fp32",
+                   part_lse_ptr="*fp32", out_ptr="*bf16", sinks_ptr="*fp32"),
+                   dict(HEAD_DIM=128, HEAD_DIM_PAD=128, SPLITS_PAD=32, SINKS=sinks), 4, 1)
+      for sinks in (False, True)],
+    # gpt-oss: head_dim 64, 8 query heads per KV head, windowed layers with sinks
+    decode("bf16", 64, 8, False, features=GPT_OSS),
+    decode("bf16", 64, 8, True, features=GPT_OSS),
+    prefill("bf16", 64, 8, features=GPT_OSS),
     prefill("bf16", 128, 4),
     prefill("bf16", 64, 8),
     prefill("fp32", 128, 4),
@@ -533,9 +564,10 @@ print(json.dumps(results))
     reason="this Triton wheel bundles no ptxas",
 )
 def test_kernels_compile_for_hopper_without_spills():
-    """The production configurations (bf16/fp32, head_dim 128, GQA; also over an fp8 cache)
-    lower through Triton's sm_90 pipeline and ptxas (both bundled with the wheel, no GPU
-    needed), fit Hopper's shared memory and keep everything in registers."""
+    """The production configurations (bf16/fp32, head_dim 128, GQA; also over an fp8 cache;
+    gpt-oss's windowed sink attention; the fused-MoE kernels, plain and gpt-oss's) lower
+    through Triton's sm_90 pipeline and ptxas (both bundled with the wheel, no GPU needed),
+    fit Hopper's shared memory and keep everything in registers."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
         [sys.executable, "-c", HOPPER_COMPILE],
