@@ -16,26 +16,24 @@ field.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import grpc
 import pytest
-import torch
 
 from common.model_config import ModelConfig
 from common.pb.tandem.internal.v1 import worker_pb2, worker_pb2_grpc
 from devtools.checkpoint_builder import build_checkpoint
-from services.stack.launcher import ROOT
-from tests.hf_reference import hf_greedy, hf_tokenizer
+from tests.hf_reference import hf_tokenizer
 from tests.service import test_e2e_architecture_paths as paths
 from tests.service import test_e2e_spec_decode as spec_e2e
+from tests.service.architecture_checks import (
+    chunked_prompts_equal_hf,
+    repeated_prompt_hits_the_prefix_cache,
+    startup_error_lines,
+)
 from tests.service.test_e2e import run_concurrently
 from tests.service.test_e2e_scheduling import SMALL_POOLS, check_against_hf, workload
 from tests.service.test_e2e_tensor_parallel import peer_ranks
-from tests.stack_client import generate, greedy_request, start_stack, wait_until_idle
+from tests.stack_client import start_stack, wait_until_idle
 
 BUDGET = 16  # prompt tokens per step
 BLOCK = 16  # the stacks' block size
@@ -67,11 +65,6 @@ def served(request, folder, module_stacks):
     return folder, stack
 
 
-def prompt(length: int, seed: int) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 1000, (length,), generator=generator).tolist()
-
-
 def test_workers_describe_the_latent_kv_layout(served) -> None:
     folder, stack = served
     config = ModelConfig.from_folder(folder)
@@ -88,36 +81,12 @@ def test_workers_describe_the_latent_kv_layout(served) -> None:
 
 def test_chunked_prompts_equal_hf_and_move_to_the_decode_ranks(served) -> None:
     folder, stack = served
-    work = [(prompt(45, 1), 20), (prompt(20, 2), 24), (prompt(13, 3), 16)]
-    before = {p.worker_id: p for p in wait_until_idle(stack).pools}
-    results = run_concurrently(stack.spec.gateway_address, work)
-    for (ids, max_tokens), got in zip(work, results, strict=True):
-        expected = hf_greedy(folder, ids, max_tokens)
-        assert got.token_ids == expected, ids
-        assert len(set(expected)) >= 4, f"degenerate reference {expected}"
-    stats = wait_until_idle(stack)
-    moved = sum(
-        p.kv_transfers - before[p.worker_id].kv_transfers for p in stats.pools if p.role == DECODE
-    )
-    assert moved >= len(work) - 1  # P/D: the prompts' latents went to the decode worker
-    prefill_steps = sum(
-        p.steps - before[p.worker_id].steps for p in stats.pools if p.role == PREFILL
-    )
-    assert prefill_steps >= -(-sum(len(ids) for ids, _ in work) // BUDGET)  # chunked
-    assert all(p.num_free_blocks == p.num_blocks for p in stats.pools)
+    chunked_prompts_equal_hf(folder, stack, budget=BUDGET)
 
 
 def test_repeated_prompt_hits_the_prefix_cache(served) -> None:
     folder, stack = served
-    ids = prompt(40, 4)  # two full 16-token blocks and 8 tokens
-    request = greedy_request(ids, 12)
-    request.cache_salt = "deepseek-repeated"
-    first = generate(stack.spec.gateway_address, request)
-    again = generate(stack.spec.gateway_address, request)
-    assert first.token_ids == again.token_ids == hf_greedy(folder, ids, 12)
-    assert first.usage.cached_tokens == 0 and again.usage.cached_tokens == 32
-    stats = wait_until_idle(stack)
-    assert all(p.num_free_blocks == p.num_blocks for p in stats.pools)
+    repeated_prompt_hits_the_prefix_cache(folder, stack, "deepseek-repeated")
 
 
 def test_worker_exits_naming_an_unsupported_deepseek_field(tmp_path) -> None:
@@ -136,17 +105,11 @@ def test_worker_exits_naming_an_unsupported_deepseek_field(tmp_path) -> None:
         "num_experts_per_tok": 2,
         "topk_method": "noaux_tc",
     }
-    (tmp_path / "config.json").write_text(json.dumps(raw))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    argv = [sys.executable, "-m", "services.worker", "--model", str(tmp_path),
-            "--host", "127.0.0.1", "--port", "0", "--device", "cpu"]  # fmt: skip
-    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2, done.stderr
-    lines = [text for text in done.stderr.splitlines() if "startup error" in text]
+    lines = startup_error_lines(raw, tmp_path)
     assert lines == [
         "python -m services.worker: startup error: deepseek_v2 with topk_method='noaux_tc' is "
         "not supported (greedy, group_limited_greedy)"
-    ], done.stderr
+    ]
 
 
 def test_recompute_preemption_and_a_killed_decode_worker(module_stacks, folder) -> None:

@@ -12,20 +12,15 @@ it.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
-import torch
 
 from common.model_config import SUPPORTED_ARCHITECTURES
 from devtools.checkpoint_builder import build_checkpoint
-from services.stack.launcher import ROOT
-from tests.hf_reference import hf_greedy
-from tests.service.test_e2e import run_concurrently
-from tests.stack_client import generate, greedy_request, wait_until_idle
+from tests.service.architecture_checks import (
+    chunked_prompts_equal_hf,
+    repeated_prompt_hits_the_prefix_cache,
+    startup_error_lines,
+)
 
 WINDOW = 12
 BUDGET = 16  # prompt tokens per step
@@ -70,39 +65,14 @@ def served(request, module_stacks, tmp_path_factory):
     return folder, stack
 
 
-def prompt(length: int, seed: int) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 1000, (length,), generator=generator).tolist()
-
-
 def test_chunked_prompts_past_the_window_equal_hf(served) -> None:
     folder, stack = served
-    work = [(prompt(45, 1), 20), (prompt(20, 2), 24), (prompt(13, 3), 16)]
-    before = {p.worker_id: p for p in wait_until_idle(stack).pools}
-    results = run_concurrently(stack.spec.gateway_address, work)
-    for (ids, max_tokens), got in zip(work, results, strict=True):
-        expected = hf_greedy(folder, ids, max_tokens)
-        assert got.token_ids == expected, ids
-        assert len(set(expected)) >= 4, f"degenerate reference {expected}"
-    stats = wait_until_idle(stack)
-    moved = sum(
-        p.kv_transfers - before[p.worker_id].kv_transfers for p in stats.pools if p.role == DECODE
-    )
-    assert moved >= len(work) - 1  # P/D: the prompts' KV went to the decode worker
-    assert all(p.num_free_blocks == p.num_blocks for p in stats.pools)
+    chunked_prompts_equal_hf(folder, stack)
 
 
 def test_repeated_prompt_hits_the_prefix_cache(served) -> None:
     folder, stack = served
-    ids = prompt(40, 4)  # two full 16-token blocks and 8 tokens
-    request = greedy_request(ids, 12)
-    request.cache_salt = "gemma-repeated"
-    first = generate(stack.spec.gateway_address, request)
-    again = generate(stack.spec.gateway_address, request)
-    assert first.token_ids == again.token_ids == hf_greedy(folder, ids, 12)
-    assert first.usage.cached_tokens == 0 and again.usage.cached_tokens == 32
-    stats = wait_until_idle(stack)
-    assert all(p.num_free_blocks == p.num_blocks for p in stats.pools)
+    repeated_prompt_hits_the_prefix_cache(folder, stack, "gemma-repeated")
 
 
 @pytest.mark.parametrize(
@@ -133,11 +103,5 @@ def test_worker_exits_naming_an_unsupported_gemma_feature(fields, line, tmp_path
         "head_dim": 16,
         **fields,
     }
-    (tmp_path / "config.json").write_text(json.dumps(raw))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    argv = [sys.executable, "-m", "services.worker", "--model", str(tmp_path),
-            "--host", "127.0.0.1", "--port", "0", "--device", "cpu"]  # fmt: skip
-    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2, done.stderr
-    lines = [text for text in done.stderr.splitlines() if "startup error" in text]
-    assert lines == [f"python -m services.worker: startup error: {line}"], done.stderr
+    lines = startup_error_lines(raw, tmp_path)
+    assert lines == [f"python -m services.worker: startup error: {line}"]

@@ -12,14 +12,11 @@ whose experts Tandem does not compute exits with one line naming the field.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from services.stack.launcher import ROOT
 from tests.hf_reference import hf_greedy, hf_tokenizer
+from tests.service.architecture_checks import startup_error_lines
 from tests.service.test_e2e import run_concurrently
 from tests.service.test_e2e_tensor_parallel import peer_ranks
 from tests.stack_client import generate, greedy_request, wait_until_idle
@@ -100,15 +97,9 @@ def test_worker_exits_naming_an_unsupported_moe_field(tiny_qwen3_moe_dir, tmp_pa
     """The start stops on the config, before any weight is read: one stderr line."""
     raw = json.loads((tiny_qwen3_moe_dir / "config.json").read_text())
     raw["shared_expert_intermediate_size"] = 256  # qwen2_moe's shared expert
-    (tmp_path / "config.json").write_text(json.dumps(raw))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    argv = [sys.executable, "-m", "services.worker", "--model", str(tmp_path),
-            "--host", "127.0.0.1", "--port", "0", "--device", "cpu"]  # fmt: skip
-    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2, done.stderr
-    lines = [line for line in done.stderr.splitlines() if "startup error" in line]
+    lines = startup_error_lines(raw, tmp_path)
     assert lines == [
         "python -m services.worker: startup error: qwen3_moe with "
         "shared_expert_intermediate_size=256 is not supported (Tandem's experts are routed "
         "only: no shared or grouped experts)"
-    ], done.stderr
+    ]

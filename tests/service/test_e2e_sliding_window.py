@@ -10,15 +10,17 @@ one), not the 7 its context spans. Every block is back in the pool afterwards.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from devtools.checkpoint_builder import build_checkpoint
 from tests.hf_reference import hf_greedy
-from tests.service.test_e2e import run_concurrently
+from tests.service.architecture_checks import (
+    chunked_prompts_equal_hf,
+    prompt,
+    repeated_prompt_hits_the_prefix_cache,
+)
 from tests.stack_client import (
     BackgroundStream,
     frozen,
-    generate,
     greedy_request,
     pool_stats,
     start_stack,
@@ -50,37 +52,14 @@ def served(tmp_path_factory):
     stack.stop()
 
 
-def prompt(length: int, seed: int) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 1000, (length,), generator=generator).tolist()
-
-
 def test_chunked_prompts_past_the_window_equal_hf(served) -> None:
     folder, stack = served
-    work = [(prompt(45, 1), 20), (prompt(20, 2), 24), (prompt(13, 3), 16)]
-    before = {p.worker_id: p for p in wait_until_idle(stack).pools}
-    results = run_concurrently(stack.spec.gateway_address, work)
-    for (ids, max_tokens), got in zip(work, results, strict=True):
-        assert got.token_ids == hf_greedy(folder, ids, max_tokens), ids
-    stats = wait_until_idle(stack)
-    moved = sum(
-        p.kv_transfers - before[p.worker_id].kv_transfers for p in stats.pools if p.role == DECODE
-    )
-    assert moved >= len(work) - 1  # P/D: the prompts' KV went to the decode worker
-    assert all(p.num_free_blocks == p.num_blocks for p in stats.pools)
+    chunked_prompts_equal_hf(folder, stack)
 
 
 def test_repeated_prompt_hits_the_prefix_cache(served) -> None:
     folder, stack = served
-    ids = prompt(40, 4)  # two full 16-token blocks and 8 tokens
-    request = greedy_request(ids, 12)
-    request.cache_salt = "sliding-window-repeated"
-    first = generate(stack.spec.gateway_address, request)
-    again = generate(stack.spec.gateway_address, request)
-    assert first.token_ids == again.token_ids == hf_greedy(folder, ids, 12)
-    assert first.usage.cached_tokens == 0 and again.usage.cached_tokens == 32
-    stats = wait_until_idle(stack)
-    assert all(p.num_free_blocks == p.num_blocks for p in stats.pools)
+    repeated_prompt_hits_the_prefix_cache(folder, stack, "sliding-window-repeated")
 
 
 def test_a_long_request_holds_only_the_blocks_of_its_window(served) -> None:
