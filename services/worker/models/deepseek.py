@@ -94,8 +94,11 @@ class MlaAttention(nn.Module):
         backend: AttentionBackend,
         shard: TpShard,
         tp: TpGroup,
+        window: int | None = None,
     ) -> None:
         super().__init__()
+        if window is not None:
+            raise ValueError("latent attention has no sliding window")
         mla = config.mla
         self.backend, self.tp, self.mla = backend, tp, mla
         self.num_heads = heads = len(shard.q_heads)
@@ -186,32 +189,20 @@ class DeepseekDecoderLayer(DecoderLayer):
     """Llama's layer (norm, attention, residual, norm, MLP, residual) with MLA, and
     DeepSeek's experts in the layers from `first_k_dense_replace` on."""
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        dtype: torch.dtype,
-        backend: AttentionBackend,
-        shard: TpShard,
-        tp: TpGroup,
-        layer: int,
-    ) -> None:
-        nn.Module.__init__(self)
-        self.self_attn = MlaAttention(config, dtype, backend, shard, tp)
-        self.mlp: MLP | SharedExpertMoeBlock
+    attention_class = MlaAttention
+
+    def make_mlp(self, config, dtype, shard, tp, layer) -> nn.Module:
         moe = config.moe
-        if moe is not None and config.is_moe_layer(layer):
-            shared = None
-            if moe.shared_intermediate_size:
-                inner = shared_inner(config, shard)
-                shared = MLP(config, dtype, dataclasses.replace(shard, inner=inner), tp)
-            self.mlp = SharedExpertMoeBlock(
-                config.hidden_size, moe, len(shard.expert_inner), dtype, tp,
-                experts=shard.experts, shared_experts=shared,
-            )  # fmt: skip
-        else:
-            self.mlp = MLP(config, dtype, shard, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        if moe is None or not config.is_moe_layer(layer):
+            return MLP(config, dtype, shard, tp)
+        shared = None
+        if moe.shared_intermediate_size:
+            inner = shared_inner(config, shard)
+            shared = MLP(config, dtype, dataclasses.replace(shard, inner=inner), tp)
+        return SharedExpertMoeBlock(
+            config.hidden_size, moe, len(shard.expert_inner), dtype, tp,
+            experts=shard.experts, shared_experts=shared,
+        )  # fmt: skip
 
 
 class Float32Rope(nn.Module):

@@ -28,7 +28,13 @@ from common.model_config import ModelConfig
 from services.worker.models.attention_backend import AttentionBackend
 from services.worker.models.attention_metadata import AttentionMetadata
 from services.worker.models.gpt_oss import GptOssForCausalLM
-from services.worker.models.llama import MLP, Attention, LlamaForCausalLM, LlamaModel
+from services.worker.models.llama import (
+    MLP,
+    Attention,
+    DecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+)
 from services.worker.models.rms_norm import RMSNorm, _kernel_fits
 from services.worker.models.rope import RotaryEmbedding
 from services.worker.parallel.pipeline_stage import PipelineStage
@@ -108,8 +114,11 @@ class GemmaAttention(Attention):
             self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, dtype)
 
 
-class GemmaDecoderLayer(nn.Module):
+class GemmaDecoderLayer(DecoderLayer):
     """x + post_ff(mlp(pre_ff(h))) where h = x + post_attn(attn(input(x)))."""
+
+    attention_class = GemmaAttention
+    norm_class = GemmaRMSNorm
 
     def __init__(
         self,
@@ -120,17 +129,14 @@ class GemmaDecoderLayer(nn.Module):
         tp: TpGroup,
         layer: int,
     ) -> None:
-        super().__init__()
-        self.self_attn = GemmaAttention(
-            config, dtype, backend, shard, tp, window=config.sliding_window(layer)
-        )
-        self.mlp = GemmaMLP(config, dtype, shard, tp)
+        super().__init__(config, dtype, backend, shard, tp, layer)
         size, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(size, eps, dtype)
-        self.post_attention_layernorm = GemmaRMSNorm(size, eps, dtype)
         self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps, dtype)
         self.post_feedforward_layernorm = GemmaRMSNorm(size, eps, dtype)
         self.local_rope = config.gemma.local_rope(layer)
+
+    def make_mlp(self, config, dtype, shard, tp, layer) -> nn.Module:
+        return GemmaMLP(config, dtype, shard, tp)
 
     def forward(
         self,

@@ -27,8 +27,7 @@ from torch import nn
 
 from common.model_config import ModelConfig
 from services.worker.models.attention_backend import AttentionBackend
-from services.worker.models.attention_metadata import AttentionMetadata
-from services.worker.models.llama import Attention, LlamaForCausalLM, LlamaModel
+from services.worker.models.llama import Attention, DecoderLayer, LlamaForCausalLM, LlamaModel
 from services.worker.models.moe import ClampedSwiGLU, Experts
 from services.worker.models.rms_norm import RMSNorm
 from services.worker.parallel.tp_group import TpGroup, TpShard
@@ -95,38 +94,15 @@ class GptOssMoeBlock(nn.Module):
         return self.tp.all_reduce(self.experts(x, weights, experts))
 
 
-class GptOssDecoderLayer(nn.Module):
-    """x + moe(post_norm(h)) where h = x + attn(input_norm(x))."""
+class GptOssDecoderLayer(DecoderLayer):
+    """x + moe(post_norm(h)) where h = x + attn(input_norm(x)): Llama's layer with gpt-oss's
+    attention (sinks), norm and experts."""
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        dtype: torch.dtype,
-        backend: AttentionBackend,
-        shard: TpShard,
-        tp: TpGroup,
-        layer: int,
-    ) -> None:
-        super().__init__()
-        self.self_attn = GptOssAttention(
-            config, dtype, backend, shard, tp, window=config.sliding_window(layer)
-        )
-        self.mlp = GptOssMoeBlock(config, dtype, tp, len(shard.expert_inner), shard.experts)
-        self.input_layernorm = GptOssRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.post_attention_layernorm = GptOssRMSNorm(
-            config.hidden_size, config.rms_norm_eps, dtype
-        )
+    attention_class = GptOssAttention
+    norm_class = GptOssRMSNorm
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        rope: tuple[torch.Tensor, ...],
-        cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        attended = self.self_attn(self.input_layernorm(hidden), rope, cache, meta)
-        hidden, normed = self.post_attention_layernorm.add_forward(hidden, attended)
-        return hidden + self.mlp(normed)
+    def make_mlp(self, config, dtype, shard, tp, layer) -> nn.Module:
+        return GptOssMoeBlock(config, dtype, tp, len(shard.expert_inner), shard.experts)
 
 
 class GptOssModel(LlamaModel):

@@ -179,6 +179,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Norm, attention, residual, norm, MLP (or experts), residual. A family with other
+    parts (`gemma.py`, `gpt_oss.py`, `deepseek.py`) overrides `attention_class`,
+    `norm_class` or `make_mlp`; the layer's shape stays this one."""
+
+    attention_class: type[nn.Module] = Attention
+    norm_class: type[RMSNorm] = RMSNorm
+
     def __init__(
         self,
         config: ModelConfig,
@@ -189,19 +196,23 @@ class DecoderLayer(nn.Module):
         layer: int,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(
-            config, dtype, backend, shard, tp, window=config.sliding_window(layer)
+        window = config.sliding_window(layer)
+        self.self_attn = self.attention_class(config, dtype, backend, shard, tp, window=window)
+        self.mlp = self.make_mlp(config, dtype, shard, tp, layer)
+        self.input_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = self.norm_class(
+            config.hidden_size, config.rms_norm_eps, dtype
         )
-        self.mlp: MLP | SparseMoeBlock
+
+    def make_mlp(
+        self, config: ModelConfig, dtype: torch.dtype, shard: TpShard, tp: TpGroup, layer: int
+    ) -> nn.Module:
         if config.moe is not None and config.is_moe_layer(layer):
-            self.mlp = SparseMoeBlock(
+            return SparseMoeBlock(
                 config.hidden_size, config.moe, len(shard.expert_inner), dtype, tp,
                 float32_weights=config.architecture == "mixtral", experts=shard.experts,
             )  # fmt: skip
-        else:
-            self.mlp = MLP(config, dtype, shard, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        return MLP(config, dtype, shard, tp)
 
     def forward(
         self,
