@@ -10,13 +10,12 @@ them (no effect).
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
 from kernels import cpu_ops, cpu_paged_attention, torch_paged
+from tests.hf_attention import hf_paged_reference
 from tests.unit.test_cpu_paged_attention import _setup
 from tests.unit.test_sliding_window_attention import CASES
 
@@ -26,33 +25,10 @@ SINKS = torch.tensor([0.0, 1.5, -1.0, 3.0, 40.0, -40.0, 2.0, -0.5])  # one per q
 
 def _hf(query, k_cache, v_cache, tables, starts, seq_lens, window):
     """HF gpt-oss's eager attention per sequence, over a contiguous copy of its context."""
-    block_size, kv_heads, head_dim = k_cache.shape[1:]
-    heads = query.shape[1]
-    module = types.SimpleNamespace(
-        num_key_value_groups=heads // kv_heads, training=False, sinks=SINKS
-    )
-    out = torch.empty(query.shape, dtype=torch.float32)
-    for i, seq_len in enumerate(seq_lens):
-        blocks = tables[i, : -(-seq_len // block_size)].long()
-        keys = k_cache[blocks].reshape(-1, kv_heads, head_dim)[:seq_len].float()
-        values = v_cache[blocks].reshape(-1, kv_heads, head_dim)[:seq_len].float()
-        q = query[starts[i] : starts[i + 1]].float()
-        q_pos = torch.arange(seq_len - q.shape[0], seq_len)[:, None]
-        k_pos = torch.arange(seq_len)[None, :]
-        visible = k_pos <= q_pos
-        if window is not None:
-            visible &= k_pos > q_pos - window
-        mask = torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
-        result, _ = eager_attention_forward(
-            module,
-            q.transpose(0, 1)[None],
-            keys.transpose(0, 1)[None],
-            values.transpose(0, 1)[None],
-            mask[None, None],
-            scaling=SCALE,
-        )
-        out[starts[i] : starts[i + 1]] = result[0]
-    return out
+    return hf_paged_reference(
+        eager_attention_forward, query, k_cache, v_cache, tables, starts, seq_lens, window,
+        SCALE, module_fields={"sinks": SINKS},
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("path", ["kernel", "eager", "torch"])
