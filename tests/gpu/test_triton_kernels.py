@@ -463,7 +463,8 @@ def compile_sm90(fn, pointers, constexprs, num_warps, num_stages):
             signature[name] = pointers[name]
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
-            signature[name] = "fp32" if name in ("qk_scale", "alpha", "limit") else "i32"
+            floats = ("qk_scale", "softcap", "alpha", "limit")
+            signature[name] = "fp32" if name in floats else "i32"
             if name.startswith("stride"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     kernel = triton.compile(
@@ -483,6 +484,7 @@ def compile_sm90(fn, pointers, constexprs, num_warps, num_stages):
 # Per-model features, compiled apart: sliding window, Gemma 2's soft-cap, gpt-oss's sinks.
 PLAIN = dict(WINDOWED=False, SOFTCAP=False, SINKS=False)
 GPT_OSS = dict(WINDOWED=True, SOFTCAP=False, SINKS=True)
+GEMMA2 = dict(WINDOWED=True, SOFTCAP=True, SINKS=False)
 
 def decode(dtype, head_dim, group, split, cache=None, features=PLAIN):
     dot = {"bf16": tl.bfloat16, "fp32": tl.float32}[dtype]
@@ -541,6 +543,9 @@ results = [
     decode("bf16", 64, 8, False, features=GPT_OSS),
     decode("bf16", 64, 8, True, features=GPT_OSS),
     prefill("bf16", 64, 8, features=GPT_OSS),
+    # Gemma 2: head_dim 256, 2 query heads per KV head, windowed and soft-capped
+    decode("bf16", 256, 2, True, features=GEMMA2),
+    prefill("bf16", 256, 2, features=GEMMA2),
     prefill("bf16", 128, 4),
     prefill("bf16", 64, 8),
     prefill("fp32", 128, 4),
@@ -565,9 +570,9 @@ print(json.dumps(results))
 )
 def test_kernels_compile_for_hopper_without_spills():
     """The production configurations (bf16/fp32, head_dim 128, GQA; also over an fp8 cache;
-    gpt-oss's windowed sink attention; the fused-MoE kernels, plain and gpt-oss's) lower
-    through Triton's sm_90 pipeline and ptxas (both bundled with the wheel, no GPU needed),
-    fit Hopper's shared memory and keep everything in registers."""
+    gpt-oss's windowed sink attention, Gemma 2's soft-capped one; the fused-MoE kernels,
+    plain and gpt-oss's) lower through Triton's sm_90 pipeline and ptxas (both bundled with
+    the wheel, no GPU needed), fit Hopper's shared memory and keep everything in registers."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
         [sys.executable, "-c", HOPPER_COMPILE],
