@@ -86,6 +86,7 @@ lint-protos: $(BUF)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 
 model: $(STAMP)
 	$(PY) -m devtools.default_model build
