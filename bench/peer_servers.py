@@ -17,7 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.stack.launcher import Stack, StackSpec, free_port
+from services.stack.launcher import Stack, StackSpec
+from services.stack.ports import free_port
 
 # vllm serve's KV cache (GiB) and startup budget (it compiles its model on first start).
 VLLM_KV_CACHE_GIB = 2

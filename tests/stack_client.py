@@ -318,7 +318,8 @@ def http_front(gateway_address: str, log_path: Path, *extra: str) -> Iterator[tu
     import urllib.error
     import urllib.request
 
-    from services.stack.launcher import ROOT, free_port
+    from services.stack.launcher import ROOT
+    from services.stack.ports import free_port
 
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TANDEM_EXIT_WITH_PARENT": "1"}

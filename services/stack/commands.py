@@ -4,10 +4,8 @@
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from services.stack.launcher import StackSpec
+from services.stack.spec import StackSpec
 
 
 def service_commands(spec: StackSpec) -> list[tuple[str, str, list[str]]]:

@@ -26,12 +26,12 @@ from services.worker.logprobs import (
     to_host,
 )
 from services.worker.lora.manager import LoraManager
+from services.worker.micro_batches import pipelined_forward
 from services.worker.models.attention_metadata import (
     AttentionMetadata,
     SequenceSlice,
     build_attention_metadata,
 )
-from services.worker.parallel.micro_batches import pipelined_forward
 from services.worker.sampler import DeviceSample, SamplingRow, sample_on_device, to_device
 from services.worker.spec_decode.spec_step import SpecOutcome, SpecStep
 from services.worker.spec_decode.verify import Proposer

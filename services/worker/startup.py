@@ -14,8 +14,10 @@ pool. On CPU the pool gets `kv_cache_memory`.
 from __future__ import annotations
 
 import gc
+import os
 import time
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
@@ -34,8 +36,8 @@ from services.worker.lora.manager import LoraManager
 from services.worker.models.attention_backend import select_backend
 from services.worker.models.attention_metadata import SequenceSlice, build_attention_metadata
 from services.worker.models.weight_loader import load_model
-from services.worker.parallel.rank_context import RankContext, threads_per_rank
-from services.worker.parallel.tp_group import TpGroup
+from services.worker.sharding.pipeline_stage import PipelineStage
+from services.worker.sharding.tp_group import TpGroup
 from services.worker.spec_decode.draft_loader import DraftModel, load_draft
 
 log = get_logger(__name__)
@@ -185,8 +187,25 @@ def pack_taking_turns(config: WorkerConfig, model, device):
         lock.close()
 
 
+class RankSlice(Protocol):
+    """What loading needs of a parallel worker's rank (`parallel.rank_context.RankContext`
+    is one): its device, its slice of the model, and the pool size every rank can hold."""
+
+    rank: int
+    device: torch.device
+    tp: TpGroup
+    stage: PipelineStage
+
+    def min_over_ranks(self, value: int) -> int: ...
+
+
+def threads_per_rank(world_size: int) -> int:
+    """Intra-op threads for one rank when the worker is told none: the cores shared out."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
 def load_worker(
-    config: WorkerConfig, worker_id: str, ranks: RankContext | None = None
+    config: WorkerConfig, worker_id: str, ranks: RankSlice | None = None
 ) -> LoadedWorker:
     """Everything `Worker` needs, loaded and sized (blocking; run off the event loop).
     `ranks`: this process is one rank of a parallel worker: it loads its slice of the model

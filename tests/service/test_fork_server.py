@@ -16,7 +16,8 @@ import pytest
 
 from common.fork_protocol import ForkServerError, import_time_env
 from services.stack.fork_server import ForkServerClient
-from services.stack.launcher import ROOT, free_port
+from services.stack.launcher import ROOT
+from services.stack.ports import free_port
 
 WORKER = "services.worker"
 

@@ -18,7 +18,7 @@ import httpx2
 import openai
 import pytest
 
-from services.stack.launcher import free_port
+from services.stack.ports import free_port
 from tests.hf_reference import hf_greedy, hf_tokenizer
 from tests.stack_client import generate, greedy_request
 

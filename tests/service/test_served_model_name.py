@@ -22,7 +22,7 @@ from common.healthcheck import health_status
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
 from services.gateway.config import GatewayConfig
 from services.openai_api.config import OpenAIApiConfig
-from services.stack.launcher import free_port
+from services.stack.ports import free_port
 from tests.hf_reference import hf_greedy, hf_tokenizer
 from tests.stack_client import http_front, stop_process
 

@@ -9,7 +9,7 @@ import urllib.request
 from pathlib import Path
 
 from common.healthcheck import http_health_status
-from services.stack.launcher import _distinct_free_ports
+from services.stack.spec import _distinct_free_ports
 from tests.hf_reference import hf_greedy, hf_tokenizer
 from tests.stack_client import generate, greedy_request
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.worker.parallel.micro_batches import split_requests
+from services.worker.micro_batches import split_requests
 
 
 @pytest.mark.parametrize(
@@ -49,8 +49,8 @@ def test_a_reader_before_its_writer_keeps_the_step_in_one_micro_batch():
     """Request 0 hit the prefix cache on block 7, which request 1 (later in the step, so in
     the later micro-batch) writes this step: splitting would let request 0 attend over KV
     not written yet."""
+    from services.worker.micro_batches import keeps_writers_first
     from services.worker.models.attention_metadata import SequenceSlice
-    from services.worker.parallel.micro_batches import keeps_writers_first
 
     writer = SequenceSlice(0, 8, [7, 8])  # writes blocks 7 and 8 (block size 4)
     reader = SequenceSlice(4, 4, [7, 9])  # reads block 7, writes block 9

@@ -246,7 +246,7 @@ def test_expert_parallel_shards_and_its_refusal(tiny_qwen3_moe_dir) -> None:
     import dataclasses
 
     from common.model_config import ModelConfig
-    from services.worker.parallel.tp_group import TpShard
+    from services.worker.sharding.tp_group import TpShard
 
     config = ModelConfig.from_folder(tiny_qwen3_moe_dir)
     count, inner = config.moe.num_experts, config.moe.expert_intermediate_size

@@ -23,11 +23,11 @@ def _rank_main(rank, tp, pp, folder, store, prompt, out):
     from common.model_config import ModelConfig
     from common.parallel_plan import Layout
     from services.worker.kv_cache import KvCache
+    from services.worker.micro_batches import pipelined_forward
     from services.worker.models.attention_metadata import SequenceSlice, build_attention_metadata
     from services.worker.models.weight_loader import load_model
-    from services.worker.parallel.micro_batches import pipelined_forward
-    from services.worker.parallel.pipeline_stage import PipelineStage
-    from services.worker.parallel.tp_group import TpGroup
+    from services.worker.sharding.pipeline_stage import PipelineStage
+    from services.worker.sharding.tp_group import TpGroup
 
     torch.set_num_threads(1)
     layout = Layout(tp, pp)

@@ -24,7 +24,7 @@ def _rank_main(rank, size, folder, store, prompt, expert_parallel, out):
     from services.worker.kv_cache import KvCache
     from services.worker.models.attention_metadata import SequenceSlice, build_attention_metadata
     from services.worker.models.weight_loader import load_model
-    from services.worker.parallel.tp_group import TpGroup
+    from services.worker.sharding.tp_group import TpGroup
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)

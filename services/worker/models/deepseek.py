@@ -26,7 +26,7 @@ parameter names). What this module owns:
 
 The up-projections are mathematically HF's (which expands every cached latent into full
 keys and values); the products are grouped differently, so results equal HF's to float
-rounding. Tensor parallelism splits the heads (`parallel/mla_shards.py`); not done here:
+rounding. Tensor parallelism splits the heads (`sharding/mla_shards.py`); not done here:
 LoRA and fp8 KV scales (refused at start).
 """
 
@@ -46,9 +46,9 @@ from services.worker.models.llama import MLP, DecoderLayer, LlamaForCausalLM, Ll
 from services.worker.models.moe import SharedExpertMoeBlock
 from services.worker.models.rms_norm import RMSNorm
 from services.worker.models.rope import rotate
-from services.worker.parallel.mla_shards import shared_inner
-from services.worker.parallel.pipeline_stage import PipelineStage
-from services.worker.parallel.tp_group import TpGroup, TpShard
+from services.worker.sharding.mla_shards import shared_inner
+from services.worker.sharding.pipeline_stage import PipelineStage
+from services.worker.sharding.tp_group import TpGroup, TpShard
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers builds them with its default
 

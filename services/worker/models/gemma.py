@@ -37,8 +37,8 @@ from services.worker.models.llama import (
 )
 from services.worker.models.rms_norm import RMSNorm, _kernel_fits
 from services.worker.models.rope import RotaryEmbedding
-from services.worker.parallel.pipeline_stage import PipelineStage
-from services.worker.parallel.tp_group import TpGroup, TpShard
+from services.worker.sharding.pipeline_stage import PipelineStage
+from services.worker.sharding.tp_group import TpGroup, TpShard
 
 
 class GemmaRMSNorm(RMSNorm):

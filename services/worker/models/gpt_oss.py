@@ -30,7 +30,7 @@ from services.worker.models.attention_backend import AttentionBackend
 from services.worker.models.llama import Attention, DecoderLayer, LlamaForCausalLM, LlamaModel
 from services.worker.models.moe import ClampedSwiGLU, Experts
 from services.worker.models.rms_norm import RMSNorm
-from services.worker.parallel.tp_group import TpGroup, TpShard
+from services.worker.sharding.tp_group import TpGroup, TpShard
 
 
 class GptOssRMSNorm(RMSNorm):

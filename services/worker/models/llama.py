@@ -47,8 +47,8 @@ from services.worker.models.moe import SparseMoeBlock
 from services.worker.models.rms_norm import RMSNorm
 from services.worker.models.rope import RotaryEmbedding, rotate
 from services.worker.models.weight_arena import WeightArena
-from services.worker.parallel.pipeline_stage import PipelineStage
-from services.worker.parallel.tp_group import TpGroup, TpShard
+from services.worker.sharding.pipeline_stage import PipelineStage
+from services.worker.sharding.tp_group import TpGroup, TpShard
 
 
 class Attention(nn.Module):

@@ -62,7 +62,7 @@ from common.moe_config import SIGMOID_GROUPS, SOFTMAX_GROUPS, MoeConfig
 from services.worker.models.activation import silu_and_mul
 from services.worker.models.gemm_plan import PLAIN
 from services.worker.models.linear import MergedLinear
-from services.worker.parallel.tp_group import TpGroup
+from services.worker.sharding.tp_group import TpGroup
 
 
 def route(

@@ -8,7 +8,7 @@ device (no wasted random init), then reads `model.safetensors` or the shards lis
 device. Loading is strict: a missing or unexpected weight is a `ValueError` naming a few of
 them (rotary `inv_freq` buffers, which some checkpoints carry, are ignored).
 
-`tp` loads one tensor-parallel rank's slice of every weight (`parallel/weight_shards.py`).
+`tp` loads one tensor-parallel rank's slice of every weight (`sharding/weight_shards.py`).
 `stage` loads one pipeline stage's part: its decoder layers (HF's layer `i` as its layer
 `i - first`) and, where the stage holds them, the embedding, final norm and LM head; the
 other layers' weights are skipped unread. `num_layers` loads only the first N decoder
@@ -47,9 +47,9 @@ from services.worker.models.quantized_weights import (
     quant_format,
     quantized_layers,
 )
-from services.worker.parallel.pipeline_stage import PipelineStage
-from services.worker.parallel.tp_group import TpGroup
-from services.worker.parallel.weight_shards import shard_weight
+from services.worker.sharding.pipeline_stage import PipelineStage
+from services.worker.sharding.tp_group import TpGroup
+from services.worker.sharding.weight_shards import shard_weight
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # fp8 KV cache scales (compressed-tensors / vLLM naming), used with --kv-cache-dtype fp8.

@@ -8,7 +8,6 @@ Rank = stage x tensor_parallel_size + tensor rank (vLLM's order)."""
 from __future__ import annotations
 
 import datetime
-import os
 from dataclasses import dataclass
 
 import torch
@@ -18,8 +17,8 @@ from common.kv_shared_memory import SharedMemoryInfo, shared_memory_from_pb, sha
 from common.parallel_plan import Layout
 from common.pb.tandem.internal.v1 import worker_pb2
 from services.worker.parallel.output_share import OutputShare
-from services.worker.parallel.pipeline_stage import PipelineStage
-from services.worker.parallel.tp_group import TpGroup
+from services.worker.sharding.pipeline_stage import PipelineStage
+from services.worker.sharding.tp_group import TpGroup
 
 STORE_HOST = "127.0.0.1"  # all ranks of a worker run on its host
 # A collective that waits this long means a rank is gone or stuck: it fails the step.
@@ -148,8 +147,3 @@ def join_group(rank: int, layout: Layout, num_layers: int, store, device_name: s
         store=store,
         stage=stage,
     )
-
-
-def threads_per_rank(world_size: int) -> int:
-    """Intra-op threads for one rank when the worker is told none: the cores shared out."""
-    return max(1, (os.cpu_count() or 1) // world_size)

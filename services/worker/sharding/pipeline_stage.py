@@ -4,7 +4,7 @@ final norm and the LM head (the last), and the hand-over of the hidden states be
 stages: the rank of tensor rank r in stage s sends `[tokens, hidden]` to tensor rank r of
 stage s + 1 (every tensor rank holds the whole hidden state after its all-reduces), with
 point-to-point `torch.distributed` send/recv. Sends do not wait (the stage goes on with
-its next micro-batch, `parallel/micro_batches.py`); `wait_sends` waits for them at the end
+its next micro-batch, `micro_batches.py`); `wait_sends` waits for them at the end
 of the step. The default is the one stage of the whole model: nothing is sent."""
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from common.model_config import ModelConfig
-from services.worker.parallel.mla_shards import mla_slice
-from services.worker.parallel.tp_group import TpShard
+from services.worker.sharding.mla_shards import mla_slice
+from services.worker.sharding.tp_group import TpShard
 
 
 def _rows(t: torch.Tensor, span: range, unit: int = 1) -> torch.Tensor:

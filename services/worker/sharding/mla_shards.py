@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from common.model_config import ModelConfig
-from services.worker.parallel.tp_group import TpShard
+from services.worker.sharding.tp_group import TpShard
 
 
 def shared_inner(config: ModelConfig, shard: TpShard) -> range:
