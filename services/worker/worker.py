@@ -77,37 +77,53 @@ class TransferResult:
     seconds: float
 
 
+@dataclass(frozen=True)
+class WorkerParts:
+    """Everything a `Worker` is made of, loaded by `Worker.load`: its settings and id, the
+    model and pools (`startup.LoadedWorker`), the tensor thread and the host's compute lock,
+    and for rank 0 of a parallel worker its other ranks (`peers`, `ranks`), where their
+    pools are (pulled KV heads are copied straight into them) and their UCX workers (which
+    send and receive their own KV heads)."""
+
+    config: WorkerConfig
+    worker_id: str
+    loaded: LoadedWorker
+    executor: ThreadPoolExecutor
+    compute_lock: ComputeLock | None = None
+    peers: PeerRanks | None = None
+    ranks: RankContext | None = None
+    rank_shared_memory: tuple[SharedMemoryInfo | None, ...] = ()
+    rank_ucx_addresses: tuple[bytes, ...] = ()
+
+
 class Worker:
-    def __init__(
-        self,
-        config: WorkerConfig,
-        worker_id: str,
-        loaded: LoadedWorker,
-        executor: ThreadPoolExecutor | None = None,
-        compute_lock: ComputeLock | None = None,
-        peers: PeerRanks | None = None,
-        ranks: RankContext | None = None,
-        rank_shared_memory: tuple[SharedMemoryInfo | None, ...] = (),
-        rank_ucx_addresses: tuple[bytes, ...] = (),
-    ) -> None:
-        """`ranks`, `rank_shared_memory`, `rank_ucx_addresses`: rank 0 of a parallel
-        worker, where its other ranks' pools are (pulled KV heads are copied straight into
-        them) and their UCX workers (which send and receive their own KV heads)."""
-        self.config = config
-        self.peers = peers
-        self.layout = config.layout
-        self.rank_shared_memory = rank_shared_memory
-        self.rank_ucx_addresses = rank_ucx_addresses
+    def __init__(self, parts: WorkerParts) -> None:
+        config, loaded = parts.config, parts.loaded
+        self.config, self.worker_id, self.role = config, parts.worker_id, config.role
+        self.peers, self.layout = parts.peers, config.layout
+        self.rank_shared_memory = parts.rank_shared_memory
+        self.rank_ucx_addresses = parts.rank_ucx_addresses
         self._rank_maps: list[PeerPool] = []
-        self.worker_id = worker_id
-        self.role = config.role
-        self.model_config = loaded.model_config
-        self.kv_cache = loaded.kv_cache
-        self.swap_cache = loaded.swap_cache
-        self.max_model_len = loaded.max_model_len
-        self.device = loaded.device
+        self.model_config, self.max_model_len = loaded.model_config, loaded.max_model_len
+        self.kv_cache, self.swap_cache = loaded.kv_cache, loaded.swap_cache
+        self.device, self.lora, self.shared_pool = loaded.device, loaded.lora, loaded.shared_pool
         self.speculative = config.speculative
-        self.runner = ModelRunner(
+        self._executor, self.compute_lock = parts.executor, parts.compute_lock
+        self.runner = self._make_runner(parts)
+        self.batch = PersistentBatch(
+            loaded.kv_cache.block_size, loaded.kv_cache.num_blocks, loaded.model_config.vocab_size
+        )
+        self.executed_step_id = 0
+        self._step_done = asyncio.Condition()
+        self._report_progress()
+        self._start_kv_movement(parts)
+
+    def _make_runner(self, parts: WorkerParts) -> ModelRunner:
+        """The model runner: the model, its pool, CUDA graphs, the speculative proposer, the
+        LoRA adapters and the grammar masks (xgrammar and the tokenizer load on first use,
+        on the grammar thread)."""
+        config, loaded = parts.config, parts.loaded
+        return ModelRunner(
             loaded.model,
             loaded.kv_cache,
             loaded.device,
@@ -115,26 +131,28 @@ class Worker:
             proposer=make_proposer(
                 self.speculative, loaded.draft, loaded.draft_cache, loaded.device
             ),
-            tokens=None if ranks is None else ranks.tokens,
+            tokens=None if parts.ranks is None else parts.ranks.tokens,
             lora=loaded.lora,
-            # Grammar masks; xgrammar and the tokenizer load on first use (grammar thread).
             structured=StructuredOutputs(
                 config.model,
                 loaded.model_config.vocab_size,
                 any_whitespace=not config.structured_outputs_disable_any_whitespace,
             ),
         )
-        self.lora = loaded.lora
-        self.shared_pool = loaded.shared_pool
-        # Only a prefill worker's prompts are streamed while they compute: only it reports
-        # progress (a peer pulling from any other worker's pool copies final blocks).
-        self._progress = loaded.shared_pool if config.role == "prefill" else None
+
+    def _report_progress(self) -> None:
+        """Only a prefill worker's prompts are streamed while they compute: only it reports
+        its progress in its shared pool's header (a peer pulling from any other worker's
+        pool copies final blocks)."""
+        self._progress = self.shared_pool if self.role == "prefill" else None
         self._running_step_id = 0
         if self._progress is not None:
             self.kv_cache.on_layer_written = self._layer_written
-        self.batch = PersistentBatch(
-            loaded.kv_cache.block_size, loaded.kv_cache.num_blocks, loaded.model_config.vocab_size
-        )
+
+    def _start_kv_movement(self, parts: WorkerParts) -> None:
+        """The three ways KV moves: UCX (`transport`), the same-host pull (`puller`) and the
+        transfers between workers of different layouts (`layout_transfers`)."""
+        config = parts.config
         if self.device.type == "cuda":  # UCX's CUDA transports need a current context here
             torch.cuda.set_device(self.device)
         self.transport = UcxTransport(
@@ -142,11 +160,7 @@ class Worker:
             error_handling=config.kv_transfer_error_handling,
             deadline=TransferDeadline.from_config(config),
         )
-        self._executor = executor or tensor_executor()
-        self.compute_lock = compute_lock
         self.staging = StagingBuffers(device=self.device)
-        self.executed_step_id = 0
-        self._step_done = asyncio.Condition()
         self._cancelled_tags: OrderedDict[int, None] = OrderedDict()
         self._receives: dict[int, asyncio.Task] = {}
         self.puller = KvPuller(
@@ -155,10 +169,10 @@ class Worker:
             lambda tag: tag in self._cancelled_tags,
             config.kv_transfer_timeout_s,
             config.kv_transfer_stream_min_copy_bytes,
-            self._rank_pools(loaded) if ranks is not None else None,
+            self._rank_pools(parts.loaded) if parts.ranks is not None else None,
         )
         self.layout_transfers = LayoutTransfers(
-            self._geometry(), self.layout, self.kv_cache.data, self.transport, peers,
+            self._geometry(), self.layout, self.kv_cache.data, self.transport, self.peers,
             self._on_tensor_thread,
         )  # fmt: skip
 
@@ -216,8 +230,10 @@ class Worker:
             raise
         lock = make_compute_lock(config.cpu_compute_lock, loaded.device.type)
         return cls(
-            config, worker_id, loaded, executor, lock, peers, ranks, tuple(rank_pools),
-            tuple(a for a in rank_ucx if a),
+            WorkerParts(
+                config, worker_id, loaded, executor, lock, peers, ranks, tuple(rank_pools),
+                tuple(a for a in rank_ucx if a),
+            )
         )  # fmt: skip
 
     def _submit(self, fn, *args) -> concurrent.futures.Future:
