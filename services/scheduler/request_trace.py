@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from opentelemetry.trace import use_span
 
@@ -31,9 +31,6 @@ from common.tracing import (
     start_span,
 )
 from services.scheduler.request import Request
-
-if TYPE_CHECKING:
-    from services.scheduler.handle import RequestHandle
 
 
 class RequestTrace:
@@ -143,7 +140,13 @@ def transfer_span(
     return trace.transfer_span(request, src_worker, dst_worker)
 
 
-def note_scheduled(plan, handles: Mapping[str, RequestHandle], worker_id: str, step_id: int):
+class Traced(Protocol):
+    """What `note_scheduled` reads of a request's handle (`handle.RequestHandle`)."""
+
+    trace: RequestTrace | None
+
+
+def note_scheduled(plan, handles: Mapping[str, Traced], worker_id: str, step_id: int):
     """`scheduled` events for the traced requests a plan brings to its worker (once per
     request and worker: `is_new`); the engine calls it only while tracing is on."""
     for item in plan.scheduled:
