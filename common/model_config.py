@@ -43,7 +43,7 @@ from common.gpt_oss_config import (
 from common.mla_config import MlaConfig, parse_mla
 from common.moe_config import MoeConfig, parse_moe
 from common.rope_config import parse_rope, validate_rope_scaling
-from common.sliding_window import parse_layer_windows
+from common.sliding_window import kv_window_tokens, parse_layer_windows
 
 SUPPORTED_ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text",
@@ -145,6 +145,12 @@ class ModelConfig:
         """Decoder layer `layer`'s window W (a query sees its own and the W - 1 previous
         positions), or None for full attention."""
         return None if self.layer_windows is None else self.layer_windows[layer]
+
+    @property
+    def kv_window_tokens(self) -> int:
+        """Every layer windowed: the widest window, the KV a query reads (the scheduler frees
+        the rest, `block_manager.trim`); 0 when some layer attends to the whole context."""
+        return kv_window_tokens(self.layer_windows)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` has routed experts instead of a dense MLP."""

@@ -266,7 +266,10 @@ class BlockManager:
 
     def trim(self, request_id: str, next_position: int) -> bool:
         """Free the request's blocks that no query from `next_position` on reads, putting the
-        null block in their place; whether the table changed."""
+        null block in their place; whether the table changed (never without a window: this
+        runs for every request scheduled)."""
+        if self.window is None:
+            return False
         table = self._tables.get(request_id)
         end = min(self.unread_blocks(next_position), len(table or ()))
         start = self._trimmed.get(request_id, 0)

@@ -16,7 +16,6 @@ from common.parallel_plan import Layout
 from common.pb.tandem.internal.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from common.rope_config import rope_length_threshold
 from common.sampling_pb import ROLE_TO_PB
-from common.sliding_window import kv_window_tokens
 from common.structured_output import ConstraintError, constraint_from_pb
 from common.tracing import rpc_span
 from services.worker.batch import PlanError
@@ -122,7 +121,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 lora_adapters=[] if worker.lora is None else worker.lora.names,
                 rope_type=cfg.rope_type,
                 rope_length_threshold=rope_length_threshold(cfg),
-                kv_window_tokens=kv_window_tokens(cfg.layer_windows),
+                kv_window_tokens=cfg.kv_window_tokens,
             ),
             kv_cache=types_pb2.KvCacheDescription(
                 num_blocks=worker.kv_cache.num_blocks,

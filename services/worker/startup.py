@@ -25,7 +25,6 @@ from common.config import parse_size
 from common.log import get_logger
 from common.model_config import ModelConfig
 from common.rope_config import max_context_length
-from common.sliding_window import kv_window_tokens
 from services.worker.compute_lock import make_compute_lock
 from services.worker.config import WorkerConfig
 from services.worker.cuda_graphs import DecodeGraphs, graph_buckets
@@ -309,7 +308,7 @@ def load_worker(
     num_blocks = config.num_blocks or pool_bytes // (block_bytes + draft_block_bytes)
     if ranks is not None:  # block ids must mean the same blocks on every rank
         num_blocks = ranks.min_over_ranks(num_blocks)
-    null = 1 if kv_window_tokens(model_config.layer_windows) else 0  # block_manager.py
+    null = 1 if model_config.kv_window_tokens else 0  # the null block (block_manager.py)
     if (num_blocks - null) * config.block_size < max_model_len:
         held = ", one of them the null block of a sliding-window model" if null else ""
         raise ValueError(

@@ -126,7 +126,7 @@ def fake_worker(device: str) -> SimpleNamespace:
         num_key_value_heads=2,
         head_dim=8,
         rope_type="default",
-        layer_windows=None,
+        kv_window_tokens=0,
     )
     cache = SimpleNamespace(dtype=torch.float32, num_blocks=64, block_size=16, block_bytes=1024)
     return SimpleNamespace(
