@@ -39,7 +39,9 @@ DECODE = 2  # WorkerRole
 # over two blocks: a request holds up to 4 of the decode pool's 9, and the workload still
 # preempts (7 requests at once).
 WINDOW = 40
-LONG_OUTPUT = 48
+# Long enough that no stream ends between its 2nd token and the decode workers' freeze
+# (`kill_busiest`); short enough for max_model_len 96 with the longest sample prompt.
+LONG_OUTPUT = 64  # the longest sample prompt is 28 tokens here
 
 
 @pytest.fixture(scope="module")
