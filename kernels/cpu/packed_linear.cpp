@@ -17,6 +17,13 @@
 // Each output is a float32 sum over k in order (FMA-contracted), like any BLAS product's
 // rounding, not bit-identical to torch.mm.
 //
+// Panels may hold bfloat16 instead of float32 (pack_linear_weight given a bfloat16 weight):
+// each panel row is widened to float32 in registers (a bfloat16 is the top half of a float32)
+// and multiplied exactly as a float32 panel would be. For a weight whose every value is a
+// bfloat16 (a bf16 checkpoint read into float32) the products are bit-identical to the
+// float32 panels' and read half the bytes: decode-sized products are bound by the weights'
+// bandwidth, so they take less time.
+//
 // Built with -march=native: AVX-512 where the CPU has it (a panel row is one 512-bit register;
 // blocks of up to 12 rows keep 12 accumulators in flight), else AVX2+FMA (two 256-bit halves,
 // blocks of up to 6 rows), else a plain loop the compiler vectorizes. Every output is the
@@ -33,6 +40,8 @@
 #endif
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -45,7 +54,7 @@ constexpr int64_t kRowBlock = 12;      // rows per micro-kernel call (12 accumul
 constexpr int64_t kRowBlock = 6;       // rows per micro-kernel call (12 accumulators)
 #endif
 constexpr int64_t kChunk = 128;        // panel rows (k) per pass: 8 KiB, stays in L1
-constexpr int64_t kAhead = 512 * kPanel;  // floats ahead of the row being multiplied
+constexpr int64_t kAhead = 512 * kPanel;  // values ahead of the row being multiplied
 constexpr int64_t kClaimBytes = 64 * 1024;  // weights a thread claims at a time
 constexpr int64_t kFewRows = 64;             // above: many_rows' loop order (prompts)
 constexpr int64_t kGroupBytes = 256 * 1024;  // weights of one many_rows claim (in L2)
@@ -67,6 +76,30 @@ constexpr int64_t kGroupBytes = 256 * 1024;  // weights of one many_rows claim (
 // first: that burst ran out of outstanding misses and memory idled while the later blocks
 // computed (a 16-row product over a 32m model's weights, 2 threads, interleaved in one
 // process: 9.97 -> 8.67 and 11.98 -> 9.36 ms; 32 rows 18.9 -> 16.1).
+// One panel row (16 values of k's weights) as float32: a float32 panel's as stored, a
+// bfloat16 panel's widened (its 16 bits become a float32's top half: exact).
+using Bf16 = uint16_t;
+inline float widen(float v) { return v; }
+inline float widen(Bf16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+#if defined(__AVX512F__)
+inline __m512 load_row(const float* w) { return _mm512_loadu_ps(w); }
+inline __m512 load_row(const Bf16* w) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline __m256 load_half(const float* w) { return _mm256_load_ps(w); }
+inline __m256 load_half(const Bf16* w) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+#endif
+
 // The vector micro-kernel: `R` rows' accumulators for one 16-column panel held in registers
 // (TANDEM_DECL/STEP/K/STORE, per instruction set below), one shared loop.
 #if defined(__AVX512F__)
@@ -81,7 +114,7 @@ constexpr int64_t kGroupBytes = 256 * 1024;  // weights of one many_rows claim (
   if (R > i) c##i = _mm512_fmadd_ps(_mm512_set1_ps(*X_AT(i, k)), w0, c##i);
 #define TANDEM_K                                          \
   {                                                       \
-    const __m512 w0 = _mm512_loadu_ps(w + k * kPanel);    \
+    const __m512 w0 = load_row(w + k * kPanel);           \
     TANDEM_ROWS(TANDEM_STEP)                              \
     ++k;                                                  \
   }
@@ -104,8 +137,8 @@ constexpr int64_t kGroupBytes = 256 * 1024;  // weights of one many_rows claim (
   }
 #define TANDEM_K                                                         \
   {                                                                      \
-    const __m256 w0 = _mm256_load_ps(w + k * kPanel);                    \
-    const __m256 w1 = _mm256_load_ps(w + k * kPanel + 8);                \
+    const __m256 w0 = load_half(w + k * kPanel);                         \
+    const __m256 w1 = load_half(w + k * kPanel + 8);                     \
     TANDEM_ROWS(TANDEM_STEP)                                             \
     ++k;                                                                 \
   }
@@ -116,8 +149,8 @@ constexpr int64_t kGroupBytes = 256 * 1024;  // weights of one many_rows claim (
   }
 #endif
 #if defined(TANDEM_ROWS)
-template <int R, bool Rows, int Fetch>
-inline void block(const float* __restrict x, int64_t ldx, const float* __restrict w,
+template <int R, bool Rows, int Fetch, typename W>
+inline void block(const float* __restrict x, int64_t ldx, const W* __restrict w,
                   int64_t depth, float* __restrict c, int64_t ldc, const float* init,
                   const char* fetch) {
   TANDEM_ROWS(TANDEM_DECL)
@@ -150,8 +183,8 @@ inline void block(const float* __restrict x, int64_t ldx, const float* __restric
 #undef TANDEM_STORE
 #undef TANDEM_ROWS
 #else
-template <int R, bool Rows, int Fetch>
-inline void block(const float* x, int64_t ldx, const float* w, int64_t depth, float* c,
+template <int R, bool Rows, int Fetch, typename W>
+inline void block(const float* x, int64_t ldx, const W* w, int64_t depth, float* c,
                   int64_t ldc, const float* init, const char* fetch) {
   float acc[R][kPanel];
   for (int i = 0; i < R; ++i) {
@@ -161,7 +194,7 @@ inline void block(const float* x, int64_t ldx, const float* w, int64_t depth, fl
   for (int64_t k = 0; k < depth; ++k) {
     for (int i = 0; i < R; ++i) {
       const float xi = *X_AT(i, k);
-      for (int64_t j = 0; j < kPanel; ++j) acc[i][j] += xi * w[k * kPanel + j];
+      for (int64_t j = 0; j < kPanel; ++j) acc[i][j] += xi * widen(w[k * kPanel + j]);
     }
   }
   for (int i = 0; i < R; ++i) {
@@ -170,29 +203,30 @@ inline void block(const float* x, int64_t ldx, const float* w, int64_t depth, fl
 }
 #endif
 
-template <bool Rows, int Fetch>
-void run_block(int64_t rows, const float* x, int64_t ldx, const float* w, int64_t depth,
+template <bool Rows, int Fetch, typename W>
+void run_block(int64_t rows, const float* x, int64_t ldx, const W* w, int64_t depth,
                float* c, int64_t ldc, const float* init, const char* fetch = nullptr) {
   switch (rows) {
 #if defined(__AVX512F__)
-    case 12: block<12, Rows, Fetch>(x, ldx, w, depth, c, ldc, init, fetch); break;
-    case 11: block<11, Rows, Fetch>(x, ldx, w, depth, c, ldc, init, fetch); break;
-    case 10: block<10, Rows, Fetch>(x, ldx, w, depth, c, ldc, init, fetch); break;
-    case 9: block<9, Rows, Fetch>(x, ldx, w, depth, c, ldc, init, fetch); break;
-    case 8: block<8, Rows, Fetch>(x, ldx, w, depth, c, ldc, init, fetch); break;
-    case 7: block<7, Rows, Fetch>(x, ldx, w, depth, c, ldc, init, fetch); break;
+    case 12: block<12, Rows, Fetch, W>(x, ldx, w, depth, c, ldc, init, fetch); break;
+    case 11: block<11, Rows, Fetch, W>(x, ldx, w, depth, c, ldc, init, fetch); break;
+    case 10: block<10, Rows, Fetch, W>(x, ldx, w, depth, c, ldc, init, fetch); break;
+    case 9: block<9, Rows, Fetch, W>(x, ldx, w, depth, c, ldc, init, fetch); break;
+    case 8: block<8, Rows, Fetch, W>(x, ldx, w, depth, c, ldc, init, fetch); break;
+    case 7: block<7, Rows, Fetch, W>(x, ldx, w, depth, c, ldc, init, fetch); break;
 #endif
-    case 6: block<6, Rows, Fetch>(x, ldx, w, depth, c, ldc, init, fetch); break;
-    case 5: block<5, Rows, Fetch>(x, ldx, w, depth, c, ldc, init, fetch); break;
-    case 4: block<4, Rows, Fetch>(x, ldx, w, depth, c, ldc, init, fetch); break;
-    case 3: block<3, Rows, Fetch>(x, ldx, w, depth, c, ldc, init, fetch); break;
-    case 2: block<2, Rows, Fetch>(x, ldx, w, depth, c, ldc, init, fetch); break;
-    default: block<1, Rows, Fetch>(x, ldx, w, depth, c, ldc, init, fetch); break;
+    case 6: block<6, Rows, Fetch, W>(x, ldx, w, depth, c, ldc, init, fetch); break;
+    case 5: block<5, Rows, Fetch, W>(x, ldx, w, depth, c, ldc, init, fetch); break;
+    case 4: block<4, Rows, Fetch, W>(x, ldx, w, depth, c, ldc, init, fetch); break;
+    case 3: block<3, Rows, Fetch, W>(x, ldx, w, depth, c, ldc, init, fetch); break;
+    case 2: block<2, Rows, Fetch, W>(x, ldx, w, depth, c, ldc, init, fetch); break;
+    default: block<1, Rows, Fetch, W>(x, ldx, w, depth, c, ldc, init, fetch); break;
   }
 }
 
-// A decode-sized block (x repacked) prefetching `lines` weight rows per four values of k.
-void run_fetching_block(int lines, int64_t rows, const float* x, const float* w, int64_t depth,
+// A decode-sized block (x repacked) prefetching `lines` lines per four values of k.
+template <typename W>
+void run_fetching_block(int lines, int64_t rows, const float* x, const W* w, int64_t depth,
                         float* c, int64_t ldc, const float* init, const char* fetch) {
   switch (lines) {
     case 4: run_block<false, 4>(rows, x, 0, w, depth, c, ldc, init, fetch); break;
@@ -207,8 +241,11 @@ void run_fetching_block(int lines, int64_t rows, const float* x, const float* w,
 // Threads claim groups of panels that fit in L2 (~256 KiB); each block of 6 rows of x
 // (read in place, 12 KiB at K = 512: in L1) goes over every panel of the group for the
 // whole depth, its accumulators in registers. The weights come from memory once per
-// group, prefetched by the first block; x comes from L3 once per group.
-void many_rows(const float* xs, int64_t ldx, int64_t rows, const float* w_base, int64_t depth,
+// group, prefetched by the first block; x comes from L3 once per group. Every block widens
+// a bfloat16 group's rows again (128 rows: as fast as float32 panels; widening each group
+// once into a float32 copy in L2 was 15% slower).
+template <typename W>
+void many_rows(const float* xs, int64_t ldx, int64_t rows, const W* w_base, int64_t depth,
                int64_t panels, const float* start, float* o_base, int64_t out_features) {
   const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
   const int64_t group = std::max<int64_t>(1, kGroupBytes / (depth * kPanel * 4));
@@ -224,8 +261,8 @@ void many_rows(const float* xs, int64_t ldx, int64_t rows, const float* w_base, 
         for (int64_t p = p0; p < p1; ++p) {
           const bool last = (p + 1) * kPanel > out_features;
           float* c = last ? tail.data() + m * kPanel : o_base + m * out_features + p * kPanel;
-          const float* w = w_base + p * depth * kPanel;
           const int64_t ldc = last ? kPanel : out_features;
+          const W* w = w_base + p * depth * kPanel;
           // The first block streams the group's weights in: it prefetches every row ahead.
           if (b == 0) {
             run_block<true, 1>(r, xs + m * ldx, ldx, w, depth, c, ldc, start + p * kPanel);
@@ -244,57 +281,35 @@ void many_rows(const float* xs, int64_t ldx, int64_t rows, const float* w_base, 
   });
 }
 
-// weight_t: float32 [K, N] (a linear layer's transposed weight) -> [ceil(N / 16), K, 16].
+// weight_t: float32 or bfloat16 [K, N] (a linear layer's transposed weight) ->
+// [ceil(N / 16), K, 16] of the same type.
 at::Tensor pack_linear_weight(const at::Tensor& weight_t) {
-  TORCH_CHECK(weight_t.dim() == 2 && weight_t.scalar_type() == at::kFloat,
-              "weight_t must be a float32 [in, out] matrix");
+  TORCH_CHECK(weight_t.dim() == 2 && (weight_t.scalar_type() == at::kFloat ||
+                                      weight_t.scalar_type() == at::kBFloat16),
+              "weight_t must be a float32 or bfloat16 [in, out] matrix");
   const at::Tensor source = weight_t.contiguous();
   const int64_t depth = source.size(0), n = source.size(1);
   const int64_t panels = (n + kPanel - 1) / kPanel;
   at::Tensor packed = at::zeros({panels, depth, kPanel}, source.options());
-  const float* src = source.data_ptr<float>();
-  float* dst = packed.data_ptr<float>();
+  const int64_t size = source.element_size();
+  const char* src = static_cast<const char*>(source.data_ptr());
+  char* dst = static_cast<char*>(packed.data_ptr());
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t width = std::min(kPanel, n - p * kPanel);
       for (int64_t k = 0; k < depth; ++k) {
-        std::copy_n(src + k * n + p * kPanel, width, dst + (p * depth + k) * kPanel);
+        std::memcpy(dst + ((p * depth + k) * kPanel) * size, src + (k * n + p * kPanel) * size,
+                    width * size);
       }
     }
   });
   return packed;
 }
 
-// x: float32 [M, K]; packed: pack_linear_weight's [P, K, 16]; bias: float32 [N] or none.
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                         const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a float32 matrix");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat &&
-                  packed.size(2) == kPanel && packed.is_contiguous(),
-              "packed must be pack_linear_weight's [panels, in, 16]");
-  const int64_t rows = x.size(0), depth = x.size(1), panels = packed.size(0);
-  TORCH_CHECK(packed.size(1) == depth, "x has ", depth, " features, the weight ",
-              packed.size(1));
-  TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel,
-              "out_features does not match the packed panels");
-  // Each panel's starting values: its bias columns, or zeros (padded to whole panels).
-  std::vector<float> start(panels * kPanel, 0.0f);
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == out_features,
-                "bias must be float32 [out_features]");
-    const at::Tensor b = bias->contiguous();
-    std::copy_n(b.data_ptr<float>(), out_features, start.begin());
-  }
-  at::Tensor out = at::empty({rows, out_features}, x.options());
-  if (rows == 0) return out;
-  const at::Tensor xc = x.contiguous();
-  const float* xs = xc.data_ptr<float>();
-  const float* w_base = packed.data_ptr<float>();
-  float* o_base = out.data_ptr<float>();
-  if (rows > kFewRows) {
-    many_rows(xs, depth, rows, w_base, depth, panels, start.data(), o_base, out_features);
-    return out;
-  }
+// rows <= kFewRows: the decode-sized loop order (x repacked per block, panels claimed).
+template <typename W>
+void few_rows(const float* xs, int64_t rows, int64_t depth, const W* w_base, int64_t panels,
+              const float* start, float* o_base, int64_t out_features) {
   // x as blocks of at most kRowBlock rows, as even as can be (16 rows: 6 + 5 + 5, not
   // 6 + 6 + 4; 32: 6 + 6 + 5 + 5 + 5 + 5, not ... + 2: a 2-row block has too few
   // accumulators to hide the FMA latency), each stored [K][rows in the block].
@@ -310,19 +325,23 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
       for (int64_t k = 0; k < depth; ++k) dst[k * r + i] = src[k];
     }
   }
-  // Lines each block prefetches per four values of k, four in all (one per panel row):
-  // 4 | 2 + 2 | 2 + 1 + 1 | 1 + 1 + 1 + 1 (+ 0 ...); and where in the chunk ahead its share
-  // starts, in lines per four values of k.
+  // Lines each block prefetches per four values of k: four panel rows are `per_four` lines
+  // (4 of float32, 2 of bfloat16), shared out 4 | 2 + 2 | 2 + 1 + 1 | 1 + 1 + 1 + 1 (+ 0 ...);
+  // and where in the chunk ahead its share starts, in lines per four values of k.
+  constexpr int per_four = static_cast<int>(4 * kPanel * sizeof(W) / 64);
   std::vector<int> fetch_lines(blocks, 0), fetch_first_line(blocks, 0);
-  for (int line = 0; line < 4; ++line) ++fetch_lines[blocks >= 4 ? line : line * blocks / 4];
+  for (int line = 0; line < per_four; ++line) {
+    ++fetch_lines[blocks >= per_four ? line : line * blocks / per_four];
+  }
   for (int b = 1; b < blocks; ++b) fetch_first_line[b] = fetch_first_line[b - 1] + fetch_lines[b - 1];
   // Panels are claimed ~64 KiB of weights at a time (claimed_parallel.h): a thread that is
   // preempted holds up the others by at most that much.
-  const int64_t grain = std::max<int64_t>(1, kClaimBytes / (depth * kPanel * 4));
+  const int64_t grain =
+      std::max<int64_t>(1, kClaimBytes / (depth * kPanel * static_cast<int64_t>(sizeof(W))));
   tandem_cpu::claimed_parallel_for(panels, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> tail;  // the last panel's outputs when N is not a multiple of 16
     for (int64_t p = begin; p < end; ++p) {
-      const float* w = w_base + p * depth * kPanel;
+      const W* w = w_base + p * depth * kPanel;
       const bool partial = (p + 1) * kPanel > out_features;
       if (partial) tail.resize(rows * kPanel);  // every element is written by k0 == 0
       float* c = partial ? tail.data() : o_base + p * kPanel;
@@ -331,7 +350,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
         const int64_t chunk = std::min(kChunk, depth - k0);
         // The first chunk starts every row from the panel's one row of `start`; later
         // chunks add to what the block stored.
-        const float* first = k0 == 0 ? start.data() + p * kPanel : nullptr;
+        const float* first = k0 == 0 ? start + p * kPanel : nullptr;
         // Every block asks for its share of the chunk 512 rows ahead (lines spread
         // evenly over the chunk's time: a burst from one block runs out of misses).
         const char* ahead = reinterpret_cast<const char*>(w + k0 * kPanel + kAhead);
@@ -351,6 +370,47 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
       }
     }
   });
+}
+
+// x: float32 [M, K]; packed: pack_linear_weight's [P, K, 16] (float32 or bfloat16); bias:
+// float32 [N] or none.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                         const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a float32 matrix");
+  const bool bf16 = packed.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(packed.dim() == 3 && (bf16 || packed.scalar_type() == at::kFloat) &&
+                  packed.size(2) == kPanel && packed.is_contiguous(),
+              "packed must be pack_linear_weight's [panels, in, 16]");
+  const int64_t rows = x.size(0), depth = x.size(1), panels = packed.size(0);
+  TORCH_CHECK(packed.size(1) == depth, "x has ", depth, " features, the weight ",
+              packed.size(1));
+  TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel,
+              "out_features does not match the packed panels");
+  // Each panel's starting values: its bias columns, or zeros (padded to whole panels).
+  std::vector<float> start(panels * kPanel, 0.0f);
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == out_features,
+                "bias must be float32 [out_features]");
+    const at::Tensor b = bias->contiguous();
+    std::copy_n(b.data_ptr<float>(), out_features, start.begin());
+  }
+  at::Tensor out = at::empty({rows, out_features}, x.options());
+  if (rows == 0) return out;
+  const at::Tensor xc = x.contiguous();
+  const float* xs = xc.data_ptr<float>();
+  float* o_base = out.data_ptr<float>();
+  const auto run = [&](auto* w_base) {
+    if (rows > kFewRows) {
+      many_rows(xs, depth, rows, w_base, depth, panels, start.data(), o_base, out_features);
+    } else {
+      few_rows(xs, rows, depth, w_base, panels, start.data(), o_base, out_features);
+    }
+  };
+  if (bf16) {
+    run(reinterpret_cast<const Bf16*>(packed.data_ptr()));
+  } else {
+    run(packed.data_ptr<float>());
+  }
   return out;
 }
 

@@ -55,6 +55,29 @@ def test_packed_weights_give_the_same_products(fmt, bias):
             torch.testing.assert_close(merged(x), plain[rows], atol=1e-5, rtol=1e-5)
 
 
+def test_a_weight_of_bfloat16_values_takes_bfloat16_panels_and_the_same_products():
+    merged = MergedLinear.merge(_layers(True))
+    with torch.no_grad():
+        merged.weight.copy_(merged.weight.to(torch.bfloat16).float())
+        float_panels = torch.ops.tandem_cpu.pack_linear_weight(merged.weight)
+        plan = cpu_gemm.plan_for("tandem", [merged.weight])
+        assert merged.pack(plan) == float_panels.numel() * 2
+        assert merged.packed.dtype == torch.bfloat16
+        for rows in (1, 16, 65):
+            x = torch.randn(rows, 48)
+            want = torch.ops.tandem_cpu.packed_linear(
+                x, float_panels, merged.out_features, merged.bias
+            )
+            assert torch.equal(merged(x), want)
+
+
+def test_a_weight_with_one_value_off_bfloat16_stays_float32():
+    weight = torch.randn(32, 48).to(torch.bfloat16).float()
+    assert cpu_gemm.narrowest_exact(weight).dtype == torch.bfloat16
+    weight[3, 7] += 1e-6
+    assert cpu_gemm.narrowest_exact(weight) is weight
+
+
 def test_every_row_count_of_a_plan_takes_its_packed_product(monkeypatch):
     merged = MergedLinear.merge(_layers(False))
     merged.pack(GemmPlan("onednn", frozenset({3})))

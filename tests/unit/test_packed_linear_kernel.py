@@ -4,7 +4,8 @@ float64: every row count a plan can hand it (the even split into blocks of at mo
 and are not a multiple of the 16-column panels, depths that are and are not a multiple of
 the 128-deep chunks and of the four values of k the decode loop takes at a time (134: a last
 chunk of 6, four unrolled and two alone), bias and none, strided inputs; and the errors it
-gives for inputs it cannot take.
+gives for inputs it cannot take. bfloat16 panels (a weight whose every value is a bfloat16)
+give exactly the float32 panels' products, on every loop order.
 
 The kernel sums each output over k in order with FMAs, so it is compared within float32
 rounding of a K-term dot product, not bit for bit.
@@ -50,6 +51,23 @@ def test_every_row_count_up_to_a_plan_limit(depth, width, with_bias):
         _close(got, _reference(x[:rows], weight_t, bias), depth)
 
 
+@pytest.mark.parametrize("depth,width", [(300, 37), (134, 24), (576, 160)])
+def test_bfloat16_panels_give_the_float32_panels_products_bit_for_bit(depth, width):
+    gen = torch.Generator().manual_seed(depth + width)
+    narrow = torch.randn(depth, width, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(width, generator=gen)
+    wide_panels = torch.ops.tandem_cpu.pack_linear_weight(narrow.float())
+    narrow_panels = torch.ops.tandem_cpu.pack_linear_weight(narrow)
+    assert narrow_panels.dtype == torch.bfloat16
+    assert torch.equal(narrow_panels.float(), wide_panels)
+    x = torch.randn(130, depth, generator=gen)
+    for rows in (*range(0, 26), 31, 32, 33, 64, 65, 130):  # decode blocks and prompt order
+        for b in (None, bias):
+            got = torch.ops.tandem_cpu.packed_linear(x[:rows], narrow_panels, width, b)
+            want = torch.ops.tandem_cpu.packed_linear(x[:rows], wide_panels, width, b)
+            assert torch.equal(got, want), rows
+
+
 def test_packing_pads_the_last_panel_with_zeros_and_keeps_the_columns():
     weight_t = torch.arange(3 * 20, dtype=torch.float32).view(3, 20)
     packed = torch.ops.tandem_cpu.pack_linear_weight(weight_t)
@@ -93,3 +111,5 @@ def test_inputs_it_cannot_take_raise(call, message):
     packed = torch.ops.tandem_cpu.pack_linear_weight(torch.randn(16, 20))
     with pytest.raises(RuntimeError, match=message):
         call(packed)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.tandem_cpu.pack_linear_weight(torch.randn(16, 20).half())

@@ -371,7 +371,7 @@ class LlamaForCausalLM(nn.Module):
             else plan_for(cpu_gemm, [m.weight for m in layers])
         )
         packed_bytes = sum(m.pack(plan) for m in layers)
-        if plan.packed_format == "tandem":  # plain float32 panels: into huge pages
+        if plan.packed_format == "tandem":  # plain panels (float32 or bfloat16): into huge pages
             packed = [m for m in layers if m.packed is not None]
             self.weight_arena = WeightArena([m.packed for m in packed])
             for m, view in zip(packed, self.weight_arena.views, strict=True):
