@@ -43,7 +43,14 @@ SOURCES = tuple(
 # Headers the sources include (hashed with them: a change builds anew).
 HEADERS = tuple(
     Path(__file__).resolve().parent / "cpu" / name
-    for name in ("claimed_parallel.h", "counter_hash.h", "row_parallel.h", "vec_exp.h")
+    for name in (
+        "claimed_parallel.h",
+        "counter_hash.h",
+        "packed_microkernel.h",
+        "quant_panels.h",
+        "row_parallel.h",
+        "vec_exp.h",
+    )
 )
 # What the compiler is given: two units, each including three or four of SOURCES (torch's
 # headers parsed twice rather than seven times; the units build in parallel).

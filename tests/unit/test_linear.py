@@ -11,6 +11,7 @@ from torch import nn
 
 from services.worker.models import cpu_gemm
 from services.worker.models.gemm_plan import MEASURED_ROWS, STATIC_ROWS, GemmPlan
+from services.worker.models.compact_panels import BLOCK_PANEL_ROWS
 from services.worker.models.linear import MergedLinear
 
 
@@ -71,11 +72,30 @@ def test_a_weight_of_bfloat16_values_takes_bfloat16_panels_and_the_same_products
             assert torch.equal(merged(x), want)
 
 
-def test_a_weight_with_one_value_off_bfloat16_stays_float32():
-    weight = torch.randn(32, 48).to(torch.bfloat16).float()
-    assert cpu_gemm.narrowest_exact(weight).dtype == torch.bfloat16
-    weight[3, 7] += 1e-6
-    assert cpu_gemm.narrowest_exact(weight) is weight
+def test_a_weight_of_q4_1_blocks_keeps_them_for_small_products_only(monkeypatch):
+    gguf_quants = pytest.importorskip("gguf.quants")
+    from gguf import GGMLQuantizationType
+
+    torch.manual_seed(0)
+    merged = MergedLinear.merge([nn.Linear(64, n) for n in (32, 16, 16)])
+    with torch.no_grad():  # the values GGUF's Q4_1 gives: blocks of 32 along each row
+        row_major = merged.weight.t().contiguous().numpy()
+        q4 = GGMLQuantizationType.Q4_1
+        exact = gguf_quants.dequantize(gguf_quants.quantize(row_major, q4), q4)
+        merged.weight.copy_(torch.from_numpy(exact).t())
+        float_panels = torch.ops.tandem_cpu.pack_linear_weight(merged.weight)
+        merged.pack(cpu_gemm.plan_for("tandem", [merged.weight]))
+    assert merged.blocks is not None and merged.blocks.dtype == torch.uint8
+    calls = []
+    real = torch.ops.tandem_cpu.packed_linear
+    monkeypatch.setattr(
+        torch.ops.tandem_cpu, "packed_linear", lambda x, p, *a: calls.append(p) or real(x, p, *a)
+    )
+    for rows in (1, BLOCK_PANEL_ROWS, BLOCK_PANEL_ROWS + 1, 70):
+        x = torch.randn(rows, 64)
+        want = real(x, float_panels, merged.out_features, merged.bias)
+        assert torch.equal(merged(x), want)
+        assert (calls[-1] is merged.blocks) == (rows <= BLOCK_PANEL_ROWS)
 
 
 def test_every_row_count_of_a_plan_takes_its_packed_product(monkeypatch):

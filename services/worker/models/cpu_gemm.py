@@ -9,8 +9,9 @@ in half MKL's time at 2-64 rows, and Tandem's panels in ~0.7x oneDNN's at 8-32 r
 keeps one packed format and the row counts where it beats the plain product. `mkl`,
 `onednn` and `tandem` name a format without measuring. oneDNN's and Tandem's packed copies
 take the weight's bytes (Tandem's pads the output columns to a multiple of 16); MKL's about
-2.2-2.6x. Tandem's panels hold bfloat16 when every value of the weight is one (a bf16
-checkpoint such as SmolLM2's, read into float32): the same products from half the bytes.
+2.2-2.6x. Tandem's panels hold bfloat16 where every value of the weight is one, and a weight
+made of GGUF Q4_1/Q8_0 blocks also keeps those blocks for the smallest products
+(`compact_panels.py`): the same products from fewer bytes.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from kernels import cpu_ops
+from services.worker.models import compact_panels
 from services.worker.models.gemm_plan import (
     CHOICES,
     MEASURE_BYTES,
@@ -45,23 +47,10 @@ def available_formats() -> tuple[str, ...]:
     return tuple(found)
 
 
-def narrowest_exact(weight: torch.Tensor) -> torch.Tensor:
-    """The weight as bfloat16 when that loses nothing (every value is a bfloat16), else as is.
-
-    The packed kernel widens bfloat16 panels to float32 in registers, so such a weight's
-    products are bit-identical to its float32 panels' and stream half the bytes (decode
-    steps are bound by the weights' bandwidth: SmolLM2's 30 layers and head at one row
-    11.8 -> 6.4 ms, 16 rows 13.5 -> 11.4 ms, 128 rows equal)."""
-    if weight.dtype != torch.float32:
-        return weight
-    narrow = weight.to(torch.bfloat16)
-    return narrow if torch.equal(narrow.float(), weight) else weight
-
-
 def pack(weight_t: torch.Tensor, fmt: str) -> torch.Tensor:
     """A packed copy of a transposed (`[in, out]`) float32 weight."""
-    if fmt == "tandem":  # panels of 16 output columns, cut from the `[in, out]` layout
-        return torch.ops.tandem_cpu.pack_linear_weight(narrowest_exact(weight_t))
+    if fmt == "tandem":  # panels of 16 output columns (bfloat16 where that is exact)
+        return torch.ops.tandem_cpu.pack_linear_weight(compact_panels.narrowest_float(weight_t))
     weight = weight_t.t().contiguous()
     if fmt == "mkl":  # the packed layout does not depend on the row count it is made for
         return torch.ops.mkl._mkl_reorder_linear_weight(weight, max(STATIC_ROWS["mkl"]))
@@ -74,6 +63,12 @@ def packed_bytes(packed: torch.Tensor, weight_t: torch.Tensor, fmt: str) -> int:
     if fmt == "onednn":  # an opaque oneDNN tensor holding the weight's elements
         return weight_t.numel() * weight_t.element_size()
     return packed.numel() * packed.element_size()
+
+
+def block_panels(weight_t: torch.Tensor, fmt: str) -> torch.Tensor | None:
+    """Tandem's block-quantized panels of the weight when its values are exactly GGUF Q4_1 or
+    Q8_0 blocks (the products of up to `compact_panels.BLOCK_PANEL_ROWS` rows take them)."""
+    return compact_panels.block_panels(weight_t) if fmt == "tandem" else None
 
 
 def packed_product(

@@ -9,7 +9,9 @@ On CPU the merged weight is kept transposed (`[in, out]`, contiguous): MKL multi
 accelerators it stays `[out, in]` for `F.linear`. Every output column is the same dot
 product either way, so merging does not change results beyond float rounding. A CPU
 float32 layer can also keep a packed copy (MKL's, oneDNN's or Tandem's, whichever `cpu_gemm`
-measured faster on this CPU) and use it at the row counts its plan names.
+measured faster on this CPU) and use it at the row counts its plan names; Tandem's format
+also keeps a weight made of GGUF Q4_1/Q8_0 blocks as those blocks for the smallest products
+(`compact_panels.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.models import cpu_gemm
+from services.worker.models.compact_panels import BLOCK_PANEL_ROWS
 from services.worker.models.gemm_plan import PLAIN, GemmPlan
 
 
@@ -37,6 +40,9 @@ class MergedLinear(nn.Module):
         self.out_features = sum(self.sizes)
         self.packed: torch.Tensor | None = None
         self.plan: GemmPlan = PLAIN  # which row counts take `packed`, in which format
+        # Tandem's Q4_1/Q8_0 block panels of a weight made of such blocks (GGUF), for the
+        # smallest products (compact_panels.py)
+        self.blocks: torch.Tensor | None = None
 
     @property
     def packable(self) -> bool:
@@ -49,8 +55,10 @@ class MergedLinear(nn.Module):
             return 0
         with torch.no_grad():
             self.packed = cpu_gemm.pack(self.weight, plan.packed_format)
+            self.blocks = cpu_gemm.block_panels(self.weight, plan.packed_format)
         self.plan = plan
-        return cpu_gemm.packed_bytes(self.packed, self.weight, plan.packed_format)
+        extra = 0 if self.blocks is None else self.blocks.numel()
+        return cpu_gemm.packed_bytes(self.packed, self.weight, plan.packed_format) + extra
 
     @classmethod
     def merge(cls, layers: Sequence[nn.Linear]) -> MergedLinear:
@@ -68,6 +76,8 @@ class MergedLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         if x.dim() != 2:  # the model's activations are flat [tokens, features] already
             return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
+        if self.blocks is not None and x.shape[0] <= BLOCK_PANEL_ROWS:
+            return torch.ops.tandem_cpu.packed_linear(x, self.blocks, self.out_features, self.bias)
         if self.packed is not None and self.plan.serves(x.shape[0]):
             return cpu_gemm.packed_product(
                 x, self.plan.packed_format, self.packed, self.weight, self.bias

@@ -371,11 +371,17 @@ class LlamaForCausalLM(nn.Module):
             else plan_for(cpu_gemm, [m.weight for m in layers])
         )
         packed_bytes = sum(m.pack(plan) for m in layers)
-        if plan.packed_format == "tandem":  # plain panels (float32 or bfloat16): into huge pages
+        if plan.packed_format == "tandem":  # plain panels (and block panels): into huge pages
             packed = [m for m in layers if m.packed is not None]
-            self.weight_arena = WeightArena([m.packed for m in packed])
-            for m, view in zip(packed, self.weight_arena.views, strict=True):
-                m.packed = view
+            blocks = [m for m in layers if m.blocks is not None]
+            self.weight_arena = WeightArena(
+                [m.packed for m in packed] + [m.blocks for m in blocks]
+            )
+            views = iter(self.weight_arena.views)
+            for m in packed:
+                m.packed = next(views)
+            for m in blocks:
+                m.blocks = next(views)
         return packed_bytes, plan
 
     def forward(

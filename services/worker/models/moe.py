@@ -173,6 +173,7 @@ class ExpertProjection(MergedLinear):
         self.out_features = weight_t.shape[1]
         self.packed = None
         self.plan = PLAIN
+        self.blocks = None
 
 
 class Experts(nn.Module):
