@@ -11,9 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from common.sampling import Logprob
-from services.scheduler.worker_types import (
-    SpecCounts,
-)
+from common.step_result import SpecOutcome
 from tests.fake_model import fake_top, model_token
 
 
@@ -156,14 +154,15 @@ class FakeStepExecution:
                         token, dict(top).get(token, -9.0), tuple(top)
                     )
         accepted: dict[str, list[int]] = {}
-        spec: dict[str, SpecCounts] = {}
+        spec: dict[str, SpecOutcome] = {}
         for request, _ in work:
             slots = lookahead[request.request_id]
             if slots and request.request_id in sampled:
                 accepted[request.request_id], sampled[request.request_id] = self._speculate(
                     request, sampled[request.request_id], slots, plan.step_id
                 )
-                spec[request.request_id] = SpecCounts(slots, len(accepted[request.request_id]))
+                taken = accepted[request.request_id]
+                spec[request.request_id] = SpecOutcome(taken, slots, [None] * len(taken))
         for request, num_new in work:
             extra = accepted.get(request.request_id, [])
             request.num_computed_tokens += num_new + len(extra)

@@ -44,6 +44,7 @@ from typing import Any
 
 from common.kv_shared_memory import SharedMemoryInfo
 from common.sampling import Logprob
+from common.step_result import StepResult
 from services.scheduler.worker_types import (
     ConstraintRefusedError,
     KvPullRefusedError,
@@ -52,7 +53,6 @@ from services.scheduler.worker_types import (
     LoraRefusedError,
     ModelShape,
     SpeculativeInfo,
-    StepResult,
     WorkerInfo,
     WorkerUnavailableError,
 )
@@ -491,7 +491,6 @@ class FakeWorker(FakeStepExecution, FakeKvTransfers):
                         sampled=result,
                         execute_seconds=time.perf_counter() - started,
                         logprobs=self.logprob_results.pop(plan.step_id, {}),
-                        accepted={r: [(t, None) for t in ts] for r, ts in accepted.items()},
                         spec=spec,
                         draining=self._health == "NOT_SERVING",  # as a real worker says
                     )

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from common.lifecycle import wait_until
 from common.log import bind_request, get_logger
 from common.prefix_hash import root_hash
+from common.step_result import StepResult
 from common.tracing import enabled as tracing_enabled
 from services.scheduler.beam_group import BeamSteps
 from services.scheduler.finish_log import log_finished
@@ -43,7 +44,7 @@ from services.scheduler.pool_scheduler import PoolScheduler
 from services.scheduler.recovery import Recovery
 from services.scheduler.request import FinishReason, Request
 from services.scheduler.request_trace import RequestTrace, note_scheduled
-from services.scheduler.worker_types import StepResult, WorkerInfo, WorkerUnavailableError
+from services.scheduler.worker_types import WorkerInfo, WorkerUnavailableError
 
 log = get_logger(__name__)
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.step_result import SpecOutcome
 from services.scheduler.request import Request
-from services.scheduler.worker_types import SpecCounts
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class SpecDecodeCounters:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
 
-    def record(self, counts: SpecCounts) -> None:
+    def record(self, counts: SpecOutcome) -> None:
         self.num_steps += 1
         self.num_draft_tokens += counts.num_draft_tokens
         self.num_accepted_tokens += counts.num_accepted_tokens

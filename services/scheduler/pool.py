@@ -6,9 +6,10 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from common.step_result import StepResult
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.pool_scheduler import PoolScheduler
-from services.scheduler.worker_types import StepResult, WorkerConnection, WorkerInfo
+from services.scheduler.worker_types import WorkerConnection, WorkerInfo
 
 
 @dataclass

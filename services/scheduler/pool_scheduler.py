@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from common.step_result import StepResult
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.lookahead import Lookahead, SpecDecodeCounters
 from services.scheduler.pool_migration import Migration
@@ -40,7 +41,6 @@ from services.scheduler.spec_goodput import (
     worth,
 )
 from services.scheduler.step_plan import PoolStepPlan, SampledToken, ScheduledRequest, StepUpdate
-from services.scheduler.worker_types import StepResult
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -234,11 +234,11 @@ class PoolScheduler(Migration):
         for request_id, k in slots.items():  # this step's proposals are accounted for now
             request = scheduled[request_id]
             request.num_lookahead_in_flight = max(0, request.num_lookahead_in_flight - k)
-        for request_id, (start, entries) in result.prompt_logprobs.items():
+        for request_id, scored in result.prompt_logprobs.items():
             request = scheduled.get(request_id)
             if request is not None and not request.is_finished and not request.prompt_logprobs_sent:
-                del request.prompt_logprobs[start - 1 :]  # a recompute resends positions
-                request.prompt_logprobs.extend(entries)
+                del request.prompt_logprobs[scored.start - 1 :]  # a recompute resends positions
+                request.prompt_logprobs.extend(scored.entries)
         for request_id, token in result.sampled.items():
             request = scheduled.get(request_id)
             if request is None or request.is_finished:
@@ -292,7 +292,7 @@ class PoolScheduler(Migration):
             request.num_draft_tokens += counts.num_draft_tokens
             request.num_accepted_tokens += counts.num_accepted_tokens
             self.spec_decode.record(counts)
-        accepted = result.accepted.get(request.request_id, ())
+        accepted = result.accepted_with_logprobs(request.request_id)
         if accepted and self.is_running(request):
             request.num_computed_tokens += len(accepted)
         for token, entry in accepted:

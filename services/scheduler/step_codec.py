@@ -8,15 +8,13 @@ from dataclasses import asdict, fields
 
 from common.kv_shared_memory import shared_memory_from_pb
 from common.pb.tandem.internal.v1 import types_pb2, worker_pb2
-from common.sampling_pb import ROLE_FROM_PB, logprob_from_pb, sampling_to_pb
+from common.sampling_pb import ROLE_FROM_PB, sampling_to_pb
 from common.structured_output import constraint_to_pb
 from services.scheduler.pool_scheduler import PoolStepPlan
-from services.scheduler.request import Logprob, Request
+from services.scheduler.request import Request
 from services.scheduler.worker_types import (
     ModelShape,
-    SpecCounts,
     SpeculativeInfo,
-    StepResult,
     WorkerInfo,
 )
 
@@ -115,38 +113,4 @@ def worker_info_from_pb(address: str, d: worker_pb2.DescribeWorkerResponse) -> W
             if d.HasField("speculative")
             else None
         ),
-    )
-
-
-def step_result_from_pb(response: worker_pb2.StepResponse) -> StepResult:
-    """A request's entries come in order; all but its last are accepted proposals."""
-    sampled: dict[str, int] = {}
-    logprobs: dict[str, Logprob] = {}
-    accepted: dict[str, list[tuple[int, Logprob | None]]] = {}
-    for t in response.sampled_tokens:
-        entry = logprob_from_pb(t.logprob) if t.HasField("logprob") else None
-        if t.request_id in sampled:  # the one before was an accepted proposal
-            accepted.setdefault(t.request_id, []).append(
-                (sampled[t.request_id], logprobs.pop(t.request_id, None))
-            )
-        sampled[t.request_id] = t.token_id
-        if entry is not None:
-            logprobs[t.request_id] = entry
-    return StepResult(
-        step_id=response.step_id,
-        sampled=sampled,
-        execute_seconds=response.execute_seconds,
-        propose_seconds=response.propose_seconds,
-        propose_passes=response.propose_passes,
-        logprobs=logprobs,
-        accepted=accepted,
-        spec={
-            c.request_id: SpecCounts(c.num_draft_tokens, c.num_accepted_tokens)
-            for c in response.spec_decode
-        },
-        prompt_logprobs={
-            p.request_id: (p.start, [logprob_from_pb(e) for e in p.entries])
-            for p in response.prompt_logprobs
-        },
-        draining=response.draining,
     )

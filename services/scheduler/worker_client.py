@@ -16,17 +16,18 @@ from common.grpc_server import open_channel
 from common.healthcheck import channel_health_status
 from common.kv_shared_memory import shared_memory_to_pb
 from common.pb.tandem.internal.v1 import worker_pb2, worker_pb2_grpc
+from common.step_result import StepResult
+from common.step_result_pb import result_from_pb
 from common.structured_output import Constraint, constraint_to_pb
 from common.tracing import outgoing_metadata
 from services.scheduler.pool_scheduler import PoolStepPlan
-from services.scheduler.step_codec import plan_to_pb, step_result_from_pb, worker_info_from_pb
+from services.scheduler.step_codec import plan_to_pb, worker_info_from_pb
 from services.scheduler.worker_types import (
     ConstraintRefusedError,
     KvPullRefusedError,
     KvPullSource,
     KvTransferResult,
     LoraRefusedError,
-    StepResult,
     WorkerInfo,
     WorkerLimits,
     WorkerUnavailableError,
@@ -135,7 +136,7 @@ class WorkerClient:
             ) from exc
         if response is grpc.aio.EOF:
             raise WorkerUnavailableError(f"worker {self.address} closed its step stream")
-        return step_result_from_pb(response)
+        return result_from_pb(response)
 
     async def send_kv(
         self, tag: int, peer: WorkerInfo, block_ids: list[int], timeout_s: float

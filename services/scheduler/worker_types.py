@@ -4,13 +4,13 @@ pool talks to (`worker_client.WorkerClient` over gRPC; a fake in the unit tests)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from common.kv_shared_memory import SharedMemoryInfo
 from common.rope_config import prompt_rope_key
+from common.step_result import StepResult
 from common.structured_output import Constraint
-from services.scheduler.request import Logprob
 from services.scheduler.step_plan import PoolStepPlan
 
 
@@ -108,34 +108,6 @@ class WorkerInfo:
         return source.shared_memory is not None and source.shared_memory.reachable_from(
             self.shared_memory
         )
-
-
-@dataclass(frozen=True)
-class SpecCounts:
-    """One request's proposals in one step: proposed, and accepted of those."""
-
-    num_draft_tokens: int
-    num_accepted_tokens: int
-
-
-@dataclass(frozen=True)
-class StepResult:
-    step_id: int
-    # request id -> the step's last token for it (after its accepted proposals, if any)
-    sampled: dict[str, int]
-    execute_seconds: float
-    logprobs: dict[str, Logprob] = field(default_factory=dict)
-    # request id -> (first prompt position covered, entries)
-    prompt_logprobs: dict[str, tuple[int, list[Logprob]]] = field(default_factory=dict)
-    # Speculative decoding: the proposals a request accepted, in order, before its sampled
-    # token (with their logprobs where it asked), and its counts.
-    accepted: dict[str, list[tuple[int, Logprob | None]]] = field(default_factory=dict)
-    spec: dict[str, SpecCounts] = field(default_factory=dict)
-    # Of execute_seconds, a draft model's proposals, and its forward passes in them.
-    propose_seconds: float = 0.0
-    propose_passes: int = 0
-    # The worker was draining (SIGTERM) when it sent this result.
-    draining: bool = False
 
 
 @dataclass(frozen=True)

@@ -17,14 +17,6 @@ from common.sampling import Logprob
 
 
 @dataclass(frozen=True)
-class PromptLogprobs:
-    """Entries for prompt positions start, start + 1, ... (each given the tokens before it)."""
-
-    start: int
-    entries: tuple[Logprob, ...]
-
-
-@dataclass(frozen=True)
 class DeviceLogprobs:
     """R rows on the device: the scored token, its logprob, and `widths[r]` alternatives."""
 

@@ -8,18 +8,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from common.sampling import Logprob
+from common.step_result import PromptLogprobs, SpecOutcome, StepResult
 from services.worker.batch import ScheduledWork
 from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.kv_cache import KvCache
 from services.worker.logprobs import (
     DeviceLogprobs,
-    PromptLogprobs,
     concat,
     prompt_entry_span,
     raw_logprobs,
@@ -33,30 +33,12 @@ from services.worker.models.attention_metadata import (
     build_attention_metadata,
 )
 from services.worker.sampler import DeviceSample, SamplingRow, sample_on_device, to_device
-from services.worker.spec_decode.spec_step import SpecOutcome, SpecStep
+from services.worker.spec_decode.spec_step import SpecStep
 from services.worker.spec_decode.verify import Proposer
 from services.worker.structured.state import StructuredOutputs
 
 # Prompt logprobs compute logits for at most this many elements (rows x vocab) at a time.
 PROMPT_LOGITS_CHUNK = 1 << 24
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    # request_id -> the step's last token for it, in plan order (with speculative decoding
-    # the accepted proposals in `spec` come before it)
-    sampled: dict[str, int]
-    execute_seconds: float
-    logprobs: dict[str, Logprob] = field(default_factory=dict)  # requests that asked
-    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
-    spec: dict[str, SpecOutcome] = field(default_factory=dict)
-    # Of execute_seconds: the draft model's steady passes (no prompt caught up), and count.
-    propose_seconds: float = 0.0
-    propose_passes: int = 0
-
-    @property
-    def accepted(self) -> dict[str, list[int]]:
-        return {rid: o.accepted for rid, o in self.spec.items() if o.accepted}
 
 
 class StepShare(Protocol):
@@ -73,9 +55,9 @@ class StepShare(Protocol):
 
     def receive(self, count: int) -> list[int]: ...
 
-    def send_output(self, output: StepOutput) -> None: ...
+    def send_output(self, output: StepResult) -> None: ...
 
-    def receive_output(self) -> StepOutput: ...
+    def receive_output(self) -> StepResult: ...
 
 
 @dataclass(frozen=True)
@@ -133,10 +115,10 @@ class ModelRunner:
         return self.model(ids, positions, self.kv_cache, meta)
 
     @torch.inference_mode()
-    def execute(self, work: Sequence[ScheduledWork]) -> StepOutput:
+    def execute(self, work: Sequence[ScheduledWork], step_id: int = 0) -> StepResult:
         start = time.perf_counter()
         if not work:
-            return StepOutput({}, 0.0)
+            return StepResult(step_id, {}, 0.0)
         input_ids: list[int] = []
         slices: list[SequenceSlice] = []
         for item in work:
@@ -182,7 +164,7 @@ class ModelRunner:
                 return self.tokens.receive_output()
             shared = self.tokens.receive(len(samplers)) if samplers else []
             sampled = {work[i].request.request_id: t for i, t in zip(samplers, shared, strict=True)}
-            return StepOutput(sampled, time.perf_counter() - start)
+            return StepResult(step_id, sampled, time.perf_counter() - start)
         sample_tensors = sample.tensors() if sample is not None else []
         prompt_tensors = prompt.scores.tensors() if prompt is not None else []
         values = to_host(sample_tensors + prompt_tensors)  # the step's one device-to-host copy
@@ -202,7 +184,8 @@ class ModelRunner:
                     logprobs[work[i].request.request_id] = entries[k]
             outcomes = spec.outcomes(samplers, tokens, entries, sampled, logprobs)
         scored = prompt.from_host(values[len(sample_tensors) :]) if prompt is not None else {}
-        output = StepOutput(
+        output = StepResult(
+            step_id,
             sampled,
             time.perf_counter() - start,
             logprobs,

@@ -16,6 +16,7 @@ from common.parallel_plan import Layout
 from common.pb.tandem.internal.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from common.rope_config import rope_length_threshold
 from common.sampling_pb import ROLE_TO_PB
+from common.step_result_pb import result_to_pb
 from common.structured_output import ConstraintError, constraint_from_pb
 from common.tracing import rpc_span
 from services.worker.batch import PlanError
@@ -23,7 +24,6 @@ from services.worker.kv_pull import KvMapError, KvSource
 from services.worker.kv_transfer import KvTransferCancelled, KvTransferError
 from services.worker.metrics import WorkerMetrics
 from services.worker.request_spans import RequestSpans
-from services.worker.step_output_wire import step_response_pb
 from services.worker.step_wire import plan_from_pb
 from services.worker.worker import KV_LAYOUT, LoraDisabledError, Worker
 
@@ -201,7 +201,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                         requests=len(worker.batch),
                         new=[(r.request_id, len(r.token_ids), str(r.sampling)) for r in new][:8],
                     )
-                response = step_response_pb(step_id, output)
+                response = result_to_pb(output)
                 response.draining = self.draining
                 yield response
         finally:

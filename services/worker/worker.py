@@ -24,6 +24,7 @@ from common.kv_shared_memory import SharedMemoryInfo
 from common.log import get_logger
 from common.parallel_plan import Layout
 from common.pb.tandem.internal.v1 import worker_pb2
+from common.step_result import StepResult
 from common.structured_output import Constraint
 from services.worker.batch import (
     BlockMoves,
@@ -47,7 +48,7 @@ from services.worker.kv_transfer import (
 from services.worker.parallel.kv_ranks import KvGeometry, RankPools
 from services.worker.parallel.peer_ranks import PeerRanks, start_peer_ranks
 from services.worker.parallel.rank_context import RankContext
-from services.worker.runner import ModelRunner, StepOutput
+from services.worker.runner import ModelRunner
 from services.worker.spec_decode.proposers import make_proposer
 from services.worker.staging import StagingBuffers
 from services.worker.startup import LoadedWorker, load_worker
@@ -283,7 +284,7 @@ class Worker:
         """Queue a whole step on the tensor thread: apply the plan to the persistent batch,
         the block moves, the forward pass, the progress. Steps run in submission order and
         back to back (the next starts when the previous ends, with no round trip through
-        the event loop). The future holds the StepOutput, or the PlanError. `wire`: the
+        the event loop). The future holds the StepResult, or the PlanError. `wire`: the
         plan as received, which a parallel worker's other ranks need."""
         if self.peers is not None and wire is None:
             raise ValueError("a parallel worker needs each step's StepRequest")
@@ -291,7 +292,7 @@ class Worker:
 
     def _run_step(
         self, finished_ids, new, cached, moves: BlockMoves, step_id: int, wire
-    ) -> StepOutput:
+    ) -> StepResult:
         if self.peers is not None:  # the other ranks run the same plan on their slices
             self.peers.send_step(wire)
         work = self.batch.apply(finished_ids, new, cached)
@@ -301,10 +302,10 @@ class Worker:
         if self._progress is not None:  # peers stream this step's KV layer by layer
             self._running_step_id = step_id
             self._progress.step_started(step_id)
-        output = self.runner.execute(work)
+        output = self.runner.execute(work, step_id)
         if self._progress is not None:
             self._progress.step_done(step_id)
-        self.batch.complete(work, output.sampled, output.accepted)
+        self.batch.complete(work, output.sampled, output.accepted_tokens)
         return output
 
     def _layer_written(self, layer: int) -> None:
@@ -317,7 +318,7 @@ class Worker:
         new: Sequence[NewRequestData],
         cached: Sequence[CachedRequestData],
         moves: BlockMoves = NO_MOVES,
-    ) -> StepOutput:
+    ) -> StepResult:
         """Run one step now and mark it executed."""
         output = await asyncio.wrap_future(
             self.submit_step(finished_ids, new, cached, moves, step_id)

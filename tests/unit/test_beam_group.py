@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 
 from common.sampling import Logprob, SamplingParams
+from common.step_result import StepResult
 from services.scheduler.beam_group import BeamGroup
 from services.scheduler.beam_search import BeamParams
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.pool_scheduler import PoolScheduler
 from services.scheduler.request import Request
-from services.scheduler.worker_types import StepResult
 
 PROMPT = [1, 2, 3, 4, 5]  # block size 4: one full block and one partial one
 EOS = 9

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from services.worker.models import cpu_gemm
-from services.worker.models.gemm_plan import MEASURED_ROWS, STATIC_ROWS, GemmPlan
 from services.worker.models.compact_panels import BLOCK_PANEL_ROWS
+from services.worker.models.gemm_plan import MEASURED_ROWS, STATIC_ROWS, GemmPlan
 from services.worker.models.linear import MergedLinear
 
 

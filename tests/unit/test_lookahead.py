@@ -4,8 +4,8 @@ planned while a verifying step is in flight (blocks for the most it can bring, s
 as if all were accepted, none when that could end the request), a request preempted or
 swapped with proposals in flight keeping only what it had, and the counters."""
 
+from common.step_result import SpecOutcome, StepResult
 from services.scheduler.lookahead import Lookahead
-from services.scheduler.worker_types import SpecCounts, StepResult
 from tests.unit.test_pool_scheduler import make_request, sched
 
 
@@ -24,8 +24,7 @@ def verified(rid, accepted, last, drafts):
         0,
         {rid: last},
         0.0,
-        accepted={rid: [(t, None) for t in accepted]},
-        spec={rid: SpecCounts(drafts, len(accepted))},
+        spec={rid: SpecOutcome(list(accepted), drafts, [None] * len(accepted))},
     )
 
 

@@ -3,10 +3,10 @@ hits, preemption (recompute and swap), async placeholders, drops, LoRA slots. Re
 leaving a pool with their KV are in test_pool_scheduler_handoff.py."""
 
 from common.prefix_hash import root_hash
+from common.step_result import PromptLogprobs, StepResult
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.pool_scheduler import PoolScheduler
 from services.scheduler.request import FinishReason, Logprob, Request, SamplingParams
-from services.scheduler.worker_types import StepResult
 
 ROOT = root_hash(b"salt")
 
@@ -419,14 +419,22 @@ def test_update_gathers_prompt_logprobs_and_sends_them_with_the_first_token():
     s.schedule()  # chunk 0..3
     first = [Logprob(t, -1.0) for t in (2, 3, 4)]  # positions 1..3
     u = s.update(
-        StepResult(step_id=1, sampled={}, execute_seconds=0.0, prompt_logprobs={"a": (1, first)})
+        StepResult(
+            step_id=1,
+            sampled={},
+            execute_seconds=0.0,
+            prompt_logprobs={"a": PromptLogprobs(1, tuple(first))},
+        )
     )
     assert u.tokens == [] and r.prompt_logprobs == first
     s.schedule()
     rest = [Logprob(t, -2.0) for t in (5, 6)]
     u = s.update(
         StepResult(
-            step_id=2, sampled={"a": 8}, execute_seconds=0.0, prompt_logprobs={"a": (4, rest)}
+            step_id=2,
+            sampled={"a": 8},
+            execute_seconds=0.0,
+            prompt_logprobs={"a": PromptLogprobs(4, tuple(rest))},
         )
     )
     (token,) = u.tokens

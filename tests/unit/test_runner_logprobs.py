@@ -9,11 +9,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common.sampling import Logprob, SamplingParams
+from common.step_result import StepResult
 from services.worker.batch import CachedRequestData, NewRequestData, PersistentBatch
 from services.worker.kv_cache import KvCache
 from services.worker.logprobs import prompt_entry_span
 from services.worker.models.weight_loader import load_model
-from services.worker.runner import ModelRunner, StepOutput
+from services.worker.runner import ModelRunner
 
 ATOL = 1e-4
 BLOCK = 4
@@ -53,7 +54,7 @@ class Driver:
         blocks = self.blocks(len(tokens) + 8)
         return NewRequestData(rid, tokens, blocks, 0, scheduled, sampling, num_prompt_tokens)
 
-    def step(self, new=(), cached=()) -> StepOutput:
+    def step(self, new=(), cached=()) -> StepResult:
         work = self.batch.apply([], list(new), list(cached))
         output = self.runner.execute(work)
         self.batch.complete(work, output.sampled)

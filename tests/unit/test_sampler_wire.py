@@ -5,9 +5,8 @@ results with logprobs only where a request asked."""
 from common.pb.tandem.internal.v1 import types_pb2
 from common.sampling import Logprob, SamplingParams
 from common.sampling_pb import sampling_from_pb
-from services.worker.logprobs import PromptLogprobs
-from services.worker.runner import StepOutput
-from services.worker.step_output_wire import step_response_pb
+from common.step_result import PromptLogprobs, SpecOutcome, StepResult
+from common.step_result_pb import result_from_pb, result_to_pb
 
 
 def test_every_field_is_parsed():
@@ -52,13 +51,14 @@ def test_unset_and_zero_fields_resolve_to_off():
 
 def test_step_response_carries_logprobs_only_where_asked():
     entry = Logprob(11, -0.25, ((11, -0.25), (4, -1.5)))
-    output = StepOutput(
+    output = StepResult(
+        step_id=9,
         sampled={"a": 11, "b": 3},
         execute_seconds=0.01,
         logprobs={"a": entry},
         prompt_logprobs={"c": PromptLogprobs(14, (Logprob(8, -2.0), entry))},
     )
-    pb = step_response_pb(9, output)
+    pb = result_to_pb(output)
     a, b = pb.sampled_tokens
     assert (a.request_id, a.token_id, b.request_id, b.token_id) == ("a", 11, "b", 3)
     assert a.HasField("logprob") and not b.HasField("logprob")
@@ -70,19 +70,19 @@ def test_step_response_carries_logprobs_only_where_asked():
     assert pb.step_id == 9
 
 
-def test_step_output_round_trips_through_the_wire():
-    """What the last pipeline stage hands the other ranks: the same output, logprobs,
-    prompt logprobs and verified proposals included."""
-    from services.worker.spec_decode.spec_step import SpecOutcome
-    from services.worker.step_output_wire import step_output_from_pb
+def test_step_result_round_trips_through_the_wire():
+    """What a worker sends the scheduler, and the last pipeline stage the other ranks: the
+    same result, logprobs, prompt logprobs, verified proposals and draining included."""
 
     entry = Logprob(11, -0.25, ((11, -0.25), (4, -1.5)))
-    output = StepOutput(
+    output = StepResult(
+        step_id=4,
         sampled={"a": 11, "b": 3, "s": 8},
         execute_seconds=0.5,
         logprobs={"a": entry},
         prompt_logprobs={"c": PromptLogprobs(14, (Logprob(8, -2.0), entry))},
         spec={"s": SpecOutcome([5, 6], 3, [None, None]), "b": SpecOutcome([], 2, [])},
+        draining=True,
     )
-    assert step_output_from_pb(step_response_pb(4, output)) == output
-    assert step_output_from_pb(step_response_pb(1, StepOutput({}, 0.0))) == StepOutput({}, 0.0)
+    assert result_from_pb(result_to_pb(output)) == output
+    assert result_from_pb(result_to_pb(StepResult(1, {}, 0.0))) == StepResult(1, {}, 0.0)

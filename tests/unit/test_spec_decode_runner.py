@@ -56,7 +56,7 @@ class Driver:
     def step(self, new=(), cached=()):
         work = self.batch.apply([], list(new), list(cached))
         output = self.runner.execute(work)
-        self.batch.complete(work, output.sampled, output.accepted)
+        self.batch.complete(work, output.sampled, output.accepted_tokens)
         self.num_steps += 1
         self.proposing.append(
             (output.propose_passes, output.propose_seconds, output.execute_seconds)
@@ -83,7 +83,7 @@ class Driver:
             ]
             output = self.step(cached=cached)
             for rid, token in output.sampled.items():
-                extra = output.accepted.get(rid, [])
+                extra = output.accepted_tokens.get(rid, [])
                 accepted += len(extra)
                 out[rid].extend([*extra, token])
         return [out[f"r{i}"][:max_tokens] for i in range(len(prompts))], accepted
@@ -213,7 +213,7 @@ def test_the_sampled_rule_keeps_the_targets_distribution(model, tiny_llama_dir):
         driver.step(new=new)  # the prompt but its last token: nothing sampled
         output = driver.step(cached=[CachedRequestData(r.request_id, [], 1, (), 1) for r in new])
         for rid, token in output.sampled.items():
-            accepted = output.accepted.get(rid, [])
+            accepted = output.accepted_tokens.get(rid, [])
             if accepted:
                 first[accepted[0]] += 1
                 second[token] += 1
@@ -248,8 +248,8 @@ def test_accepted_tokens_carry_the_logprobs_plain_decoding_gives(model, tiny_lla
     tokens, entries = [first.sampled["r"]], [first.logprobs["r"]]
     while len(tokens) < 12:
         out = driver.step(cached=[CachedRequestData("r", [], 1, (), 3)])
-        assert len(out.spec["r"].logprobs) == len(out.accepted.get("r", []))
-        tokens += [*out.accepted.get("r", []), out.sampled["r"]]
+        assert len(out.spec["r"].logprobs) == len(out.accepted_tokens.get("r", []))
+        tokens += [*out.accepted_tokens.get("r", []), out.sampled["r"]]
         entries += [*out.spec["r"].logprobs, out.logprobs["r"]]
     assert driver.num_steps < len(tokens)  # several tokens landed in one step
     reference = hf_log_softmax(tiny_llama_dir, prompt + tokens)

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from common.step_result import SpecOutcome, StepResult
 from services.scheduler.lookahead import Lookahead
 from services.scheduler.spec_goodput import (
     MARGIN,
@@ -18,8 +19,12 @@ from services.scheduler.spec_goodput import (
     probe_draft,
     worth,
 )
-from services.scheduler.worker_types import SpecCounts, StepResult
 from tests.unit.test_pool_scheduler import make_request, sched
+
+
+def outcome(drafts: int, accepted: list) -> SpecOutcome:
+    """`drafts` proposals, of which `accepted` ((token, logprob) pairs) were taken."""
+    return SpecOutcome([t for t, _ in accepted], drafts, [e for _, e in accepted])
 
 
 def fitted(a: float, b: float, noise: float = 0.0, steps: int = 200) -> StepCost:
@@ -94,11 +99,10 @@ def test_the_pool_stops_speculating_for_a_full_batch_of_poor_proposals():
         rows = sum(i.num_new_tokens for i in plan.scheduled)
         drafts = {i.request.request_id: i.num_lookahead_tokens for i in plan.scheduled}
         accepted = {rid: [(51, None)] if rng.random() < 0.25 else [] for rid in drafts}
-        spec = {rid: SpecCounts(k, len(accepted[rid])) for rid, k in drafts.items() if k}
+        spec = {rid: outcome(k, accepted[rid]) for rid, k in drafts.items() if k}
         seconds = 0.005 + 0.0003 * (rows + sum(drafts.values()))
         s.update(
-            StepResult(0, dict.fromkeys(drafts, 52), seconds,
-                       accepted={r: a for r, a in accepted.items() if r in spec}, spec=spec)
+            StepResult(0, dict.fromkeys(drafts, 52), seconds, spec=spec)
         )  # fmt: skip
     plan = s.schedule()
     probes = [i for i in plan.scheduled if i.request.num_tokens % PROBE_PERIOD == 0]
@@ -172,8 +176,8 @@ def test_a_pool_stops_drafting_when_its_draft_model_seldom_lands():
             hits = k if accept else 0
             s.update(
                 StepResult(0, {"solo": 52}, 0.02 + 0.01 * k, propose_seconds=0.01 * k,
-                           propose_passes=k, accepted={"solo": [(51, None)] * hits} if hits
-                           else {}, spec={"solo": SpecCounts(k, hits)} if k else {})
+                           propose_passes=k,
+                           spec={"solo": outcome(k, [(51, None)] * hits)} if k else {})
             )  # fmt: skip
         return given
 
@@ -196,7 +200,7 @@ def test_a_pool_stops_drafting_when_its_draft_model_seldom_lands():
         s.update(
             StepResult(0, dict.fromkeys(k, 52), 0.02 + 0.01 * max(k.values()),
                        propose_seconds=0.01 * max(k.values()), propose_passes=max(k.values()),
-                       spec={r: SpecCounts(n, 0) for r, n in k.items() if n})
+                       spec={r: outcome(n, []) for r, n in k.items() if n})
         )  # fmt: skip
     assert sum(slots[PROBE_PERIOD:]) <= 2 and max(slots[PROBE_PERIOD:]) <= 1
     assert good[-10:] == [4] * 10

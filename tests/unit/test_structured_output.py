@@ -289,7 +289,7 @@ def test_constrained_requests_get_no_speculative_drafts(tiny_llama_dir):
         out = [driver.step(new=[data]).sampled["re"]]
         while out[-1] not in stops and len(out) < 24:
             output = driver.step(cached=[CachedRequestData("re", [], 1, (), lookahead)])
-            assert output.accepted == {}, "a constrained request was given drafts"
+            assert output.accepted_tokens == {}, "a constrained request was given drafts"
             out.append(output.sampled["re"])
         return out
 

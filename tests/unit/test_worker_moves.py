@@ -90,8 +90,8 @@ def test_loading_steps_and_moves_run_on_one_tensor_thread(tiny_llama_dir, monkey
         worker = await loaded(tiny_llama_dir)
         assert worker.compute_lock is not None  # CPU workers take turns by default
         real_execute = worker.runner.execute
-        worker.runner.execute = lambda work: (
-            threads.append(threading.current_thread().name) or real_execute(work)
+        worker.runner.execute = lambda work, step_id: (
+            threads.append(threading.current_thread().name) or real_execute(work, step_id)
         )
         await worker.step(1, [], [], [], BlockMoves(copies=[(2, 7)]))
         await worker.close()

@@ -374,9 +374,7 @@ class LlamaForCausalLM(nn.Module):
         if plan.packed_format == "tandem":  # plain panels (and block panels): into huge pages
             packed = [m for m in layers if m.packed is not None]
             blocks = [m for m in layers if m.blocks is not None]
-            self.weight_arena = WeightArena(
-                [m.packed for m in packed] + [m.blocks for m in blocks]
-            )
+            self.weight_arena = WeightArena([m.packed for m in packed] + [m.blocks for m in blocks])
             views = iter(self.weight_arena.views)
             for m in packed:
                 m.packed = next(views)

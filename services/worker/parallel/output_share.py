@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from common.pb.tandem.internal.v1 import worker_pb2
-from services.worker.runner import StepOutput
-from services.worker.step_output_wire import step_output_from_pb, step_response_pb
+from common.step_result import StepResult
+from common.step_result_pb import result_from_pb, result_to_pb
 
 
 class OutputShare:
@@ -26,18 +26,18 @@ class OutputShare:
     def samples(self) -> bool:
         return self.rank == self.sampler_rank
 
-    def send_output(self, output: StepOutput) -> None:
-        data = step_response_pb(0, output).SerializeToString()
+    def send_output(self, output: StepResult) -> None:
+        data = result_to_pb(output).SerializeToString()
         size = torch.tensor([len(data)], dtype=torch.int64)
         dist.broadcast(size, src=self.sampler_rank, group=self.group)
         if data:
             payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             dist.broadcast(payload, src=self.sampler_rank, group=self.group)
 
-    def receive_output(self) -> StepOutput:
+    def receive_output(self) -> StepResult:
         size = torch.empty(1, dtype=torch.int64)
         dist.broadcast(size, src=self.sampler_rank, group=self.group)
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
         if payload.numel():
             dist.broadcast(payload, src=self.sampler_rank, group=self.group)
-        return step_output_from_pb(worker_pb2.StepResponse.FromString(payload.numpy().tobytes()))
+        return result_from_pb(worker_pb2.StepResponse.FromString(payload.numpy().tobytes()))

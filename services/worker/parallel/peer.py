@@ -57,7 +57,7 @@ def serve_steps(
             log.warning("bad_step_plan", step_id=plan.step_id, error=str(exc))
             continue
         output = runner.execute(work)
-        batch.complete(work, output.sampled, output.accepted)
+        batch.complete(work, output.sampled, output.accepted_tokens)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,24 +6,13 @@ the runner free of speculative bookkeeping. Pure Python (the runner does the ten
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from common.sampling import Logprob
+from common.step_result import SpecOutcome
 from services.worker.batch import ScheduledWork
 from services.worker.models.attention_metadata import SequenceSlice
 from services.worker.sampler import SamplingRow
 from services.worker.spec_decode.verify import BatchProposer, Proposer, verify
-
-
-@dataclass(frozen=True)
-class SpecOutcome:
-    """A request's verified proposals this step: those accepted (they come before its
-    sampled token), how many were proposed, and the accepted ones' logprobs (None entries
-    when it did not ask)."""
-
-    accepted: list[int]
-    num_drafts: int
-    logprobs: list[Logprob | None]
 
 
 class SpecStep:

@@ -1,14 +1,12 @@
-"""A step's results as the `StepResponse` protobuf and back: what rank 0 streams to the
-scheduler, and what the last pipeline stage (which samples) hands every other rank of its
-worker. Accepted speculative proposals come before the request's sampled token."""
+"""A `StepResult` as the `StepResponse` protobuf and back: what a worker's rank 0 streams to
+the scheduler, and what the last pipeline stage (which samples) hands every other rank of
+its worker. A request's accepted speculative proposals come before its sampled token."""
 
 from __future__ import annotations
 
 from common.pb.tandem.internal.v1 import worker_pb2
 from common.sampling_pb import logprob_from_pb, logprob_to_pb
-from services.worker.logprobs import PromptLogprobs
-from services.worker.runner import StepOutput
-from services.worker.spec_decode.spec_step import SpecOutcome
+from common.step_result import PromptLogprobs, SpecOutcome, StepResult
 
 
 def _sampled_pb(request_id: str, token: int, entry) -> worker_pb2.SampledToken:
@@ -19,41 +17,43 @@ def _sampled_pb(request_id: str, token: int, entry) -> worker_pb2.SampledToken:
     )
 
 
-def step_response_pb(step_id: int, output: StepOutput) -> worker_pb2.StepResponse:
+def result_to_pb(result: StepResult) -> worker_pb2.StepResponse:
     sampled, spec = [], []
-    for request_id, token in output.sampled.items():
-        outcome = output.spec.get(request_id)
+    for request_id, token in result.sampled.items():
+        outcome = result.spec.get(request_id)
         if outcome is not None:  # accepted proposals first, in order
             for accepted, entry in zip(outcome.accepted, outcome.logprobs, strict=True):
                 sampled.append(_sampled_pb(request_id, accepted, entry))
             spec.append(
                 worker_pb2.SpecDecodeCounts(
                     request_id=request_id,
-                    num_draft_tokens=outcome.num_drafts,
-                    num_accepted_tokens=len(outcome.accepted),
+                    num_draft_tokens=outcome.num_draft_tokens,
+                    num_accepted_tokens=outcome.num_accepted_tokens,
                 )
             )
-        sampled.append(_sampled_pb(request_id, token, output.logprobs.get(request_id)))
+        sampled.append(_sampled_pb(request_id, token, result.logprobs.get(request_id)))
     return worker_pb2.StepResponse(
         spec_decode=spec,
-        step_id=step_id,
+        step_id=result.step_id,
         sampled_tokens=sampled,
-        execute_seconds=output.execute_seconds,
-        propose_seconds=output.propose_seconds,
-        propose_passes=output.propose_passes,
+        execute_seconds=result.execute_seconds,
+        propose_seconds=result.propose_seconds,
+        propose_passes=result.propose_passes,
         prompt_logprobs=[
             worker_pb2.PromptLogprobs(
                 request_id=request_id,
                 start=scored.start,
                 entries=[logprob_to_pb(e) for e in scored.entries],
             )
-            for request_id, scored in output.prompt_logprobs.items()
+            for request_id, scored in result.prompt_logprobs.items()
         ],
+        draining=result.draining,
     )
 
 
-def step_output_from_pb(pb: worker_pb2.StepResponse) -> StepOutput:
-    """The inverse of `step_response_pb` (for the step's id, read `pb.step_id`)."""
+def result_from_pb(pb: worker_pb2.StepResponse) -> StepResult:
+    """The inverse of `result_to_pb`: a request's entries come in order, all but its last
+    accepted proposals."""
     tokens: dict[str, list[tuple[int, object]]] = {}
     for item in pb.sampled_tokens:
         entry = logprob_from_pb(item.logprob) if item.HasField("logprob") else None
@@ -74,6 +74,14 @@ def step_output_from_pb(pb: worker_pb2.StepResponse) -> StepOutput:
         p.request_id: PromptLogprobs(p.start, tuple(logprob_from_pb(e) for e in p.entries))
         for p in pb.prompt_logprobs
     }
-    return StepOutput(
-        sampled, pb.execute_seconds, logprobs, prompt, spec, pb.propose_seconds, pb.propose_passes
+    return StepResult(
+        step_id=pb.step_id,
+        sampled=sampled,
+        execute_seconds=pb.execute_seconds,
+        logprobs=logprobs,
+        prompt_logprobs=prompt,
+        spec=spec,
+        propose_seconds=pb.propose_seconds,
+        propose_passes=pb.propose_passes,
+        draining=pb.draining,
     )
