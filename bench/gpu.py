@@ -290,7 +290,8 @@ def random_model(shape: dict, device: torch.device, dtype: torch.dtype, backend:
 
 def runner_for(model, config, device, dtype, batch: int, context: int, graphs: bool):
     from common.sampling import SamplingParams
-    from services.worker.batch import NewRequestData, PersistentBatch
+    from common.step_plan import NewRequestData
+    from services.worker.batch import PersistentBatch
     from services.worker.cuda_graphs import DecodeGraphs, graph_buckets
     from services.worker.kv_cache import KvCache
     from services.worker.runner import ModelRunner
@@ -318,7 +319,7 @@ def runner_for(model, config, device, dtype, batch: int, context: int, graphs: b
 def step_section(
     model, config, device, dtype, weight_bytes, copy_gbps, batches, context, use_graphs: bool
 ) -> list[dict]:
-    from services.worker.batch import CachedRequestData
+    from common.step_plan import CachedRequestData
 
     rows = []
     for batch in batches:
@@ -384,7 +385,7 @@ def throughput_section(
     new_tokens: int,
     use_graphs: bool,
 ) -> dict:
-    from services.worker.batch import CachedRequestData
+    from common.step_plan import CachedRequestData
 
     runner, persistent, per_seq, new_cls, sampling = runner_for(
         model, config, device, dtype, prompts, prompt_len + new_tokens, graphs=use_graphs

@@ -288,7 +288,7 @@ class FakeWorker(FakeStepExecution, FakeKvTransfers):
                 PlanItem(
                     request_id=r.request_id,
                     is_new=s.is_new,
-                    token_ids=list(r.all_token_ids) if s.is_new else [],
+                    token_ids=list(s.work.token_ids) if s.is_new else [],
                     block_ids=list(s.new_block_ids),
                     num_computed_before=s.num_computed_before,
                     num_new_tokens=s.num_new_tokens,

@@ -40,7 +40,7 @@ from services.scheduler.spec_goodput import (
     probe_draft,
     worth,
 )
-from services.scheduler.step_plan import PoolStepPlan, SampledToken, ScheduledRequest, StepUpdate
+from services.scheduler.step_plan import Placed, PoolStepPlan, SampledToken, StepUpdate, scheduled
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -306,6 +306,10 @@ class PoolScheduler(Migration):
     def num_steps_in_flight(self) -> int:
         return len(self._in_flight)
 
+    def requests_in_flight(self) -> list[Request]:
+        """The requests the steps in flight compute for (once each)."""
+        return list({id(r): r for _, s, _, _ in self._in_flight for r in s.values()}.values())
+
     def _schedule_running(self, plan: PoolStepPlan) -> int:
         budget = self.max_num_batched_tokens
         later_decodes = sum(1 for r in self.running if self.schedulable_tokens(r) == 1)
@@ -503,18 +507,8 @@ class PoolScheduler(Migration):
         self.blocks.cache_full_blocks(
             rid, request.block_hashes, request.all_token_ids, request.num_computed_tokens
         )
-        plan.scheduled.append(
-            ScheduledRequest(
-                request=request,
-                num_new_tokens=num_new,
-                is_new=is_new,
-                new_block_ids=self.blocks.table(rid) if is_new else added,
-                num_computed_before=start,
-                replaced_table=self.blocks.table(rid) if replaced and not is_new else None,
-                samples=samples,
-                num_lookahead_tokens=lookahead,
-            )
-        )
+        placed = Placed(self.blocks.table(rid), added, is_new, bool(replaced))
+        plan.scheduled.append(scheduled(request, placed, start, num_new, lookahead, samples))
 
     def _preempt(self, victim: Request, plan: PoolStepPlan) -> None:
         self.num_preemptions += 1

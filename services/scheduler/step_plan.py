@@ -1,31 +1,106 @@
-"""What passes between a pool's scheduler and its worker, as domain objects: the plan of
-one step (`PoolStepPlan`, what `PoolScheduler.schedule()` returns) and what applying the
-step's result changed (`StepUpdate`, what `PoolScheduler.update()` returns). Pure Python."""
+"""A pool scheduler's step: the plan it makes (`PoolStepPlan`, what `PoolScheduler.schedule()`
+returns: the worker's `common.step_plan` entries, made as each request is scheduled, with
+the scheduler's own bookkeeping beside them) and what applying the step's result changed
+(`StepUpdate`, what `PoolScheduler.update()` returns). Pure Python."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from common.step_plan import BlockMoves, CachedRequestData, NewRequestData, StepPlan
 from services.scheduler.request import FinishReason, Logprob, Request
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
-    # True when the worker has no state for the request yet: send its full data.
-    is_new: bool
-    # Blocks appended to the table this step (the whole table when is_new).
-    new_block_ids: list[int]
-    # Tokens already computed before this step (where the new tokens start).
+    # What the worker gets for it: all its data when the worker holds nothing for it yet,
+    # else what this step adds.
+    work: NewRequestData | CachedRequestData
+    # Tokens computed before this step (where its new tokens start).
     num_computed_before: int
-    # The request's whole table when copy-on-write replaced some of its blocks.
-    replaced_table: list[int] | None = None
     # The step reaches the request's last token and samples the next one.
     samples: bool = False
-    # Slots (blocks allocated) after the new tokens for proposals the worker verifies in
-    # this step (speculative decoding); only when it samples.
-    num_lookahead_tokens: int = 0
+
+    @property
+    def is_new(self) -> bool:
+        return isinstance(self.work, NewRequestData)
+
+    @property
+    def num_new_tokens(self) -> int:
+        return self.work.num_scheduled_tokens
+
+    @property
+    def new_block_ids(self) -> list[int]:
+        """The blocks this step gives the worker: the whole table for a new request, else
+        those appended (none when the table was replaced)."""
+        work = self.work
+        return list(work.block_ids if isinstance(work, NewRequestData) else work.new_block_ids)
+
+    @property
+    def replaced_table(self) -> list[int] | None:
+        """The request's whole table when copy-on-write or a window replaced blocks."""
+        work = self.work
+        if isinstance(work, CachedRequestData) and work.block_table:
+            return list(work.block_table)
+        return None
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Slots (blocks allocated) after the new tokens for proposals the worker verifies
+        in this step (speculative decoding); only when it samples."""
+        return self.work.num_lookahead_tokens
+
+
+def new_request_data(
+    request: Request, table: list[int], start: int, num_new: int, lookahead: int
+) -> NewRequestData:
+    """All of a request's data for a worker that holds nothing for it: its tokens and block
+    table, `num_new` tokens to compute from `start`, its sampling with its stop tokens (the
+    ones min_tokens holds back)."""
+    sampling, stops = request.sampling, tuple(sorted(request.stop_token_ids))
+    if sampling.stop_token_ids != stops:
+        sampling = replace(sampling, stop_token_ids=stops)
+    return NewRequestData(
+        request_id=request.request_id,
+        token_ids=request.all_token_ids,
+        block_ids=table,
+        num_computed_tokens=start,
+        num_scheduled_tokens=num_new,
+        sampling=sampling,
+        num_prompt_tokens=len(request.prompt_token_ids),
+        num_lookahead_tokens=lookahead,
+        lora_name=request.lora_name,
+        structured=request.structured,
+        traceparent=request.trace_context[0],
+        tracestate=request.trace_context[1],
+    )
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Where a scheduled request's blocks stand after this step's allocation: its whole
+    `table`, the blocks `added` now, whether the worker holds nothing for it yet (`is_new`)
+    and whether earlier blocks were replaced (copy-on-write, a sliding window)."""
+
+    table: list[int]
+    added: list[int]
+    is_new: bool
+    replaced: bool
+
+
+def scheduled(
+    request: Request, placed: Placed, start: int, num_new: int, lookahead: int, samples: bool
+) -> ScheduledRequest:
+    """The step's entry for a request computing `num_new` tokens from `start`."""
+    rid = request.request_id
+    if placed.is_new:
+        work = new_request_data(request, placed.table, start, num_new, lookahead)
+    elif placed.replaced:
+        work = CachedRequestData(rid, (), num_new, placed.table, lookahead)
+    else:
+        work = CachedRequestData(rid, placed.added, num_new, (), lookahead)
+    return ScheduledRequest(request, work, start, samples)
 
 
 @dataclass
@@ -47,6 +122,17 @@ class PoolStepPlan:
     @property
     def num_scheduled_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    def worker_plan(self, step_id: int) -> StepPlan:
+        """The plan the worker runs: the scheduled requests' entries as they were made."""
+        return StepPlan(
+            step_id=step_id,
+            finished_ids=self.dropped_request_ids,
+            new=[s.work for s in self.scheduled if s.is_new],
+            cached=[s.work for s in self.scheduled if not s.is_new],
+            moves=BlockMoves(self.swap_out, self.swap_in, self.block_copies),
+            cancelled_transfer_tags=self.cancelled_transfer_tags,
+        )
 
     @property
     def is_empty(self) -> bool:

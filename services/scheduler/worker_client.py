@@ -16,12 +16,13 @@ from common.grpc_server import open_channel
 from common.healthcheck import channel_health_status
 from common.kv_shared_memory import shared_memory_to_pb
 from common.pb.tandem.internal.v1 import worker_pb2, worker_pb2_grpc
+from common.step_plan_pb import plan_to_pb
 from common.step_result import StepResult
 from common.step_result_pb import result_from_pb
 from common.structured_output import Constraint, constraint_to_pb
 from common.tracing import outgoing_metadata
 from services.scheduler.pool_scheduler import PoolStepPlan
-from services.scheduler.step_codec import plan_to_pb, worker_info_from_pb
+from services.scheduler.step_codec import worker_info_from_pb
 from services.scheduler.worker_types import (
     ConstraintRefusedError,
     KvPullRefusedError,
@@ -109,7 +110,7 @@ class WorkerClient:
         """Write a plan on the Step stream without waiting for its result; returns its id."""
         self._step_id += 1
         try:
-            await self._step_call.write(plan_to_pb(self._step_id, plan))
+            await self._step_call.write(plan_to_pb(plan.worker_plan(self._step_id)))
         except grpc.aio.AioRpcError as exc:
             raise WorkerUnavailableError(
                 f"worker {self.address} step failed: {exc.code().name} {exc.details()}"

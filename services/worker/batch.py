@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from common.sampling import SamplingParams
+from common.step_plan import CachedRequestData, NewRequestData
 from common.structured_output import Constraint
 
 
@@ -32,42 +33,6 @@ class WorkerRequest:
     # Leading tokens whose KV is in the draft model's pool (speculative decoding with a
     # draft model): stale KV past them is rewritten before it is read.
     num_draft_computed_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class NewRequestData:
-    request_id: str
-    token_ids: Sequence[int]
-    block_ids: Sequence[int]
-    num_computed_tokens: int
-    num_scheduled_tokens: int
-    sampling: SamplingParams
-    num_prompt_tokens: int = 0
-    num_lookahead_tokens: int = 0
-    lora_name: str = ""
-    structured: Constraint | None = None
-
-
-@dataclass(frozen=True)
-class CachedRequestData:
-    request_id: str
-    new_block_ids: Sequence[int]
-    num_scheduled_tokens: int
-    # Whole replacement table (copy-on-write replaced blocks); empty = append new_block_ids.
-    block_table: Sequence[int] = ()
-    num_lookahead_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class BlockMoves:
-    """Whole-block copies a step makes before its forward pass, in field order."""
-
-    swap_out: Sequence[tuple[int, int]] = ()  # (device block, swap block)
-    swap_in: Sequence[tuple[int, int]] = ()  # (swap block, device block)
-    copies: Sequence[tuple[int, int]] = ()  # (shared device block, fresh device block)
-
-    def __bool__(self) -> bool:
-        return bool(self.swap_out or self.swap_in or self.copies)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ by rank 0 and the peer ranks of a tensor-parallel worker (each on its own slice)
 
 from __future__ import annotations
 
-from services.worker.batch import BlockMoves, PlanError
+from common.step_plan import BlockMoves
+from services.worker.batch import PlanError
 from services.worker.kv_cache import KvCache
 
 

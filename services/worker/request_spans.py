@@ -9,7 +9,7 @@ With tracing off `plan` returns at once. No grpc here.
 
 from __future__ import annotations
 
-from common.pb.tandem.internal.v1 import worker_pb2
+from common.step_plan import StepPlan
 from common.tracing import SpanKind, context_from_fields, enabled, end_span, start_span
 
 SPAN_NAMES = {"prefill": "prefill", "decode": "decode", "both": "prefill_decode"}
@@ -26,14 +26,14 @@ class RequestSpans:
     def num_open(self) -> int:
         return len(self._open)
 
-    def plan(self, plan: worker_pb2.StepRequest) -> None:
+    def plan(self, plan: StepPlan) -> None:
         """Close the spans of the requests the plan drops, open those of its new ones."""
         if not enabled():
             return
         if self._open:
-            for request_id in plan.finished_request_ids:
+            for request_id in plan.finished_ids:
                 end_span(self._open.pop(request_id, None))
-        for new in plan.new_requests:
+        for new in plan.new:
             if not new.traceparent:
                 continue
             end_span(self._open.pop(new.request_id, None))  # came back (preempted)

@@ -16,6 +16,7 @@ from common.parallel_plan import Layout
 from common.pb.tandem.internal.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from common.rope_config import rope_length_threshold
 from common.sampling_pb import ROLE_TO_PB
+from common.step_plan_pb import plan_from_pb
 from common.step_result_pb import result_to_pb
 from common.structured_output import ConstraintError, constraint_from_pb
 from common.tracing import rpc_span
@@ -24,7 +25,6 @@ from services.worker.kv_pull import KvMapError, KvSource
 from services.worker.kv_transfer import KvTransferCancelled, KvTransferError
 from services.worker.metrics import WorkerMetrics
 from services.worker.request_spans import RequestSpans
-from services.worker.step_wire import plan_from_pb
 from services.worker.worker import KV_LAYOUT, LoraDisabledError, Worker
 
 log = get_logger(__name__)
@@ -221,7 +221,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     submitted.put_nowait("a newer Step stream took over")
                     return
                 step = plan_from_pb(plan)
-                spans.plan(plan)
+                spans.plan(step)
                 worker.cancel_transfers(step.cancelled_transfer_tags)
                 future = worker.submit_step(
                     step.finished_ids, step.new, step.cached, step.moves, step.step_id, wire=plan

@@ -24,14 +24,10 @@ from common.kv_shared_memory import SharedMemoryInfo
 from common.log import get_logger
 from common.parallel_plan import Layout
 from common.pb.tandem.internal.v1 import worker_pb2
+from common.step_plan import BlockMoves, CachedRequestData, NewRequestData
 from common.step_result import StepResult
 from common.structured_output import Constraint
-from services.worker.batch import (
-    BlockMoves,
-    CachedRequestData,
-    NewRequestData,
-    PersistentBatch,
-)
+from services.worker.batch import PersistentBatch
 from services.worker.block_moves import run_moves
 from services.worker.compute_lock import ComputeLock, make_compute_lock
 from services.worker.config import WorkerConfig

@@ -14,7 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common.sampling import SamplingParams
-from services.worker.batch import CachedRequestData, NewRequestData, PersistentBatch
+from common.step_plan import CachedRequestData, NewRequestData
+from services.worker.batch import PersistentBatch
 from services.worker.kv_cache import KvCache
 from services.worker.models.weight_loader import load_model
 from services.worker.spec_decode.draft_model_proposer import DraftModelProposer

@@ -9,8 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common.sampling import Logprob, SamplingParams
+from common.step_plan import CachedRequestData, NewRequestData
 from common.step_result import StepResult
-from services.worker.batch import CachedRequestData, NewRequestData, PersistentBatch
+from services.worker.batch import PersistentBatch
 from services.worker.kv_cache import KvCache
 from services.worker.logprobs import prompt_entry_span
 from services.worker.models.weight_loader import load_model

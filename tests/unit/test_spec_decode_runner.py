@@ -11,7 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common.sampling import SamplingParams
-from services.worker.batch import CachedRequestData, NewRequestData, PersistentBatch
+from common.step_plan import CachedRequestData, NewRequestData
+from services.worker.batch import PersistentBatch
 from services.worker.kv_cache import KvCache
 from services.worker.models.weight_loader import load_model
 from services.worker.runner import ModelRunner

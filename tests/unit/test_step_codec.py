@@ -1,11 +1,13 @@
-"""The scheduler's protobuf conversions: the model description and the worker's sampling."""
+"""The scheduler's protobuf conversions (the model description) and the worker's entry for a
+new request (its sampling with the request's stop tokens)."""
 
 from dataclasses import fields
 
 from common.pb.tandem.internal.v1 import types_pb2
 from common.sampling import SamplingParams
 from services.scheduler.request import Request
-from services.scheduler.step_codec import _worker_sampling, model_from_pb, model_to_pb
+from services.scheduler.step_codec import model_from_pb, model_to_pb
+from services.scheduler.step_plan import new_request_data
 from services.scheduler.worker_types import ModelShape
 
 
@@ -26,9 +28,9 @@ def test_the_worker_gets_the_requests_stop_tokens_inside_its_sampling():
     request = Request(
         "r", [1, 2], 4, sampling=SamplingParams(min_tokens=2, seed=5), stop_token_ids={9, 3}
     )
-    message = _worker_sampling(request)
-    assert list(message.stop_token_ids) == [3, 9]
-    assert (message.min_tokens, message.seed) == (2, 5) and not message.HasField("logprobs")
+    sampling = new_request_data(request, [0], 0, 2, 0).sampling
+    assert sampling.stop_token_ids == (3, 9)
+    assert (sampling.min_tokens, sampling.seed, sampling.logprobs) == (2, 5, None)
 
 
 def test_a_requests_constraint_reaches_the_worker_as_it_was_given():

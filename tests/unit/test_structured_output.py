@@ -192,7 +192,7 @@ def test_the_runner_masks_constrained_requests_in_a_mixed_batch(tiny_llama_dir):
     decode in the same steps; the constrained output full-matches and ends with a stop
     token, the free one equals its unconstrained greedy run."""
     from common.sampling import SamplingParams
-    from services.worker.batch import CachedRequestData
+    from common.step_plan import CachedRequestData
     from services.worker.models.weight_loader import load_model
     from services.worker.structured.state import StructuredOutputs
     from tests.unit.test_runner_logprobs import Driver
@@ -269,7 +269,7 @@ def test_constrained_requests_get_no_speculative_drafts(tiny_llama_dir):
     continuation (every draft would be accepted) is not asked for a constrained request,
     whose output equals its plain constrained run; drafts are verified without the mask."""
     from common.sampling import SamplingParams
-    from services.worker.batch import CachedRequestData, NewRequestData
+    from common.step_plan import CachedRequestData, NewRequestData
     from services.worker.models.weight_loader import load_model
     from services.worker.structured.state import StructuredOutputs
     from tests.unit.test_spec_decode_runner import Driver, Oracle

@@ -14,6 +14,8 @@ from opentelemetry.trace import format_span_id, format_trace_id
 from common import tracing
 from common.log import bind_request, get_logger
 from common.pb.tandem.internal.v1 import scheduler_pb2, worker_pb2
+from common.step_plan import StepPlan
+from common.step_plan_pb import plan_from_pb
 from services.scheduler.request import Request
 from services.scheduler.request_trace import RequestTrace
 from services.worker.request_spans import RequestSpans
@@ -121,12 +123,13 @@ def test_no_context_or_a_malformed_one_starts_a_new_root(spans):
     assert len({ids(s)[0] for s in spans.get_finished_spans()}) == 6
 
 
-def _plan_with(traceparent: str, finished: tuple[str, ...] = ()) -> worker_pb2.StepRequest:
+def _plan_with(traceparent: str, finished: tuple[str, ...] = ()) -> StepPlan:
+    """A plan as the worker decodes it from the wire, bringing request r1."""
     plan = worker_pb2.StepRequest(finished_request_ids=finished)
     plan.new_requests.append(
         worker_pb2.NewRequest(request_id="r1", token_ids=[1, 2, 3], traceparent=traceparent)
     )
-    return plan
+    return plan_from_pb(plan)
 
 
 def traced_submit(num_samples: int):
@@ -150,7 +153,7 @@ def test_per_request_fields_chain_gateway_scheduler_and_worker(spans):
     worker_spans = RequestSpans("decode-1", "decode")
     worker_spans.plan(_plan_with(samples[0].trace_context[0]))
     assert worker_spans.num_open == 1
-    worker_spans.plan(worker_pb2.StepRequest(finished_request_ids=["r1"]))
+    worker_spans.plan(plan_from_pb(worker_pb2.StepRequest(finished_request_ids=["r1"])))
     assert worker_spans.num_open == 0
     trace.sample_finished(samples[0], None)
     assert not [s for s in spans.get_finished_spans() if s.name == "llm_request"]

@@ -3,12 +3,8 @@
 import pytest
 
 from common.sampling import SamplingParams
-from services.worker.batch import (
-    CachedRequestData,
-    NewRequestData,
-    PersistentBatch,
-    PlanError,
-)
+from common.step_plan import CachedRequestData, NewRequestData
+from services.worker.batch import PersistentBatch, PlanError
 
 
 def new(rid="a", tokens=(1, 2, 3, 4, 5), blocks=(3, 1), computed=0, scheduled=5):

@@ -6,7 +6,8 @@ import asyncio
 import pytest
 import torch
 
-from services.worker.batch import BlockMoves, PlanError
+from common.step_plan import BlockMoves
+from services.worker.batch import PlanError
 from services.worker.config import WorkerConfig
 from services.worker.worker import Worker
 

@@ -18,6 +18,7 @@ from common.lifecycle import freeze_startup_heap
 from common.log import get_logger, setup_logging
 from common.model_config import ModelConfig
 from common.pb.tandem.internal.v1 import worker_pb2
+from common.step_plan_pb import plan_from_pb
 from services.worker.batch import PersistentBatch, PlanError
 from services.worker.block_moves import run_moves
 from services.worker.config import WorkerConfig
@@ -27,7 +28,6 @@ from services.worker.parallel.rank_channel import RESET, STEP, read_messages
 from services.worker.parallel.rank_context import join_group, peer_store
 from services.worker.runner import ModelRunner
 from services.worker.startup import load_worker
-from services.worker.step_wire import plan_from_pb
 
 
 def serve_steps(

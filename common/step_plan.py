@@ -1,0 +1,70 @@
+"""The plan of one step, in the one shape it keeps from the scheduler's `PoolScheduler` to
+the worker's persistent batch: the pool scheduler makes each request's `NewRequestData` or
+`CachedRequestData` as it schedules it, the plan goes over the wire (`step_plan_pb.py`,
+the only other form it takes) and the worker applies the same objects. Pure Python."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from common.sampling import SamplingParams
+from common.structured_output import Constraint
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the worker holds nothing for: all its data."""
+
+    request_id: str
+    token_ids: Sequence[int]
+    block_ids: Sequence[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    # Resolved, with the request's stop tokens (the ones min_tokens holds back).
+    sampling: SamplingParams
+    num_prompt_tokens: int = 0
+    # Slots after the new tokens for proposals the worker verifies (speculative decoding).
+    num_lookahead_tokens: int = 0
+    lora_name: str = ""  # "" = the base model
+    structured: Constraint | None = None
+    # W3C trace context of the scheduler's span for the request ("": not traced).
+    traceparent: str = ""
+    tracestate: str = ""
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """A request the worker already holds: what this step adds."""
+
+    request_id: str
+    new_block_ids: Sequence[int]
+    num_scheduled_tokens: int
+    # Whole replacement table (copy-on-write or a sliding window replaced blocks); empty =
+    # append new_block_ids.
+    block_table: Sequence[int] = ()
+    num_lookahead_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class BlockMoves:
+    """Whole-block copies a step makes before its forward pass, in field order."""
+
+    swap_out: Sequence[tuple[int, int]] = ()  # (device block, swap block)
+    swap_in: Sequence[tuple[int, int]] = ()  # (swap block, device block)
+    copies: Sequence[tuple[int, int]] = ()  # (shared device block, fresh device block)
+
+    def __bool__(self) -> bool:
+        return bool(self.swap_out or self.swap_in or self.copies)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step_id: int
+    # Requests the worker drops from its persistent batch before running.
+    finished_ids: Sequence[str]
+    new: Sequence[NewRequestData]
+    cached: Sequence[CachedRequestData]
+    moves: BlockMoves
+    # Tags of KV receives given up on: from this step on none may write into the pool.
+    cancelled_transfer_tags: Sequence[int] = ()
