@@ -66,12 +66,26 @@ class Recovery:
         ]
         for handle in affected:
             self._restart(handle, f"worker {pool.info.worker_id} failed: {why}")
+        self._forget_lost_tokens(pool)
         # Its transfers are cancelled now; the worker forgets every receive anyway.
         pool.scheduler.forget_cancelled_transfers()
         self._update_serving()
         self._plan_migrations()
         if not self.handoff.fail_if_stranded():
             self.handoff.wake_decode_pools()
+
+    def _forget_lost_tokens(self, pool: Pool) -> None:
+        """Requests the dead worker's unanswered steps sample for that already left its pool
+        (preempted while the token was on the way; their new pool waits for it before
+        recomputing them): the token never comes, so they stop waiting for it."""
+        for request in pool.scheduler.requests_in_flight():
+            handle = self._handle_of(request)
+            if handle is None or handle.done or handle.pool is pool:
+                continue
+            if request.num_pending_tokens or request.num_lookahead_in_flight:
+                request.num_pending_tokens = 0
+                request.num_lookahead_in_flight = 0
+                handle.pool.wakeup.set()
 
     def _transfer_failed(self, handle: RequestHandle, src: Pool, dst: Pool, error) -> None:
         """The transfer's blocks are released (the decode side's held until its tag is

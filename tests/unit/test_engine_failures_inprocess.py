@@ -348,6 +348,47 @@ def test_decode_pool_preemption_recomputes_through_the_prefill_pool():
     run(scenario())
 
 
+def test_a_request_preempted_out_of_a_worker_that_then_dies_does_not_wait_for_its_lost_token():
+    """Forced: d0's steps are held, so the token its first decode step samples for every
+    request is still on the way when its next plan runs out of blocks and preempts one
+    (recompute: back to p0's queue, where a request waits for a token on the way before it
+    is recomputed). d0 then dies with that step unanswered: the token will never come, and
+    the preempted request must not wait for it (it waited forever: a fresh clone's run of
+    `test_e2e_architecture_paths` hung one stream until its deadline)."""
+
+    async def scenario():
+        async with cluster(
+            worker_info("p0", "prefill"),
+            worker_info("d0", "decode", num_blocks=7),
+            worker_info("d1", "decode"),
+        ) as c:
+            d0, d1 = c.worker("d0"), c.worker("d1")
+            d1.kill()  # every hand-off goes to d0 until d1 comes back
+            await until(lambda: not c.pool("d1").healthy, what="the monitor fails d1")
+            d0.hold_steps()
+            # 7-token prompts: 8 tokens (2 blocks of 4) each when they reach d0 (6 of 7
+            # blocks). Its first step computes position 7 (no block needed) and samples
+            # token 9, still on the way (held) when the second step needs a third block
+            # for each: one request is preempted with that token pending.
+            cases = [(prompt(70 + i, 7), 12) for i in range(3)]
+            handles = [submit(c, f"r{i}", p, n) for i, (p, n) in enumerate(cases)]
+            scheduler = c.pool("d0").scheduler
+            await until(lambda: scheduler.num_preemptions > 0, what="d0 preempts")
+            waiting = c.pool("p0").scheduler.waiting
+            assert [r.num_pending_tokens for r in waiting] == [1]  # the race, forced
+            d1.revive()
+            await until(lambda: c.pool("d1").healthy, what="the monitor rejoins d1")
+            assert [r.num_pending_tokens for r in waiting] == [1]  # still on the way
+            d0.kill()
+            streams = await asyncio.gather(*(collect(h.events) for h in handles))
+            for stream, (p, n) in zip(streams, cases, strict=True):
+                assert_exact(stream, p, n)
+            assert c.engine.num_worker_failures == 2
+            await assert_clean(c)
+
+    run(scenario())
+
+
 # -- admission -----------------------------------------------------------------------------
 def test_full_queue_is_overloaded():
     async def scenario():
