@@ -2,9 +2,10 @@
 services, checked against HF `generate` (fp32 greedy): a disaggregated stack of a prefill
 worker and a decode worker of two tensor-parallel ranks (each holding half the heads and
 the whole latent) with a 16-token step budget; the latents move through the decode
-worker's shared-memory pull and, in a second stack, over UCX. Both workers describe the
-latent KV layout: one KV head of (kv_lora_rank + qk_rope_head_dim) / 2 values, a block of
-layers x block size x (kv_lora_rank + qk_rope_head_dim) values. Prompts are prefilled in
+worker's shared-memory pull from a prefill worker of two expert-parallel ranks (half the
+routed experts whole on each) and, in a second stack, over UCX from one rank. Both workers
+describe the latent KV layout: one KV head of (kv_lora_rank + qk_rope_head_dim) / 2 values,
+a block of layers x block size x (kv_lora_rank + qk_rope_head_dim) values. Prompts are prefilled in
 chunks attending to earlier chunks through the cached latents, their latents move to the
 decode worker's ranks (another layout), concurrent requests share steps, a repeated prompt
 hits the prefix cache; every output equals HF's. Recompute and swap preemption and a
@@ -56,7 +57,8 @@ def served(request, folder, module_stacks):
         name=f"deepseek_v3-{request.param}",
         extra_args={
             "scheduler": ["--max-num-batched-tokens", str(BUDGET)],
-            "prefill": ucx,
+            # shm: the prefill worker expert-parallel; ucx: one rank, into another layout
+            "prefill": ucx or ["--tensor-parallel-size", "2", "--enable-expert-parallel"],
             "decode": ["--tensor-parallel-size", "2", *ucx],  # into another layout
         },
     )

@@ -1,9 +1,10 @@
 """gpt-oss served end to end, checked against HF `generate` (fp32 greedy): a tiny checkpoint
 with its experts in MXFP4 (as the published ones; `devtools.mxfp4_checkpoint`), sliding /
 full / sliding layers with a window of 12 (shorter than a KV block, the step budget and
-every prompt here), attention sinks, YaRN RoPE. One disaggregated stack: a prefill worker
-and a decode worker of two ranks with expert parallelism (attention heads split, two of the
-four experts whole on each rank, both dequantized from MXFP4 at load) under a 16-token step
+every prompt here), attention sinks, YaRN RoPE. One disaggregated stack: a prefill worker of
+two tensor-parallel ranks (attention heads and each expert's inner dimension split) and a
+decode worker of two ranks with expert parallelism (attention heads split, two of the four
+experts whole on each rank), all dequantized from MXFP4 at load, under a 16-token step
 budget, so prompts are prefilled in chunks attending to earlier chunks through the cache,
 their KV moves to the decode worker, concurrent requests share steps, a repeated prompt hits
 the prefix cache; every output equals HF's (HF dequantizing the same MXFP4 folder). And a
@@ -58,6 +59,7 @@ def served(module_stacks, tmp_path_factory):
         name="gpt-oss",
         extra_args={
             "scheduler": ["--max-num-batched-tokens", str(BUDGET)],
+            "prefill": ["--tensor-parallel-size", "2"],
             "decode": ["--tensor-parallel-size", "2", "--enable-expert-parallel"],
         },
     )
@@ -66,8 +68,8 @@ def served(module_stacks, tmp_path_factory):
 
 def test_chunked_prompts_past_the_window_equal_hf(served) -> None:
     folder, stack = served
-    decode_workers = [p.name for p in stack.processes if p.name.startswith("decode-")]
-    assert [len(peer_ranks(stack, w)) for w in decode_workers] == [1]  # two ranks
+    workers = [p.name for p in stack.processes if p.name.startswith(("prefill-", "decode-"))]
+    assert [len(peer_ranks(stack, w)) for w in workers] == [1, 1]  # two ranks each
     chunked_prompts_equal_hf(folder, stack)
 
 

@@ -1,9 +1,10 @@
 """Mixture-of-experts models (Mixtral, Qwen3-MoE) through the real services, checked against
-HF `generate`: one disaggregated stack per architecture (a prefill worker, and a decode
-worker of two ranks: tensor-parallel experts for Mixtral, each expert's inner dimension
-split; expert-parallel for Qwen3-MoE, half the experts whole on each rank) with a 16-token
-step budget, so every longer prompt is computed in chunks whose KV then moves to the decode
-worker's ranks, a layout other than the prefill worker's; concurrent requests share steps
+HF `generate`: one disaggregated stack per architecture, each worker of two ranks, one with
+tensor-parallel experts (each expert's inner dimension split) and the other expert-parallel
+(half the experts whole on each rank): Mixtral prefills expert-parallel and decodes
+tensor-parallel, Qwen3-MoE the other way round. A 16-token step budget, so every longer
+prompt is computed in chunks whose KV then moves to the decode worker's ranks (DeepSeek's
+UCX stack checks a MoE model's KV into another layout); concurrent requests share steps
 (experts see batches of several tokens, some experts none), a repeated prompt hits the
 prefix cache. And a worker given a checkpoint
 whose experts Tandem does not compute exits with one line naming the field.
@@ -35,10 +36,10 @@ PROMPTS = [
 ]
 
 
-DECODE_RANKS = {
-    "mixtral": ["--tensor-parallel-size", "2"],
-    "qwen3_moe": ["--tensor-parallel-size", "2", "--enable-expert-parallel"],
-}
+TP = ["--tensor-parallel-size", "2"]
+EP = [*TP, "--enable-expert-parallel"]
+PREFILL_RANKS = {"mixtral": EP, "qwen3_moe": TP}
+DECODE_RANKS = {"mixtral": TP, "qwen3_moe": EP}
 
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
@@ -50,7 +51,7 @@ def moe_stack(request, module_stacks):
         folder,
         name=request.param,
         extra_args={
-            "prefill": model,
+            "prefill": model + PREFILL_RANKS[request.param],
             "decode": model + DECODE_RANKS[request.param],
             "scheduler": ["--max-num-batched-tokens", str(STEP_BUDGET)],
         },
@@ -63,8 +64,8 @@ def test_concurrent_chunked_prompts_equal_hf_greedy(moe_stack) -> None:
     tokenizer = hf_tokenizer(str(folder))
     work = [(tokenizer.encode(text), max_tokens) for text, max_tokens in PROMPTS]
     assert max(len(p) for p, _ in work) > 2 * STEP_BUDGET  # chunked in 3 steps or more
-    decode_workers = [p.name for p in stack.processes if p.name.startswith("decode-")]
-    assert [len(peer_ranks(stack, w)) for w in decode_workers] == [1]  # two ranks
+    workers = [p.name for p in stack.processes if p.name.startswith(("prefill-", "decode-"))]
+    assert [len(peer_ranks(stack, w)) for w in workers] == [1, 1]  # two ranks each
     before = {p.worker_id: p for p in wait_until_idle(stack).pools}
     results = run_concurrently(stack.spec.gateway_address, work)
     for (prompt, max_tokens), got in zip(work, results, strict=True):
