@@ -28,8 +28,9 @@
 // a value.
 //
 // Built with -march=native: AVX-512 where the CPU has it (a panel row is one 512-bit register;
-// blocks of up to 12 rows keep 12 accumulators in flight), else AVX2+FMA (two 256-bit halves,
-// blocks of up to 6 rows), else a plain loop the compiler vectorizes. Every output is the
+// blocks of up to 16 rows keep 16 accumulators in flight: against 12, prompt-sized products
+// 7-8% faster on SmolLM2's shapes at 128 rows, 4% at 48, decode sizes equal), else AVX2+FMA
+// (two 256-bit halves, blocks of up to 6 rows), else a plain loop the compiler vectorizes. Every output is the
 // same sum in the same order on all three: the results are bit-identical.
 
 #include <ATen/ATen.h>

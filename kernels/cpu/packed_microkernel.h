@@ -20,7 +20,7 @@ namespace {
 
 constexpr int64_t kPanel = 16;         // output columns per panel (two AVX2 registers)
 #if defined(__AVX512F__)
-constexpr int64_t kRowBlock = 12;      // rows per micro-kernel call (12 accumulators)
+constexpr int64_t kRowBlock = 16;      // rows per micro-kernel call (16 accumulators)
 #else
 constexpr int64_t kRowBlock = 6;       // rows per micro-kernel call (12 accumulators)
 #endif
@@ -74,7 +74,8 @@ inline __m256 load_half(const Bf16* w) {
 // The vector micro-kernel: `R` rows' accumulators for one 16-column panel held in registers
 // (TANDEM_DECL/STEP/K/STORE, per instruction set below), one shared loop.
 #if defined(__AVX512F__)
-#define TANDEM_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define TANDEM_ROWS(X) \
+  X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
 #define TANDEM_DECL(i)                                          \
   __m512 c##i = _mm512_setzero_ps();                            \
   if (R > i) {                                                  \
@@ -179,6 +180,10 @@ void run_block(int64_t rows, const float* x, int64_t ldx, const W* w, int64_t de
                float* c, int64_t ldc, const float* init, const char* fetch = nullptr) {
   switch (rows) {
 #if defined(__AVX512F__)
+    case 16: block<16, Rows, Fetch, W>(x, ldx, w, depth, c, ldc, init, fetch); break;
+    case 15: block<15, Rows, Fetch, W>(x, ldx, w, depth, c, ldc, init, fetch); break;
+    case 14: block<14, Rows, Fetch, W>(x, ldx, w, depth, c, ldc, init, fetch); break;
+    case 13: block<13, Rows, Fetch, W>(x, ldx, w, depth, c, ldc, init, fetch); break;
     case 12: block<12, Rows, Fetch, W>(x, ldx, w, depth, c, ldc, init, fetch); break;
     case 11: block<11, Rows, Fetch, W>(x, ldx, w, depth, c, ldc, init, fetch); break;
     case 10: block<10, Rows, Fetch, W>(x, ldx, w, depth, c, ldc, init, fetch); break;

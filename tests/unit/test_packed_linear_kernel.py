@@ -1,6 +1,6 @@
 """Tandem's packed decode GEMM (`kernels/cpu/packed_linear.cpp`) against `torch.addmm` in
 float64: every row count a plan can hand it (the even split into blocks of at most 6 rows,
-12 with AVX-512, makes each count a different set of micro-kernels), output widths that are
+16 with AVX-512, makes each count a different set of micro-kernels), output widths that are
 and are not a multiple of the 16-column panels, depths that are and are not a multiple of
 the 128-deep chunks and of the four values of k the decode loop takes at a time (134: a last
 chunk of 6, four unrolled and two alone), bias and none, strided inputs; and the errors it
