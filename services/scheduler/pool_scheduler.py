@@ -507,7 +507,8 @@ class PoolScheduler(Migration):
         self.blocks.cache_full_blocks(
             rid, request.block_hashes, request.all_token_ids, request.num_computed_tokens
         )
-        placed = Placed(self.blocks.table(rid), added, is_new, bool(replaced))
+        table = self.blocks.table(rid) if is_new or replaced else []  # else not sent
+        placed = Placed(table, added, is_new, bool(replaced))
         plan.scheduled.append(scheduled(request, placed, start, num_new, lookahead, samples))
 
     def _preempt(self, victim: Request, plan: PoolStepPlan) -> None:
