@@ -80,8 +80,9 @@ def new_request_data(
 @dataclass(frozen=True)
 class Placed:
     """Where a scheduled request's blocks stand after this step's allocation: its whole
-    `table` (read only for a new request or a replaced table), the blocks `added` now, whether the worker holds nothing for it yet (`is_new`)
-    and whether earlier blocks were replaced (copy-on-write, a sliding window)."""
+    `table` (read only for a new request or a replaced table), the blocks `added` now,
+    whether the worker holds nothing for it yet (`is_new`) and whether earlier blocks were
+    replaced (copy-on-write, a sliding window)."""
 
     table: list[int]
     added: list[int]
