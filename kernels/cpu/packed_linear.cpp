@@ -51,46 +51,7 @@
 
 namespace {
 
-// Float32 or bfloat16 panels, read where they are stored.
-template <typename W>
-struct StoredPanels {
-  const W* base;
-  int64_t depth;
-  void load(int64_t, int64_t) {}
-  const W* panel(int64_t p) const { return base + p * depth * kPanel; }
-};
-
 constexpr int64_t kQuantAhead = 8 * 1024;  // bytes of blocks prefetched ahead
-
-// Block-quantized panels (quant_panels.h): a group's panels dequantized into a float32 copy
-// (in L2) that every block of rows then reads, each panel when the group's first block
-// first asks for it (interleaved with that block's products, not all up front).
-template <bool Q4>
-struct DequantizedPanels {
-  const uint8_t* base;
-  int64_t depth;
-  std::vector<float> wide = {};
-  int64_t first = 0, ready = 0;  // panels [first, ready) are in `wide`
-  void load(int64_t p0, int64_t p1) {
-    wide.resize((p1 - p0) * depth * kPanel);
-    first = ready = p0;
-  }
-  const float* panel(int64_t p) {
-    float* out = wide.data() + (p - first) * depth * kPanel;
-    if (p == ready) {
-      const int64_t per_panel = depth / kBlockK;
-      for (int64_t kb = 0; kb < per_panel; ++kb) {
-        const uint8_t* src = base + (p * per_panel + kb) * block_bytes<Q4>();
-        for (int64_t line = 0; line < block_bytes<Q4>(); line += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(src + kQuantAhead + line), _MM_HINT_T0);
-        }
-        dequantize_block<Q4>(src, out + kb * kBlockK * kPanel);
-      }
-      ++ready;
-    }
-    return out;
-  }
-};
 
 // Prompt-sized products (more than kFewRows rows): x is too big to sweep once per 128-deep
 // chunk of a panel from L1 (2048 rows x 512 features is 4 MiB), so the loops turn around.
@@ -99,30 +60,26 @@ struct DequantizedPanels {
 // whole depth, its accumulators in registers. The weights come from memory once per
 // group, prefetched by the first block; x comes from L3 once per group. Every block widens
 // a bfloat16 group's rows again (128 rows: as fast as float32 panels; widening each group
-// once into a float32 copy in L2 was 15% slower). `make_panels()`: a thread's StoredPanels
-// or DequantizedPanels.
-template <typename MakePanels>
-void many_rows(const float* xs, int64_t ldx, int64_t rows, int64_t depth, int64_t panels,
-               const float* start, float* o_base, int64_t out_features,
-               const MakePanels& make_panels) {
+// once into a float32 copy in L2 was 15% slower).
+template <typename W>
+void many_rows(const float* xs, int64_t ldx, int64_t rows, const W* w_base, int64_t depth,
+               int64_t panels, const float* start, float* o_base, int64_t out_features) {
   const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
   const int64_t group = std::max<int64_t>(1, kGroupBytes / (depth * kPanel * 4));
   const int64_t groups = (panels + group - 1) / group;
   tandem_cpu::claimed_parallel_for(groups, 1, [&](int64_t g_begin, int64_t g_end) {
     std::vector<float> tail;  // the last panel's outputs when N is not a multiple of 16
-    auto source = make_panels();
     for (int64_t g = g_begin; g < g_end; ++g) {
       const int64_t p0 = g * group, p1 = std::min(panels, p0 + group);
       const bool partial = p1 * kPanel > out_features;
       if (partial) tail.resize(rows * kPanel);
-      source.load(p0, p1);
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t m = b * kRowBlock, r = std::min(kRowBlock, rows - m);
         for (int64_t p = p0; p < p1; ++p) {
           const bool last = (p + 1) * kPanel > out_features;
           float* c = last ? tail.data() + m * kPanel : o_base + m * out_features + p * kPanel;
           const int64_t ldc = last ? kPanel : out_features;
-          const auto* w = source.panel(p);
+          const W* w = w_base + p * depth * kPanel;
           // The first block streams the group's weights in: it prefetches every row ahead.
           if (b == 0) {
             run_block<true, 1>(r, xs + m * ldx, ldx, w, depth, c, ldc, start + p * kPanel);
@@ -292,10 +249,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   float* o_base = out.data_ptr<float>();
   const float* first = start.data();
   const auto stored = [&](auto* w_base) {
-    using W = std::remove_const_t<std::remove_pointer_t<decltype(w_base)>>;
     if (rows > kFewRows) {
-      many_rows(xs, depth, rows, depth, panels, first, o_base, out_features,
-                [&] { return StoredPanels<W>{w_base, depth}; });
+      many_rows(xs, depth, rows, w_base, depth, panels, first, o_base, out_features);
     } else {
       few_rows(RowBlocks(xs, rows, depth), rows, depth, w_base, panels, first, o_base,
                out_features);
@@ -304,12 +259,13 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const auto blocks = [&](auto q4) {
     constexpr bool Q4 = decltype(q4)::value;
     const auto* base = packed.data_ptr<uint8_t>();
-    if (rows > kFewRows) {
-      many_rows(xs, depth, rows, depth, panels, first, o_base, out_features,
-                [&] { return DequantizedPanels<Q4>{base, depth}; });
-    } else {
-      few_rows_quant<Q4>(RowBlocks(xs, rows, depth), rows, depth, base, panels, first, o_base,
-                         out_features);
+    // Block panels pay for small products (compact_panels.BLOCK_PANEL_ROWS); larger ones
+    // take the decode loop kFewRows rows at a time (dequantizing a group of panels into L2
+    // for the prompt loop order was 6-10% slower than float32 panels).
+    for (int64_t m = 0; m < rows; m += kFewRows) {
+      const int64_t r = std::min(kFewRows, rows - m);
+      few_rows_quant<Q4>(RowBlocks(xs + m * depth, r, depth), r, depth, base, panels, first,
+                         o_base + m * out_features, out_features);
     }
   };
   if (quantized && packed.size(2) == kQ4Bytes) {
