@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kernels import cpu_ops, cpu_paged_attention, torch_paged
+from tests.hf_attention import sequence_context
 from tests.unit.test_cpu_paged_attention import _setup
 
 CASES = [
@@ -27,17 +28,12 @@ CASES = [
 
 def _dense(query, k_cache, v_cache, tables, starts, seq_lens, scale, window):
     """One sequence at a time from a contiguous copy of its context, HF's mask."""
-    block_size, kv_heads, head_dim = k_cache.shape[1:]
-    group = query.shape[1] // kv_heads
+    group = query.shape[1] // k_cache.shape[2]
     out = torch.empty(query.shape, dtype=torch.float32)
-    for i, seq_len in enumerate(seq_lens):
-        blocks = tables[i, : -(-seq_len // block_size)].long()
-        keys = k_cache[blocks].reshape(-1, kv_heads, head_dim)[:seq_len].float()
-        values = v_cache[blocks].reshape(-1, kv_heads, head_dim)[:seq_len].float()
-        q = query[starts[i] : starts[i + 1]].float()
-        q_pos = torch.arange(seq_len - q.shape[0], seq_len)[:, None]
-        k_pos = torch.arange(seq_len)[None, :]
-        visible = (k_pos <= q_pos) & (k_pos > q_pos - window)
+    for i in range(len(seq_lens)):
+        q, keys, values, visible = sequence_context(
+            query, k_cache, v_cache, tables, starts, seq_lens, i, window
+        )
         keys = keys.repeat_interleave(group, 1)
         values = values.repeat_interleave(group, 1)
         scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
