@@ -40,10 +40,11 @@ from common.gpt_oss_config import (
     gpt_oss_moe,
     parse_gpt_oss,
 )
+from common.kv_groups import KvGroups, kv_groups
 from common.mla_config import MlaConfig, parse_mla
 from common.moe_config import MoeConfig, parse_moe
 from common.rope_config import parse_rope, validate_rope_scaling
-from common.sliding_window import kv_window_tokens, parse_layer_windows
+from common.sliding_window import parse_layer_windows
 
 SUPPORTED_ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text",
@@ -146,11 +147,9 @@ class ModelConfig:
         positions), or None for full attention."""
         return None if self.layer_windows is None else self.layer_windows[layer]
 
-    @property
-    def kv_window_tokens(self) -> int:
-        """Every layer windowed: the widest window, the KV a query reads (the scheduler frees
-        the rest, `block_manager.trim`); 0 when some layer attends to the whole context."""
-        return kv_window_tokens(self.layer_windows)
+    def kv_groups(self, hybrid: bool = True) -> KvGroups:
+        """Which layers share a block table (`common.kv_groups`); `hybrid=False`: one."""
+        return kv_groups(self.layer_windows, self.num_hidden_layers, hybrid)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` has routed experts instead of a dense MLP."""

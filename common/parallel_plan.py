@@ -19,6 +19,7 @@ several source ranks the destinations are spread over them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -103,10 +104,18 @@ class KvSlice:
 
 
 def kv_transfer_plan(
-    num_heads: int, num_kv_heads: int, num_layers: int, src: Layout, dst: Layout
+    num_heads: int,
+    num_kv_heads: int,
+    num_layers: int,
+    src: Layout,
+    dst: Layout,
+    stage_layers: tuple[Sequence[range], Sequence[range]] | None = None,
 ) -> list[KvSlice]:
-    src_layers = layer_ranges(num_layers, src.pp)
-    dst_layers = layer_ranges(num_layers, dst.pp)
+    """`stage_layers`: each side's stages' ranges when a pool's layer axis is not the
+    model's layers split evenly (KV groups' slots: `KvGeometry.stage_ranges`)."""
+    if stage_layers is None:
+        stage_layers = (layer_ranges(num_layers, src.pp), layer_ranges(num_layers, dst.pp))
+    src_layers, dst_layers = stage_layers
     src_heads = [kv_heads_of_rank(num_heads, num_kv_heads, src.tp, r) for r in range(src.tp)]
     dst_heads = [kv_heads_of_rank(num_heads, num_kv_heads, dst.tp, r) for r in range(dst.tp)]
     plan: list[KvSlice] = []

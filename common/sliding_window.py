@@ -83,12 +83,3 @@ def _checked_layer_types(layer_types: Any, num_layers: int) -> list[str]:
     if unknown:
         raise ValueError(f"unsupported layer_types {unknown}; supported: {SLIDING}, {FULL}")
     return list(layer_types)
-
-
-def kv_window_tokens(layer_windows: tuple[int | None, ...] | None) -> int:
-    """The KV a query needs, in tokens before and including its own position, when every
-    layer attends through a window: the widest window. 0 when some layer attends to the
-    whole context (its KV must all be kept)."""
-    if not layer_windows or any(window is None for window in layer_windows):
-        return 0
-    return max(layer_windows)

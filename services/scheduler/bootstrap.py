@@ -28,7 +28,7 @@ log = get_logger(__name__)
 # sent by a prefill worker must land byte-for-byte in a decode worker's block).
 _SAME_MODEL = (
     "architecture", "vocab_size", "num_layers", "num_kv_heads", "head_dim", "dtype",
-    "lora_adapters",
+    "lora_adapters", "kv_group_windows",
 )  # fmt: skip
 
 
@@ -45,6 +45,16 @@ def check_compatible(infos: list[WorkerInfo]) -> None:
                 raise ValueError(
                     f"workers disagree on model {name}: {first.worker_id}={a}, {info.worker_id}={b}"
                 )
+        if len(info.model.kv_group_windows) > 1 and (
+            info.pipeline_parallel_size != first.pipeline_parallel_size
+        ):
+            raise ValueError(
+                "KV groups (a model mixing sliding-window and full layers) move between "
+                f"workers of the same pipeline_parallel_size only: {first.worker_id} has "
+                f"{first.pipeline_parallel_size}, {info.worker_id} "
+                f"{info.pipeline_parallel_size}; start the workers with "
+                "--disable-hybrid-kv-cache-manager"
+            )
         if (info.block_size, info.block_bytes) != (first.block_size, first.block_bytes):
             raise ValueError(
                 f"workers disagree on KV block geometry: {first.worker_id} "
@@ -100,7 +110,12 @@ def pool_scheduler(config: SchedulerConfig, info: WorkerInfo) -> PoolScheduler:
             "(start it with --swap-space > 0)"
         )
     swap = (
-        BlockManager(info.num_swap_blocks, info.block_size, enable_caching=False)
+        BlockManager(
+            info.num_swap_blocks,
+            info.block_size,
+            enable_caching=False,
+            group_windows=(None,) * len(info.model.group_windows),
+        )
         if config.preemption_mode == "swap"
         else None
     )
@@ -109,7 +124,7 @@ def pool_scheduler(config: SchedulerConfig, info: WorkerInfo) -> PoolScheduler:
             info.num_blocks,
             info.block_size,
             config.enable_prefix_caching,
-            window=info.model.kv_window_tokens or None,
+            group_windows=info.model.group_windows,
         ),
         config.max_num_batched_tokens,
         config.max_num_seqs,

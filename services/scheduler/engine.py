@@ -299,7 +299,7 @@ class Engine(Recovery, BeamSteps):
             scores.append(
                 PrefillCandidate(
                     queued_tokens=pool.scheduler.num_queued_tokens,
-                    cached_tokens=len(hits) * pool.blocks.block_size,
+                    cached_tokens=pool.blocks.tokens_in(len(hits)),
                     free_blocks=pool.blocks.num_free_blocks,
                 )
             )

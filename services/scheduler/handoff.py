@@ -169,7 +169,7 @@ class KvHandoff:
             transfer = self._start(handle, dst, hits, streamed=True)
         computed = handle.request.num_computed_tokens
         table = src.blocks.table(handle.request.request_id)
-        transfer.add_part(table, computed // src.blocks.block_size, step_id, last)
+        transfer.add_part(table, src.blocks.full_blocks(computed), step_id, last)
 
     def _can_pull(self, src: Pool, dst: Pool) -> bool:
         pair = (src.info.worker_id, dst.info.worker_id)
@@ -212,7 +212,7 @@ class KvHandoff:
         request, src = handle.request, handle.pool
         rid = request.request_id
         num_tokens = request.num_known_tokens if streamed else request.num_computed_tokens
-        # Where every layer is windowed, blocks no decode query reads get the null block.
+        # Windowed groups' blocks no decode query reads get the null block.
         dst_blocks, _ = dst.blocks.allocate(
             rid, num_tokens, hits=hits, next_position=max(0, num_tokens - 1)
         )

@@ -417,7 +417,7 @@ class PoolScheduler(Migration):
                 skipped.append(request)  # its grammar is compiling (grammar_gate)
                 continue
             hits = self._prefix_hits(request)
-            start = len(hits) * self.blocks.block_size if hits else request.num_computed_tokens
+            start = self.blocks.tokens_in(len(hits)) if hits else request.num_computed_tokens
             num_new = min(request.num_tokens - start, budget)
             if num_new <= 0:
                 raise ValueError(f"request {request.request_id} queued with nothing to compute")

@@ -158,8 +158,14 @@ class Recovery:
         info = await sync_worker(pool.client, info, self.loras)  # before any step
         self.grammars.forget_prepared()  # it compiled nothing yet
         reference = next((p.info for p in self.pools if p is not pool), pool.info)
-        if (info.model.num_layers, info.block_bytes, info.block_size) != (
+        if (
+            info.model.num_layers,
+            info.model.kv_group_windows,
+            info.block_bytes,
+            info.block_size,
+        ) != (
             reference.model.num_layers,
+            reference.model.kv_group_windows,
             reference.block_bytes,
             reference.block_size,
         ) or info.role != pool.info.role:

@@ -20,7 +20,11 @@ def model_from_pb(pb: types_pb2.ModelDescription) -> ModelShape:
     values = {f.name: getattr(pb, f.name) for f in fields(ModelShape)}
     return ModelShape(
         **values
-        | {"eos_token_ids": tuple(pb.eos_token_ids), "lora_adapters": tuple(pb.lora_adapters)}
+        | {
+            "eos_token_ids": tuple(pb.eos_token_ids),
+            "lora_adapters": tuple(pb.lora_adapters),
+            "kv_group_windows": tuple(pb.kv_group_windows),
+        }
     )
 
 

@@ -53,7 +53,13 @@ class ModelShape:
     lora_adapters: tuple[str, ...] = ()  # the LoRA adapters every worker loaded
     rope_type: str = ""  # the RoPE scaling type ("" from a worker that does not say)
     rope_length_threshold: int = 0  # see common.rope_config.rope_length_threshold
-    kv_window_tokens: int = 0  # every layer windowed: the widest window (0: not all are)
+    # Each KV group's sliding window (0: full attention; `common.kv_groups`); (): one group.
+    kv_group_windows: tuple[int, ...] = ()
+
+    @property
+    def group_windows(self) -> tuple[int | None, ...]:
+        """Each KV group's window for the block manager (None: full attention)."""
+        return tuple(w or None for w in self.kv_group_windows) or (None,)
 
     def prompt_rope_key(self, prompt_len: int) -> str:
         """The RoPE state a prompt of `prompt_len` tokens is computed under, beyond its

@@ -52,8 +52,11 @@ class ScheduledWork:
 
 
 class PersistentBatch:
-    def __init__(self, block_size: int, num_blocks: int, vocab_size: int) -> None:
+    def __init__(
+        self, block_size: int, num_blocks: int, vocab_size: int, num_kv_groups: int = 1
+    ) -> None:
         self.block_size = block_size
+        self.num_kv_groups = num_kv_groups  # entries per block of tokens in a table
         self.num_blocks = num_blocks
         self.vocab_size = vocab_size
         self.requests: dict[str, WorkerRequest] = {}
@@ -151,7 +154,7 @@ class PersistentBatch:
             raise PlanError(
                 f"request {request.request_id}: lookahead slots on a step that does not sample"
             )
-        if end + lookahead > len(request.block_ids) * self.block_size:
+        if end + lookahead > len(request.block_ids) // self.num_kv_groups * self.block_size:
             raise PlanError(
                 f"request {request.request_id}: {len(request.block_ids)} blocks cannot hold "
                 f"{end + lookahead} tokens"

@@ -80,6 +80,14 @@ class WorkerConfig(ServiceConfig):
         "never capture CUDA graphs (decode steps run eagerly)",
         env="TANDEM_ENFORCE_EAGER",
     )
+    disable_hybrid_kv_cache_manager: bool = setting(
+        False,
+        "models mixing sliding-window and full layers (Gemma 2/3, gpt-oss, Qwen2 "
+        "max_window_layers): keep one block table for all layers (every block of the "
+        "context held on every layer) instead of a table per KV group whose windowed "
+        "groups free the blocks out of their window (vLLM's flag)",
+        env="TANDEM_DISABLE_HYBRID_KV_CACHE_MANAGER",
+    )
     cuda_graph_max_batch_size: int = setting(
         256,
         "largest decode batch replayed from a CUDA graph (larger ones run eagerly)",

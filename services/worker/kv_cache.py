@@ -8,6 +8,11 @@ other side. The per-layer K and V caches that attention kernels use are strided 
 (`data[:, layer, 0]`, `data[:, layer, 1]`) of shape `[num_blocks, block_size, kv_heads,
 head_dim]`; writing through them writes `data`.
 
+KV groups (`common.kv_groups`, a model mixing windowed and full layers): a block then holds
+`num_layers` *slots*, one per layer of one group, and `layer_slots` gives each of this
+stage's layers its (group, slot); a layer's caches are views of its slot, and its attention
+reads its group's block table. Without groups, layer i is slot i of every block.
+
 The memory may come from outside (`storage`: the shared-memory pool of `kv_shared`). A
 forward pass reports each layer it finishes (`layer_written`) to `on_layer_written`, if
 set: the shared pool's progress header, which same-host peers stream from.
@@ -36,9 +41,13 @@ class KvCache:
         device: torch.device | str = "cpu",
         zeroed: bool = True,
         storage: torch.Tensor | None = None,
+        layer_slots: tuple[tuple[int, int], ...] | None = None,
+        num_groups: int = 1,
     ) -> None:
         """`zeroed=False` leaves memory untouched until used (swap space); `storage`, a
-        uint8 tensor of exactly the pool's bytes, is used as the pool (not cleared)."""
+        uint8 tensor of exactly the pool's bytes, is used as the pool (not cleared).
+        `num_layers`: slots per block; `layer_slots`: each layer's (group, slot) of the
+        model's `num_groups` KV groups (None: layer i in slot i, one group)."""
         for name, value in (
             ("num_blocks", num_blocks),
             ("block_size", block_size),
@@ -53,6 +62,12 @@ class KvCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_layers = num_layers
+        if layer_slots is None:
+            layer_slots = tuple((0, i) for i in range(num_layers))
+        if any(not (0 <= g < num_groups and 0 <= i < num_layers) for g, i in layer_slots):
+            raise ValueError(f"KvCache layer_slots {layer_slots} out of range")
+        self.layer_slots = layer_slots
+        self.num_groups = num_groups
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
@@ -72,9 +87,14 @@ class KvCache:
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache) of one layer, each `[num_blocks, block_size, kv_heads, head_dim]`."""
-        if not 0 <= index < self.num_layers:
-            raise ValueError(f"layer index {index} out of range [0, {self.num_layers})")
-        return self.data[:, index, 0], self.data[:, index, 1]
+        if not 0 <= index < len(self.layer_slots):
+            raise ValueError(f"layer index {index} out of range [0, {len(self.layer_slots)})")
+        slot = self.layer_slots[index][1]
+        return self.data[:, slot, 0], self.data[:, slot, 1]
+
+    def group_of(self, index: int) -> int:
+        """The KV group of this stage's layer `index` (whose block table it reads)."""
+        return self.layer_slots[index][0]
 
     def layer_written(self, index: int) -> None:
         """A forward pass finished layer `index` (its KV is in the pool)."""

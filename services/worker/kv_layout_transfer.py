@@ -27,7 +27,7 @@ from common.kv_rank_messages import (
     rank_tag,
     slices_to_wire,
 )
-from common.parallel_plan import Layout, kv_transfer_plan
+from common.parallel_plan import Layout
 from services.worker.kv_transfer import (
     KvTransferCancelled,
     KvTransferError,
@@ -61,9 +61,7 @@ class LayoutTransfers:
 
     def messages(self, src: Layout, dst: Layout) -> list[RankMessage]:
         if (src, dst) not in self._plans:
-            g = self.geometry
-            plan = kv_transfer_plan(g.num_heads, g.num_kv_heads, g.num_layers, src, dst)
-            self._plans[(src, dst)] = rank_messages(plan)
+            self._plans[(src, dst)] = rank_messages(self.geometry.plan(src, dst))
         return self._plans[(src, dst)]
 
     def _nbytes(self, message: RankMessage, num_blocks: int) -> int:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from common.kv_groups import KvGroups
 from common.kv_shared_memory import SharedMemoryInfo
 from common.log import get_logger
 from common.parallel_plan import Layout
@@ -77,10 +78,12 @@ class KvPuller:
         timeout_s: float,
         min_streamed_copy_bytes: int = MIN_STREAMED_COPY_BYTES,
         ranks: RankPools | None = None,
+        groups: KvGroups | None = None,
     ) -> None:
         """`ranks`: this worker's rank pools when it is parallel (None: its one pool,
-        `kv_cache`, holds every KV head of every layer)."""
+        `kv_cache`, holds every KV head of every layer); `groups`: the model's KV groups."""
         self.kv_cache = kv_cache
+        self.groups = groups
         self.ranks = ranks
         self.min_streamed_copy_bytes = min_streamed_copy_bytes
         self._on_tensor_thread = on_tensor_thread
@@ -94,8 +97,8 @@ class KvPuller:
             from services.worker.parallel.kv_ranks import KvGeometry
 
             c = self.kv_cache
-            geometry = KvGeometry(c.num_kv_heads, c.num_kv_heads, c.num_layers, c.block_size,
-                                  c.head_dim)  # fmt: skip
+            geometry = KvGeometry(c.num_kv_heads, c.num_kv_heads, len(c.layer_slots),
+                                  c.block_size, c.head_dim, self.groups)  # fmt: skip
             self.ranks = RankPools(geometry, Layout(), [c.data])
         return self.ranks
 
@@ -156,14 +159,17 @@ class KvPuller:
             raise KvTransferError(f"source block ids {bad[:4]} outside the peer's pool")
         await wait_for_step()
         runs = block_runs(source.block_ids, block_ids)
-        num_layers, copied = self._rank_pools().geometry.num_layers, 0  # the model's
+        geometry, pp = self._rank_pools().geometry, self._rank_pools().layout.pp
+        num_layers = geometry.num_layers  # the model's
+        # Along the pools' layer axis (layers, or KV groups' slots: `KvGeometry`).
+        axis_end, copied = geometry.axis_done(num_layers, pp), 0
         layer_bytes = len(block_ids) * self.kv_cache.block_bytes // self.kv_cache.num_layers
         watch = self._watches[source.worker_id]
         stalled_since = time.monotonic()
-        while copied < num_layers:
-            ready = peer.layers_ready(source.ready_step_id, num_layers)
+        while copied < axis_end:
+            ready = geometry.axis_done(peer.layers_ready(source.ready_step_id, num_layers), pp)
             worth = (ready - copied) * layer_bytes >= self.min_streamed_copy_bytes
-            if ready == num_layers or (ready > copied and worth):
+            if ready == axis_end or (ready > copied and worth):
                 sources = [r.data for r in ranks]
                 await self._on_tensor_thread(self._copy, tag, layout, sources, runs, copied, ready)
                 copied, stalled_since = ready, time.monotonic()

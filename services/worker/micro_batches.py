@@ -52,22 +52,26 @@ def split_requests(tokens_per_request: Sequence[int], parts: int) -> list[range]
 
 
 def keeps_writers_first(
-    slices: Sequence[SequenceSlice], groups: Sequence[range], block_size: int
+    slices: Sequence[SequenceSlice],
+    groups: Sequence[range],
+    block_size: int,
+    num_kv_groups: int = 1,
 ) -> bool:
     """No request reads (attends over, before its new tokens) a block that a request of a
-    later group writes this step."""
+    later group writes this step (block tables of `num_kv_groups` interleaved KV groups)."""
+    n = num_kv_groups
     writer_group: dict[int, int] = {}
     for g, group in enumerate(groups):
         for i in group:
             s = slices[i]
             first, last = s.num_computed_tokens // block_size, (s.seq_len - 1) // block_size
-            for block in s.block_ids[first : last + 1]:
+            for block in s.block_ids[first * n : (last + 1) * n]:
                 writer_group[block] = max(g, writer_group.get(block, g))
     for g, group in enumerate(groups):
         for i in group:
             s = slices[i]
             read = -(-s.num_computed_tokens // block_size)
-            if any(writer_group.get(b, -1) > g for b in s.block_ids[:read]):
+            if any(writer_group.get(b, -1) > g for b in s.block_ids[: read * n]):
                 return False
     return True
 
@@ -85,7 +89,9 @@ def pipelined_forward(
     the whole step's (used as they are when it runs as one pass)."""
     stage = model.stage
     groups = split_requests([s.num_new_tokens for s in slices], stage.size)
-    if len(groups) > 1 and not keeps_writers_first(slices, groups, meta.block_size):
+    if len(groups) > 1 and not keeps_writers_first(
+        slices, groups, meta.block_size, kv_cache.num_groups
+    ):
         groups = [range(len(slices))]  # one pass: a reader comes before its writer
     if len(groups) <= 1:
         hidden = model(ids, positions, kv_cache, meta)
@@ -95,7 +101,9 @@ def pipelined_forward(
     for group in groups:
         part = slices[group.start : group.stop]
         rows = sum(s.num_new_tokens for s in part)
-        part_positions, part_meta = build_attention_metadata(part, meta.block_size, ids.device)
+        part_positions, part_meta = build_attention_metadata(
+            part, meta.block_size, ids.device, kv_cache.num_groups
+        )
         outputs.append(model(ids[row : row + rows], part_positions, kv_cache, part_meta))
         row += rows
     stage.wait_sends()  # the tensors sent stay alive until the next stage has them

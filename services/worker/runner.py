@@ -130,7 +130,9 @@ class ModelRunner:
             )
         spec = SpecStep(work, self.proposer)  # proposals to verify (see spec_decode)
         spec.rows(input_ids, slices)
-        positions, meta = build_attention_metadata(slices, self.kv_cache.block_size, self.device)
+        positions, meta = build_attention_metadata(
+            slices, self.kv_cache.block_size, self.device, self.kv_cache.num_groups
+        )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         if self.lora is not None:  # each token through its request's adapter
             adapters = [i.request.lora_name for i in work for _ in range(i.num_new_tokens)]

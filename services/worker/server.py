@@ -121,7 +121,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 lora_adapters=[] if worker.lora is None else worker.lora.names,
                 rope_type=cfg.rope_type,
                 rope_length_threshold=rope_length_threshold(cfg),
-                kv_window_tokens=cfg.kv_window_tokens,
+                kv_group_windows=[w or 0 for w in worker.kv_groups.windows],
             ),
             kv_cache=types_pb2.KvCacheDescription(
                 num_blocks=worker.kv_cache.num_blocks,

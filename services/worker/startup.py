@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 
 from common.config import parse_size
+from common.kv_groups import KvGroups
 from common.log import get_logger
 from common.model_config import ModelConfig
 from common.rope_config import max_context_length
@@ -59,6 +60,7 @@ class LoadedWorker:
     draft: DraftModel | None = None
     draft_cache: KvCache | None = None
     lora: LoraManager | None = None  # --enable-lora: the adapters and their slots
+    kv_groups: KvGroups | None = None  # which layers share a block table (None: all)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -257,10 +259,15 @@ def load_worker(
         if plan.timings_us:
             log.info("cpu_gemm_measured", worker_id=worker_id, **gemm, us=plan.timings_us)
     lora = load_lora(config, model, model_config.num_hidden_layers)
+    groups = kv_groups_for(config, model_config, draft)
+    slots, layer_slots = groups.stage_slots(model.stage.layer_range(model_config.num_hidden_layers))
     geometry = dict(
         block_size=config.block_size,
-        # this rank's layers and heads (all of them in a one-process worker)
-        num_layers=len(model.stage.layer_range(model_config.num_hidden_layers)),
+        # this rank's layers (their slots: `common.kv_groups`) and heads (all of them in a
+        # one-process worker)
+        num_layers=slots,
+        layer_slots=layer_slots,
+        num_groups=groups.num_groups,
         num_kv_heads=len(model.shard.kv_heads),
         head_dim=model_config.head_dim,
         dtype=resolve_kv_dtype(config.kv_cache_dtype, dtype),
@@ -273,6 +280,7 @@ def load_worker(
         and model_config.moe is None  # experts run as many products as have tokens
         and config.role != "prefill"
         and ranks is None
+        and not groups.is_hybrid  # the captured metadata holds one block table
     )
     buckets = graph_buckets(config.cuda_graph_max_batch_size)
     sizing: dict[str, float] = {}
@@ -303,23 +311,25 @@ def load_worker(
     else:
         pool_bytes = parse_size(config.kv_cache_memory)
     # A block of the pool is the target's block plus the draft's (same ids, own pools).
-    block_bytes = KvCache.bytes_per_block(**geometry)
+    block_bytes = KvCache.bytes_per_block(**_block_geometry(geometry))
     draft_block_bytes = draft.block_bytes(config.block_size) if draft else 0
     num_blocks = config.num_blocks or pool_bytes // (block_bytes + draft_block_bytes)
     if ranks is not None:  # block ids must mean the same blocks on every rank
         num_blocks = ranks.min_over_ranks(num_blocks)
-    null = 1 if model_config.kv_window_tokens else 0  # the null block (block_manager.py)
-    if (num_blocks - null) * config.block_size < max_model_len:
+    null = 1 if any(groups.windows) else 0  # the null block (block_manager.py)
+    if (num_blocks - null) // groups.num_groups * config.block_size < max_model_len:
         held = ", one of them the null block of a sliding-window model" if null else ""
+        per = f" in each of {groups.num_groups} KV groups" if groups.is_hybrid else ""
         raise ValueError(
             f"the KV pool ({num_blocks} blocks of {config.block_size} tokens{held}) cannot "
-            f"hold one request of max_model_len={max_model_len} tokens: raise "
+            f"hold one request of max_model_len={max_model_len} tokens{per}: raise "
             f"kv_cache_memory/num_blocks/gpu_memory_utilization or lower max_model_len"
         )
     shared_pool = None
     if device.type == "cpu" and config.kv_transfer_shared_memory:
         shared_pool = SharedPool(
-            num_blocks * KvCache.bytes_per_block(**geometry), model_config.num_hidden_layers
+            num_blocks * KvCache.bytes_per_block(**_block_geometry(geometry)),
+            model_config.num_hidden_layers,
         )
     kv_cache = KvCache(
         num_blocks=num_blocks,
@@ -368,5 +378,18 @@ def load_worker(
     )
     return LoadedWorker(
         model, model_config, kv_cache, max_model_len, device, swap_cache, graphs, shared_pool,
-        draft, draft_cache, lora,
+        draft, draft_cache, lora, groups,
     )  # fmt: skip
+
+
+def _block_geometry(geometry: dict) -> dict:
+    """`geometry` less what one block's size does not depend on."""
+    return {k: v for k, v in geometry.items() if k not in ("layer_slots", "num_groups")}
+
+
+def kv_groups_for(config: WorkerConfig, model_config: ModelConfig, draft) -> KvGroups:
+    """The model's KV groups (`common.kv_groups`): one table per group unless
+    --disable-hybrid-kv-cache-manager, or a draft model, whose pool shares the target's
+    block ids and holds every draft layer of every block, is loaded (one table)."""
+    hybrid = not config.disable_hybrid_kv_cache_manager and draft is None
+    return model_config.kv_groups(hybrid)

@@ -103,12 +103,16 @@ class Worker:
         self._rank_maps: list[PeerPool] = []
         self.model_config, self.max_model_len = loaded.model_config, loaded.max_model_len
         self.kv_cache, self.swap_cache = loaded.kv_cache, loaded.swap_cache
+        self.kv_groups = loaded.kv_groups or loaded.model_config.kv_groups(hybrid=False)
         self.device, self.lora, self.shared_pool = loaded.device, loaded.lora, loaded.shared_pool
         self.speculative = config.speculative
         self._executor, self.compute_lock = parts.executor, parts.compute_lock
         self.runner = self._make_runner(parts)
         self.batch = PersistentBatch(
-            loaded.kv_cache.block_size, loaded.kv_cache.num_blocks, loaded.model_config.vocab_size
+            loaded.kv_cache.block_size,
+            loaded.kv_cache.num_blocks,
+            loaded.model_config.vocab_size,
+            loaded.kv_cache.num_groups,
         )
         self.executed_step_id = 0
         self._step_done = asyncio.Condition()
@@ -167,6 +171,7 @@ class Worker:
             config.kv_transfer_timeout_s,
             config.kv_transfer_stream_min_copy_bytes,
             self._rank_pools(parts.loaded) if parts.ranks is not None else None,
+            self.kv_groups,
         )
         self.layout_transfers = LayoutTransfers(
             self._geometry(), self.layout, self.kv_cache.data, self.transport, self.peers,
@@ -177,7 +182,7 @@ class Worker:
         c = self.model_config
         return KvGeometry(
             c.num_attention_heads, c.num_key_value_heads, c.num_hidden_layers,
-            self.kv_cache.block_size, c.head_dim,
+            self.kv_cache.block_size, c.head_dim, self.kv_groups,
         )  # fmt: skip
 
     def _rank_pools(self, loaded: LoadedWorker) -> RankPools | None:
@@ -195,11 +200,11 @@ class Worker:
 
     @property
     def model_block_bytes(self) -> int:
-        """One block of the whole model's KV (every head, every layer): what the scheduler
-        compares between workers, whatever their parallel layouts."""
+        """One block of the whole model's KV (every head, every layer of a KV group): what
+        the scheduler compares between workers, whatever their parallel layouts."""
         c = self.model_config
         return KvCache.bytes_per_block(
-            self.kv_cache.block_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+            self.kv_cache.block_size, self.kv_groups.size, c.num_key_value_heads, c.head_dim,
             self.kv_cache.dtype,
         )  # fmt: skip
 

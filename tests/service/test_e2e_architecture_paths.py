@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 
+from common.model_config import ModelConfig
 from devtools.checkpoint_builder import build_checkpoint
 from tests.fault_injection import assert_all_alive_but, kill_busiest, wait_healthy_pools
 from tests.hf_reference import hf_greedy, hf_tokenizer
@@ -87,7 +88,7 @@ def folder(request):
 
 def start(module_stacks, folder, preemption: str, decode: int):
     scheduler = [*SMALL_POOLS["scheduler"], *HEALTH_FLAGS, "--preemption-mode", preemption]
-    pools = dict(SMALL_POOLS)
+    pools = small_pools(folder)
     return module_stacks(
         folder,
         name=f"{folder.name}-{preemption}",
@@ -95,6 +96,20 @@ def start(module_stacks, folder, preemption: str, decode: int):
         decode=decode,
         extra_args={**pools, "scheduler": scheduler},
     )
+
+
+def small_pools(folder) -> dict[str, list[str]]:
+    """`SMALL_POOLS`, in the same bytes for a model with several KV groups (whose blocks
+    hold one group's layers each: `common.kv_groups`)."""
+    groups = ModelConfig.from_folder(folder).kv_groups().num_groups
+    pools = {}
+    for role, args in SMALL_POOLS.items():
+        args = list(args)
+        if "--num-blocks" in args:
+            at = args.index("--num-blocks") + 1
+            args[at] = str(int(args[at]) * groups)
+        pools[role] = args
+    return pools
 
 
 def preempted_workload_is_exact(stack, folder) -> None:

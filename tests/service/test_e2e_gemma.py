@@ -75,6 +75,31 @@ def test_repeated_prompt_hits_the_prefix_cache(served) -> None:
     repeated_prompt_hits_the_prefix_cache(folder, stack, "gemma-repeated")
 
 
+def test_pipeline_stages_hold_their_layers_kv_groups(module_stacks, tmp_path_factory) -> None:
+    """Gemma 3's three KV groups (sliding / full / sliding layers) on workers of two
+    pipeline stages each: a stage's blocks hold its layers' slots only (the first stage
+    layers 0 and 1, the second layer 2), the prompt streams from the prefill worker's
+    stages into the decode worker's, chunked past the window, equal to HF."""
+    folder = build_checkpoint(
+        tmp_path_factory.mktemp("ckpt") / "gemma3-pp",
+        "gemma3_text",
+        num_hidden_layers=3,
+        sliding_window=WINDOW,
+        **CHECKPOINTS["gemma3_text"],
+    )
+    pp = ["--pipeline-parallel-size", "2"]
+    stack = module_stacks(
+        folder,
+        name="gemma3-pp",
+        extra_args={
+            "scheduler": ["--max-num-batched-tokens", str(BUDGET)],
+            "prefill": pp,
+            "decode": pp,
+        },
+    )
+    chunked_prompts_equal_hf(folder, stack)
+
+
 @pytest.mark.parametrize(
     "fields, line",
     [

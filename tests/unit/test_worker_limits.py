@@ -126,7 +126,6 @@ def fake_worker(device: str) -> SimpleNamespace:
         num_key_value_heads=2,
         head_dim=8,
         rope_type="default",
-        kv_window_tokens=0,
     )
     cache = SimpleNamespace(dtype=torch.float32, num_blocks=64, block_size=16, block_bytes=1024)
     return SimpleNamespace(
@@ -136,6 +135,7 @@ def fake_worker(device: str) -> SimpleNamespace:
         model_config=model_config,
         max_model_len=64,
         kv_cache=cache,
+        kv_groups=SimpleNamespace(windows=(None,)),
         swap_cache=None,
         transport=SimpleNamespace(address=b"ucx"),
         shared_pool=None,

@@ -5,10 +5,16 @@ A forward pass flattens the new tokens of S sequences into one `[T]` batch (pref
 single-token decodes mixed). `build_attention_metadata` turns each sequence's share
 (`SequenceSlice`) into the flat positions plus an `AttentionMetadata` that is passed
 explicitly down to every attention layer; nothing is stored globally.
+
+KV groups (`common.kv_groups`): a sequence's block ids are then its flat, interleaved table
+(entry `i * num_groups + g` is group g's i-th block), and the metadata holds one
+`AttentionMetadata` per group (`groups`), each with that group's slots and tables; a layer
+attends through its group's (`for_group`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -67,6 +73,12 @@ class AttentionMetadata:
     # the length of the transformers `generate` forward call that computes it (used by the
     # length-dependent RoPE types, `models/rope.py`; None: position + 1).
     rope_lengths: torch.Tensor | None = None
+    # KV groups: each group's metadata (this one's fields are group 0's); (): one group.
+    groups: tuple[AttentionMetadata, ...] = ()
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata a layer of KV group `group` attends through."""
+        return self.groups[group] if self.groups else self
 
     @property
     def num_tokens(self) -> int:
@@ -83,7 +95,10 @@ class AttentionMetadata:
 
 
 def build_attention_metadata(
-    seqs: Sequence[SequenceSlice], block_size: int, device: torch.device | str
+    seqs: Sequence[SequenceSlice],
+    block_size: int,
+    device: torch.device | str,
+    num_groups: int = 1,
 ) -> tuple[torch.Tensor, AttentionMetadata]:
     """Return (positions int64 [T], metadata) for a batch of sequence slices."""
     if block_size <= 0:
@@ -94,29 +109,31 @@ def build_attention_metadata(
     new = np.fromiter((s.num_new_tokens for s in seqs), np.int64, len(seqs))
     seq_lens = computed + new
     needed = -(-seq_lens // block_size)
-    tables = np.zeros((len(seqs), int(needed.max())), dtype=np.int32)
+    tables = np.zeros((num_groups, len(seqs), int(needed.max())), dtype=np.int32)
     for i, seq in enumerate(seqs):
-        if len(seq.block_ids) < needed[i]:
+        if len(seq.block_ids) < needed[i] * num_groups:
             raise ValueError(
-                f"sequence {i}: {seq_lens[i]} tokens need {needed[i]} blocks of {block_size}, "
-                f"block table has {len(seq.block_ids)}"
+                f"sequence {i}: {seq_lens[i]} tokens need {needed[i]} blocks of {block_size}"
+                + (f" in each of {num_groups} KV groups" if num_groups > 1 else "")
+                + f", block table has {len(seq.block_ids)}"
             )
-        tables[i, : needed[i]] = seq.block_ids[: needed[i]]
+        if num_groups == 1:
+            tables[0, i, : needed[i]] = seq.block_ids[: needed[i]]
+            continue
+        ids = seq.block_ids[: needed[i] * num_groups]
+        for group in range(num_groups):
+            tables[group, i, : needed[i]] = ids[group::num_groups]
     query_start_loc = np.zeros(len(seqs) + 1, dtype=np.int64)
     np.cumsum(new, out=query_start_loc[1:])
     owner = np.repeat(np.arange(len(seqs)), new)
     positions = np.arange(int(query_start_loc[-1])) - query_start_loc[owner] + computed[owner]
-    slots = tables[owner, positions // block_size].astype(np.int64) * block_size
-    slots += positions % block_size
     prompt = np.fromiter((s.num_prompt_tokens for s in seqs), np.int64, len(seqs))
     rope_lengths = np.maximum(prompt[owner], positions + 1)
 
     def to_device(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(device, non_blocking=True)
 
-    meta = AttentionMetadata(
-        slot_mapping=to_device(slots),
-        block_tables=to_device(tables),
+    shared = dict(
         query_start_loc=query_start_loc.tolist(),
         seq_lens=seq_lens.tolist(),
         block_size=block_size,
@@ -126,4 +143,15 @@ def build_attention_metadata(
         max_seq_len=int(seq_lens.max()),
         rope_lengths=to_device(rope_lengths),
     )
-    return to_device(positions), meta
+    metas = []
+    for group_tables in tables:
+        slots = group_tables[owner, positions // block_size].astype(np.int64) * block_size
+        slots += positions % block_size
+        metas.append(
+            AttentionMetadata(
+                slot_mapping=to_device(slots), block_tables=to_device(group_tables), **shared
+            )
+        )
+    if num_groups == 1:
+        return to_device(positions), metas[0]
+    return to_device(positions), dataclasses.replace(metas[0], groups=tuple(metas))

@@ -279,7 +279,8 @@ class LlamaModel(nn.Module):
         kv_cache: KvCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor | None:
-        meta = self.backend.prepare(meta)
+        metas = [self.backend.prepare(m) for m in meta.groups or (meta,)]
+        meta = metas[0]
         if self.stage.is_first:
             hidden = self._embed(input_ids)
         else:
@@ -288,7 +289,8 @@ class LlamaModel(nn.Module):
             )
         rope = self.rotary_emb.tables(positions, hidden.dtype, meta.rope_lengths)
         for index, layer in enumerate(self.layers):
-            hidden = layer(hidden, rope, kv_cache.layer(index), meta)
+            group = kv_cache.group_of(index) if len(metas) > 1 else 0
+            hidden = layer(hidden, rope, kv_cache.layer(index), metas[group])
             kv_cache.layer_written(self.first_layer + index)  # the model's layer number
         if self.norm is None:  # not the last stage: the next one goes on from here
             self.stage.send_hidden(hidden)
@@ -413,7 +415,7 @@ class LlamaForCausalLM(nn.Module):
         config = self.config
         layers = len(self.stage.layer_range(config.num_hidden_layers))
         expected = (layers, len(self.shard.kv_heads), config.head_dim)
-        actual = (kv_cache.num_layers, kv_cache.num_kv_heads, kv_cache.head_dim)
+        actual = (len(kv_cache.layer_slots), kv_cache.num_kv_heads, kv_cache.head_dim)
         if actual != expected:
             raise ValueError(
                 f"KV cache geometry (layers, kv_heads, head_dim)={actual} does not match "

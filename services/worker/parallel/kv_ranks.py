@@ -3,7 +3,11 @@ model's KV geometry, this worker's layout (tensor x pipeline), and the pools of 
 (rank 0's own, the others' mapped writable), so that each rank gets exactly the KV heads of
 the layers it holds, copied straight from the source rank that holds them
 (`common.parallel_plan`). A rank's pool holds its stage's layers only, numbered from 0. A
-single-process worker is the layout of size 1: one slice, every head and layer."""
+single-process worker is the layout of size 1: one slice, every head and layer.
+
+With KV groups (`common.kv_groups`) a pool's layer axis holds its stage's *slots*: the plan
+then runs over slot ranges (`KvGeometry.stage_ranges`: stage k's slots follow stage k-1's),
+which mean the same on both sides only when both split the model into the same stages."""
 
 from __future__ import annotations
 
@@ -12,7 +16,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.parallel_plan import KvSlice, Layout, kv_heads_of_rank, kv_transfer_plan, layer_ranges
+from common.kv_groups import KvGroups
+from common.parallel_plan import (
+    KvSlice,
+    Layout,
+    kv_heads_of_rank,
+    kv_transfer_plan,
+    layer_ranges,
+)
 from services.worker.kv_shared import copy_head_slice
 
 
@@ -23,12 +34,55 @@ class KvGeometry:
     num_layers: int
     block_size: int
     head_dim: int
+    groups: KvGroups | None = None  # KV groups of a hybrid model (None: one table)
+
+    @property
+    def hybrid(self) -> bool:
+        return self.groups is not None and self.groups.is_hybrid
+
+    def stage_ranges(self, pp: int) -> list[range]:
+        """Each stage's range of the pools' layer axis: its model layers, or with KV groups
+        its slots, numbered on from the previous stage's."""
+        layers = layer_ranges(self.num_layers, pp)
+        if not self.hybrid:
+            return layers
+        out, start = [], 0
+        for stage in layers:
+            slots = self.groups.stage_slots(stage)[0]
+            out.append(range(start, start + slots))
+            start += slots
+        return out
+
+    def axis_done(self, layers_done: int, pp: int) -> int:
+        """How far along the layer axis (`stage_ranges`) a pool is final once the model's
+        first `layers_done` layers are."""
+        if not self.hybrid:
+            return layers_done
+        for stage, axis in zip(layer_ranges(self.num_layers, pp), self.stage_ranges(pp),
+                               strict=True):  # fmt: skip
+            if layers_done < stage.stop:
+                done = max(0, layers_done - stage.start)
+                return axis.start + self.groups.slots_done(stage, done)
+        return self.stage_ranges(pp)[-1].stop
+
+    def plan(self, src: Layout, dst: Layout) -> list[KvSlice]:
+        """`kv_transfer_plan` over the pools' layer axes."""
+        if self.hybrid and src.pp != dst.pp:
+            raise ValueError(
+                "KV groups (a model mixing sliding-window and full layers) move between "
+                f"workers of the same pipeline_parallel_size only (here {src.pp} and "
+                f"{dst.pp}); start the workers with --disable-hybrid-kv-cache-manager"
+            )
+        stages = (self.stage_ranges(src.pp), self.stage_ranges(dst.pp))
+        return kv_transfer_plan(
+            self.num_heads, self.num_kv_heads, self.num_layers, src, dst, stages
+        )
 
     def block_shape(self, layout: Layout, rank: int) -> tuple[int, ...]:
         """One block of rank `rank`'s pool in a worker of `layout`."""
         stage, tp_rank = divmod(rank, layout.tp)
         heads = len(kv_heads_of_rank(self.num_heads, self.num_kv_heads, layout.tp, tp_rank))
-        layers = len(layer_ranges(self.num_layers, layout.pp)[stage])
+        layers = len(self.stage_ranges(layout.pp)[stage])
         return (layers, 2, self.block_size, heads, self.head_dim)
 
 
@@ -45,10 +99,7 @@ class RankPools:
 
     def plan(self, src: Layout) -> list[KvSlice]:
         if src not in self._plans:
-            g = self.geometry
-            self._plans[src] = kv_transfer_plan(
-                g.num_heads, g.num_kv_heads, g.num_layers, src, self.layout
-            )
+            self._plans[src] = self.geometry.plan(src, self.layout)
         return self._plans[src]
 
     def copy(
@@ -59,12 +110,13 @@ class RankPools:
         first_layer: int,
         end_layer: int,
     ) -> None:
-        """The model's layers [first_layer, end_layer) of the runs' blocks, from the source
-        worker's rank pools (`sources`, one per rank of layout `src`) into this worker's."""
+        """The layer axis's [first_layer, end_layer) (`KvGeometry.stage_ranges`) of the runs'
+        blocks, from the source worker's rank pools (`sources`, one per rank of layout
+        `src`) into this worker's."""
         if len(sources) != src.world_size:
             raise ValueError(f"{len(sources)} source pools for a worker of {src}")
-        src_first = [r.start for r in layer_ranges(self.geometry.num_layers, src.pp)]
-        dst_first = [r.start for r in layer_ranges(self.geometry.num_layers, self.layout.pp)]
+        src_first = [r.start for r in self.geometry.stage_ranges(src.pp)]
+        dst_first = [r.start for r in self.geometry.stage_ranges(self.layout.pp)]
         for piece in self.plan(src):
             start = max(first_layer, piece.layers.start)
             stop = min(end_layer, piece.layers.stop)

@@ -23,11 +23,23 @@ from services.worker.batch import PersistentBatch, PlanError
 from services.worker.block_moves import run_moves
 from services.worker.config import WorkerConfig
 from services.worker.kv_transfer import TransferDeadline
+from services.worker.parallel.kv_ranks import KvGeometry
 from services.worker.parallel.peer_kv import KV_KINDS, PeerKvTransfers
 from services.worker.parallel.rank_channel import RESET, STEP, read_messages
 from services.worker.parallel.rank_context import join_group, peer_store
 from services.worker.runner import ModelRunner
 from services.worker.startup import load_worker
+
+
+def pool_axis_start(loaded, layout, stage: int) -> int:
+    """Where this rank's pool starts on the layer axis a layout transfer's slices use: its
+    stage's first layer, or with KV groups its first slot (`KvGeometry.stage_ranges`)."""
+    c = loaded.model_config
+    geometry = KvGeometry(
+        c.num_attention_heads, c.num_key_value_heads, c.num_hidden_layers,
+        loaded.kv_cache.block_size, c.head_dim, loaded.kv_groups,
+    )  # fmt: skip
+    return geometry.stage_ranges(layout.pp)[stage].start
 
 
 def serve_steps(
@@ -78,14 +90,17 @@ def main(argv: list[str] | None = None) -> None:
     loaded = load_worker(config, f"{config.resolved_worker_id}/rank{args.rank}", ranks)
     runner = ModelRunner(loaded.model, loaded.kv_cache, loaded.device, tokens=ranks.tokens)
     batch = PersistentBatch(
-        loaded.kv_cache.block_size, loaded.kv_cache.num_blocks, loaded.model_config.vocab_size
+        loaded.kv_cache.block_size,
+        loaded.kv_cache.num_blocks,
+        loaded.model_config.vocab_size,
+        loaded.kv_cache.num_groups,
     )
     kv = None  # a both-role worker never moves KV to another worker
     if config.role != "both":
         kv = PeerKvTransfers(
             args.rank,
             loaded.kv_cache.data,
-            ranks.stage.layers.start if ranks.stage.layers is not None else 0,
+            pool_axis_start(loaded, config.layout, ranks.stage.stage),
             args.answer_fd,
             TransferDeadline.from_config(config),
             config.kv_transfer_error_handling,

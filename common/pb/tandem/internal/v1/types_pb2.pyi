@@ -85,7 +85,7 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class ModelDescription(_message.Message):
-    __slots__ = ("name", "architecture", "vocab_size", "max_model_len", "eos_token_ids", "dtype", "num_layers", "num_kv_heads", "head_dim", "lora_adapters", "rope_type", "rope_length_threshold", "kv_window_tokens")
+    __slots__ = ("name", "architecture", "vocab_size", "max_model_len", "eos_token_ids", "dtype", "num_layers", "num_kv_heads", "head_dim", "lora_adapters", "rope_type", "rope_length_threshold", "kv_group_windows")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -98,7 +98,7 @@ class ModelDescription(_message.Message):
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     ROPE_TYPE_FIELD_NUMBER: _ClassVar[int]
     ROPE_LENGTH_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
-    KV_WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUP_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     vocab_size: int
@@ -111,8 +111,8 @@ class ModelDescription(_message.Message):
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
     rope_type: str
     rope_length_threshold: int
-    kv_window_tokens: int
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., rope_type: _Optional[str] = ..., rope_length_threshold: _Optional[int] = ..., kv_window_tokens: _Optional[int] = ...) -> None: ...
+    kv_group_windows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., rope_type: _Optional[str] = ..., rope_length_threshold: _Optional[int] = ..., kv_group_windows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvCacheDescription(_message.Message):
     __slots__ = ("num_blocks", "block_size", "block_bytes", "layout", "num_swap_blocks")

@@ -1,0 +1,204 @@
+"""The physical blocks of one worker's paged KV pool: ref counts, the LRU free queue and the
+prefix-cache index (`block_manager` keeps the tables over it).
+
+- A block is free exactly when its ref count is 0. Free blocks wait in an O(1) LRU queue
+  (`FreeBlockQueue`, a doubly linked list): allocation takes the head, a freed block joins
+  the tail, and a prefix-cache hit on a free block takes it out of the middle.
+- A full block whose KV is computed can be *cached*: registered in the hash index under its
+  key (its chained hash, with its KV group in a hybrid pool) together with its token ids.
+  It stays cached while free, and is evicted (dropped from the index) only when the free
+  queue hands it out again. Every hit compares token ids, so a hash collision can never
+  return the wrong KV.
+- The null block (block 0, reserved in a windowed pool) is never allocated, cached, shared
+  or freed. Pure Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Iterator, Sequence
+
+NULL_BLOCK = 0  # in a windowed pool: the stand-in for blocks out of every query's window
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised when an allocation asks for more blocks than are free."""
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids", "prev", "next")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: Hashable | None = None
+        self.token_ids: tuple[int, ...] = ()
+        self.prev: Block | None = None
+        self.next: Block | None = None
+
+
+class FreeBlockQueue:
+    """Free blocks in eviction order (head first) with O(1) append, popleft and remove."""
+
+    def __init__(self, blocks: Iterable[Block]) -> None:
+        self._head = Block(-1)
+        self._tail = Block(-1)
+        self._head.next, self._tail.prev = self._tail, self._head
+        self._len = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[Block]:
+        node = self._head.next
+        while node is not self._tail:
+            yield node
+            node = node.next
+
+    def append(self, block: Block) -> None:
+        last = self._tail.prev
+        block.prev, block.next = last, self._tail
+        last.next = self._tail.prev = block
+        self._len += 1
+
+    def popleft(self) -> Block:
+        if self._len == 0:
+            raise NoFreeBlocksError("no free blocks")
+        block = self._head.next
+        self.remove(block)
+        return block
+
+    def remove(self, block: Block) -> None:
+        if block.prev is None or block.next is None:
+            raise ValueError(f"block {block.block_id} is not in the free queue")
+        block.prev.next, block.next.prev = block.next, block.prev
+        block.prev = block.next = None
+        self._len -= 1
+
+
+class BlockPool:
+    """Physical blocks 0..num_blocks-1: ref counts, the LRU free queue, the hash index."""
+
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, reserve_null: bool = False
+    ) -> None:
+        if num_blocks <= int(reserve_null):
+            raise ValueError(f"num_blocks must be more than {int(reserve_null)}, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.reserve_null = reserve_null  # block NULL_BLOCK is never handed out
+        if reserve_null:
+            self.blocks[NULL_BLOCK].ref_count = 1  # held for ever: never in the free queue
+        self._free = FreeBlockQueue(b for b in self.blocks if b.ref_count == 0)
+        self._cached: dict[Hashable, Block] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def ref_count(self, block_id: int) -> int:
+        return self.blocks[block_id].ref_count
+
+    def allocate(self, count: int) -> list[int]:
+        """Take `count` blocks from the head of the free queue (evicting cached ones)."""
+        if count > len(self._free):
+            raise NoFreeBlocksError(f"asked for {count} blocks, {len(self._free)} free")
+        out = []
+        for _ in range(count):
+            block = self._free.popleft()
+            if block.block_hash is not None:
+                self._uncache(block)
+                self.num_evictions += 1
+            block.ref_count = 1
+            out.append(block.block_id)
+        return out
+
+    def is_null(self, block_id: int) -> bool:
+        return self.reserve_null and block_id == NULL_BLOCK
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Take a reference on cached blocks found by `lookup` (free ones leave the queue)."""
+        for block_id in block_ids:
+            if self.is_null(block_id):
+                continue
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                self._free.remove(block)
+            block.ref_count += 1
+
+    def incref(self, block_ids: Iterable[int]) -> None:
+        for block_id in block_ids:
+            if self.is_null(block_id):
+                continue
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                raise ValueError(f"block {block_id} is free; cannot share it")
+            block.ref_count += 1
+
+    def decref(self, block_ids: Iterable[int]) -> None:
+        """Drop references; a block reaching 0 joins the free queue's tail (still cached)."""
+        for block_id in block_ids:
+            if self.is_null(block_id):
+                continue
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise ValueError(f"block {block_id} freed twice")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free.append(block)
+
+    def cache(self, block_id: int, block_hash: Hashable, token_ids: Sequence[int]) -> bool:
+        """Register a full, computed block; False if caching is off or the hash is taken."""
+        block = self.blocks[block_id]
+        if not self.enable_caching or block.block_hash is not None or self.is_null(block_id):
+            return False
+        if block_hash in self._cached:
+            return False  # another block already holds this prefix; this one stays private
+        block.block_hash, block.token_ids = block_hash, tuple(token_ids)
+        self._cached[block_hash] = block
+        return True
+
+    def lookup(self, block_hash: Hashable, token_ids: Sequence[int]) -> int | None:
+        """The cached block holding exactly these tokens under this hash, if any."""
+        block = self._cached.get(block_hash)
+        if block is None or block.token_ids != tuple(token_ids):
+            return None
+        return block.block_id
+
+    def _uncache(self, block: Block) -> None:
+        del self._cached[block.block_hash]
+        block.block_hash, block.token_ids = None, ()
+
+    def reset_cache(self) -> int:
+        """Forget every cached block that is free (e.g. the worker lost its KV)."""
+        dropped = [b for b in self._cached.values() if b.ref_count == 0]
+        for block in dropped:
+            self._uncache(block)
+        return len(dropped)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless queue, ref counts and hash index agree exactly."""
+        queued = list(self._free)
+        if len(queued) != len(self._free) or len({b.block_id for b in queued}) != len(queued):
+            raise AssertionError("free queue is corrupt (length or duplicates)")
+        in_queue = {b.block_id for b in queued}
+        for block in self.blocks:
+            if block.ref_count < 0:
+                raise AssertionError(f"block {block.block_id} has ref count {block.ref_count}")
+            if (block.ref_count == 0) != (block.block_id in in_queue):
+                raise AssertionError(
+                    f"block {block.block_id}: ref count {block.ref_count} but "
+                    f"{'in' if block.block_id in in_queue else 'not in'} the free queue"
+                )
+            if block.block_hash is not None and self._cached.get(block.block_hash) is not block:
+                raise AssertionError(f"block {block.block_id} has a hash the index lacks")
+        for block_hash, block in self._cached.items():
+            if block.block_hash != block_hash or not block.token_ids:
+                raise AssertionError(f"hash index entry for block {block.block_id} is stale")
