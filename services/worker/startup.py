@@ -217,29 +217,10 @@ def load_worker(
     started = time.perf_counter()
     device = resolve_device(config.device) if ranks is None else ranks.device
     model_config = ModelConfig.from_folder(config.model)
-    if config.enable_lora and model_config.moe is not None:
-        raise ValueError(
-            f"--enable-lora is not supported for mixture-of-experts models "
-            f"({model_config.architecture}) yet"
-        )
-    if config.enable_lora and model_config.mla is not None:
-        raise ValueError(
-            f"--enable-lora is not supported for latent-attention models "
-            f"({model_config.architecture}) yet"
-        )
+    check_features(config, model_config)
     dtype = resolve_dtype(config.dtype, device, model_config.torch_dtype)
     backend = select_backend(config.attention_backend, device)
-    if (
-        config.kv_cache_dtype != "auto"
-        and backend.name == "triton"
-        and device.type == "cuda"
-        and torch.cuda.get_device_capability(device) < (8, 9)
-    ):
-        raise ValueError(
-            "--kv-cache-dtype fp8 with the triton attention backend needs a GPU of compute "
-            "capability 8.9 or newer (Triton has no float8_e4m3fn before Ada/Hopper); use "
-            "--attention-backend torch on this GPU"
-        )
+    check_kv_cache_dtype(config, backend.name, device)
     model, model_config = load_model(
         config.model, dtype=dtype, device=device, attention=backend,
         tp=None if ranks is None else expert_parallel(ranks.tp, config),
@@ -250,28 +231,10 @@ def load_worker(
     context = max_context_length(model_config)  # dynamic RoPE: past max_position_embeddings
     max_model_len = min(config.max_model_len or context, context)
     draft = load_draft(config.speculative, model_config, max_model_len, dtype, device, backend)
-    packed_bytes, gemm = 0, {}
-    if wants_packed_weights(config, model, device):
-        packed_bytes, plan = pack_taking_turns(config, model, device)
-        gemm = plan.summary()
-        if draft:
-            packed_bytes += draft.model.pack_weights(plan)[0]  # measured once, above
-        if plan.timings_us:
-            log.info("cpu_gemm_measured", worker_id=worker_id, **gemm, us=plan.timings_us)
+    packed_bytes, gemm = pack_weights(config, model, draft, device, worker_id)
     lora = load_lora(config, model, model_config.num_hidden_layers)
     groups = kv_groups_for(config, model_config, draft)
-    slots, layer_slots = groups.stage_slots(model.stage.layer_range(model_config.num_hidden_layers))
-    geometry = dict(
-        block_size=config.block_size,
-        # this rank's layers (their slots: `common.kv_groups`) and heads (all of them in a
-        # one-process worker)
-        num_layers=slots,
-        layer_slots=layer_slots,
-        num_groups=groups.num_groups,
-        num_kv_heads=len(model.shard.kv_heads),
-        head_dim=model_config.head_dim,
-        dtype=resolve_kv_dtype(config.kv_cache_dtype, dtype),
-    )
+    geometry = kv_geometry(config, model, model_config, groups, dtype)
     # Decode steps of a tensor-parallel worker run eagerly (no collectives in the graphs).
     use_graphs = (
         device.type == "cuda"
@@ -283,48 +246,17 @@ def load_worker(
         and not groups.is_hybrid  # the captured metadata holds one block table
     )
     buckets = graph_buckets(config.cuda_graph_max_batch_size)
-    sizing: dict[str, float] = {}
-    if device.type == "cuda":
-        _release_cuda()
-        free, total = torch.cuda.mem_get_info(device)
-        # This worker's share: what its own allocator holds (weights so far). Other
-        # processes on the same GPU do not count against it, also while they start beside
-        # it (a drop in free memory since our start may be theirs).
-        used_here = torch.cuda.memory_reserved(device)
-        budget = min(
-            int(total * config.gpu_memory_utilization) - used_here, free - CUDA_HEADROOM_BYTES
-        )
-        activation = profile_activation_bytes(
-            model, geometry, min(config.profile_num_tokens, max_model_len), device
-        )
-        graph_bytes = (
-            measure_graph_bytes(model, geometry, buckets, max_model_len, device)
-            if use_graphs
-            else 0
-        )
-        pool_bytes = max(0, budget - activation - graph_bytes)
-        sizing = {
-            "budget_gib": budget / 2**30,
-            "activation_gib": activation / 2**30,
-            "cuda_graphs_gib": graph_bytes / 2**30,
-        }
-    else:
-        pool_bytes = parse_size(config.kv_cache_memory)
+    pool_bytes, sizing = kv_pool_bytes(
+        config, model, geometry, (buckets if use_graphs else None), max_model_len, device
+    )
     # A block of the pool is the target's block plus the draft's (same ids, own pools).
-    block_bytes = KvCache.bytes_per_block(**_block_geometry(geometry))
     draft_block_bytes = draft.block_bytes(config.block_size) if draft else 0
-    num_blocks = config.num_blocks or pool_bytes // (block_bytes + draft_block_bytes)
+    num_blocks = config.num_blocks or pool_bytes // (
+        KvCache.bytes_per_block(**_block_geometry(geometry)) + draft_block_bytes
+    )
     if ranks is not None:  # block ids must mean the same blocks on every rank
         num_blocks = ranks.min_over_ranks(num_blocks)
-    null = 1 if any(groups.windows) else 0  # the null block (block_manager.py)
-    if (num_blocks - null) // groups.num_groups * config.block_size < max_model_len:
-        held = ", one of them the null block of a sliding-window model" if null else ""
-        per = f" in each of {groups.num_groups} KV groups" if groups.is_hybrid else ""
-        raise ValueError(
-            f"the KV pool ({num_blocks} blocks of {config.block_size} tokens{held}) cannot "
-            f"hold one request of max_model_len={max_model_len} tokens{per}: raise "
-            f"kv_cache_memory/num_blocks/gpu_memory_utilization or lower max_model_len"
-        )
+    check_pool_holds_a_request(num_blocks, config.block_size, groups, max_model_len)
     shared_pool = None
     if device.type == "cpu" and config.kv_transfer_shared_memory:
         shared_pool = SharedPool(
@@ -367,6 +299,7 @@ def load_worker(
         packed_weights_mib=round(packed_bytes / 2**20, 1),
         **gemm,
         num_blocks=num_blocks,
+        kv_groups=groups.num_groups,
         kv_pool_mib=round(num_blocks * kv_cache.block_bytes / 2**20, 1),
         draft_layers=draft.config.num_hidden_layers if draft else 0,
         draft_kv_pool_mib=round(num_blocks * draft_block_bytes / 2**20, 1),
@@ -380,6 +313,105 @@ def load_worker(
         model, model_config, kv_cache, max_model_len, device, swap_cache, graphs, shared_pool,
         draft, draft_cache, lora, groups,
     )  # fmt: skip
+
+
+def check_features(config: WorkerConfig, model_config: ModelConfig) -> None:
+    """Refuse, in one line, a setting the model's architecture does not support yet."""
+    for family, present in (
+        ("mixture-of-experts", model_config.moe is not None),
+        ("latent-attention", model_config.mla is not None),
+    ):
+        if config.enable_lora and present:
+            raise ValueError(
+                f"--enable-lora is not supported for {family} models "
+                f"({model_config.architecture}) yet"
+            )
+
+
+def check_kv_cache_dtype(config: WorkerConfig, backend: str, device: torch.device) -> None:
+    if (
+        config.kv_cache_dtype != "auto"
+        and backend == "triton"
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device) < (8, 9)
+    ):
+        raise ValueError(
+            "--kv-cache-dtype fp8 with the triton attention backend needs a GPU of compute "
+            "capability 8.9 or newer (Triton has no float8_e4m3fn before Ada/Hopper); use "
+            "--attention-backend torch on this GPU"
+        )
+
+
+def pack_weights(config: WorkerConfig, model, draft, device, worker_id: str):
+    """(bytes, GEMM plan summary) of the CPU packed weights (0, {} where none)."""
+    if not wants_packed_weights(config, model, device):
+        return 0, {}
+    packed_bytes, plan = pack_taking_turns(config, model, device)
+    gemm = plan.summary()
+    if draft:
+        packed_bytes += draft.model.pack_weights(plan)[0]  # measured once, above
+    if plan.timings_us:
+        log.info("cpu_gemm_measured", worker_id=worker_id, **gemm, us=plan.timings_us)
+    return packed_bytes, gemm
+
+
+def kv_geometry(config: WorkerConfig, model, model_config: ModelConfig, groups, dtype) -> dict:
+    """`KvCache`'s arguments but the block count: this rank's layers (their slots:
+    `common.kv_groups`) and heads (all of them in a one-process worker)."""
+    slots, layer_slots = groups.stage_slots(model.stage.layer_range(model_config.num_hidden_layers))
+    return dict(
+        block_size=config.block_size,
+        num_layers=slots,
+        layer_slots=layer_slots,
+        num_groups=groups.num_groups,
+        num_kv_heads=len(model.shard.kv_heads),
+        head_dim=model_config.head_dim,
+        dtype=resolve_kv_dtype(config.kv_cache_dtype, dtype),
+    )
+
+
+def kv_pool_bytes(config: WorkerConfig, model, geometry: dict, buckets, max_model_len: int,
+                  device) -> tuple[int, dict[str, float]]:  # fmt: skip
+    """The KV pool's bytes: `--kv-cache-memory` on CPU; on a GPU this worker's share of its
+    memory less a profiled step's activations and the decode graphs (`buckets`: None when
+    none are captured), with the sizing in GiB."""
+    if device.type != "cuda":
+        return parse_size(config.kv_cache_memory), {}
+    _release_cuda()
+    free, total = torch.cuda.mem_get_info(device)
+    # This worker's share: what its own allocator holds (weights so far). Other processes on
+    # the same GPU do not count against it, also while they start beside it (a drop in free
+    # memory since our start may be theirs).
+    used_here = torch.cuda.memory_reserved(device)
+    budget = min(int(total * config.gpu_memory_utilization) - used_here, free - CUDA_HEADROOM_BYTES)
+    activation = profile_activation_bytes(
+        model, geometry, min(config.profile_num_tokens, max_model_len), device
+    )
+    graph_bytes = (
+        measure_graph_bytes(model, geometry, buckets, max_model_len, device)
+        if buckets is not None
+        else 0
+    )
+    sizing = {
+        "budget_gib": budget / 2**30,
+        "activation_gib": activation / 2**30,
+        "cuda_graphs_gib": graph_bytes / 2**30,
+    }
+    return max(0, budget - activation - graph_bytes), sizing
+
+
+def check_pool_holds_a_request(num_blocks: int, block_size: int, groups, max_model_len: int):
+    """A request of max_model_len tokens must fit an empty pool (one prompt chunk may
+    need every group's every block before a window trims it)."""
+    null = 1 if any(groups.windows) else 0  # the null block (block_manager.py)
+    if (num_blocks - null) // groups.num_groups * block_size < max_model_len:
+        held = ", one of them the null block of a sliding-window model" if null else ""
+        per = f" in each of {groups.num_groups} KV groups" if groups.is_hybrid else ""
+        raise ValueError(
+            f"the KV pool ({num_blocks} blocks of {block_size} tokens{held}) cannot "
+            f"hold one request of max_model_len={max_model_len} tokens{per}: raise "
+            f"kv_cache_memory/num_blocks/gpu_memory_utilization or lower max_model_len"
+        )
 
 
 def _block_geometry(geometry: dict) -> dict:

@@ -1,0 +1,38 @@
+"""The worker's start-up refusals that need no model loaded: a setting the architecture does
+not support, and a KV pool that cannot hold one request of max_model_len (each KV group
+needing its blocks)."""
+
+import pytest
+
+from common.kv_groups import kv_groups
+from common.model_config import ModelConfig
+from services.worker.config import WorkerConfig
+from services.worker.startup import check_features, check_pool_holds_a_request
+from tests.unit.test_moe_config import mixtral
+
+
+def test_lora_is_refused_for_mixture_of_experts_naming_the_architecture() -> None:
+    model_config = ModelConfig.from_dict(mixtral())
+    check_features(WorkerConfig(model="m"), model_config)
+    with pytest.raises(ValueError, match=r"^--enable-lora is not supported for mixture-of-exp"):
+        check_features(WorkerConfig(model="m", enable_lora=True), model_config)
+
+
+@pytest.mark.parametrize(
+    ("windows", "num_blocks", "fits"),
+    [
+        (None, 4, True),  # 4 blocks of 16 hold 64 tokens
+        (None, 3, False),
+        ((8, 8), 5, True),  # one windowed group: the null block is one of the 5
+        ((8, 8), 4, False),
+        ((8, None), 9, True),  # two groups: (9 - null) / 2 = 4 blocks of tokens each
+        ((8, None), 8, False),
+    ],
+)
+def test_the_pool_must_hold_one_request_of_max_model_len(windows, num_blocks, fits) -> None:
+    groups = kv_groups(windows, 2)
+    if fits:
+        check_pool_holds_a_request(num_blocks, 16, groups, 64)
+        return
+    with pytest.raises(ValueError, match="cannot hold one request of max_model_len=64"):
+        check_pool_holds_a_request(num_blocks, 16, groups, 64)
