@@ -44,12 +44,6 @@ def validate_lora_load(
         raise InvalidArgumentError("lora_path must not contain NUL")
 
 
-def adapter_info(adapter) -> generate_pb2.LoraAdapterInfo:
-    return generate_pb2.LoraAdapterInfo(
-        lora_name=adapter.name, lora_path=adapter.path, source=adapter.source
-    )
-
-
 class LoraRpcs:
     allow_runtime_lora_updating = False
     served_model_names: tuple[str, ...] = ()  # --served-model-name (empty: the folder's name)
@@ -91,7 +85,7 @@ class LoraRpcs:
         reply = replies[0][1]
         await self.refresh_model()
         log.info("lora_loaded", lora_name=request.lora_name, lora_path=request.lora_path)
-        return generate_pb2.LoadLoraAdapterResponse(adapter=adapter_info(reply.adapter))
+        return generate_pb2.LoadLoraAdapterResponse(adapter=reply.adapter)
 
     async def UnloadLoraAdapter(self, request, context):
         await self._ready(context)
@@ -126,7 +120,5 @@ class LoraRpcs:
         adapters = {}
         for reply in answered:
             for adapter in reply.adapters:
-                adapters.setdefault(adapter.name, adapter)
-        return generate_pb2.ListLoraAdaptersResponse(
-            adapters=[adapter_info(a) for a in adapters.values()]
-        )
+                adapters.setdefault(adapter.lora_name, adapter)
+        return generate_pb2.ListLoraAdaptersResponse(adapters=list(adapters.values()))

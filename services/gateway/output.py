@@ -13,33 +13,24 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from common.pb.tandem.internal.v1 import scheduler_pb2, types_pb2
+from common.pb.tandem.internal.v1 import scheduler_pb2
 from common.pb.tandem.v1 import generate_pb2
 from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.stop_strings import StopStringMatcher
 from services.gateway.validation import Stopping
 
-FINISH_FROM_PB = {
-    types_pb2.FINISH_REASON_STOP: generate_pb2.FINISH_REASON_STOP,
-    types_pb2.FINISH_REASON_LENGTH: generate_pb2.FINISH_REASON_LENGTH,
-    types_pb2.FINISH_REASON_ABORT: generate_pb2.FINISH_REASON_ABORT,
-}
-
 TokenText = Callable[[int], str]
 
 
-def public_logprob(entry: types_pb2.TokenLogprob, token_text: TokenText):
-    return generate_pb2.TokenLogprob(
-        token_id=entry.token_id,
-        logprob=entry.logprob,
-        token=token_text(entry.token_id),
-        top_logprobs=[
-            generate_pb2.TopLogprob(
-                token_id=t.token_id, logprob=t.logprob, token=token_text(t.token_id)
-            )
-            for t in entry.top_logprobs
-        ],
-    )
+def with_token_text(entry: generate_pb2.TokenLogprob, token_text: TokenText):
+    """The scheduler's logprob entry (the public message, without token text) with the
+    text of its token and of each alternative filled in."""
+    out = generate_pb2.TokenLogprob()
+    out.CopyFrom(entry)
+    out.token = token_text(entry.token_id)
+    for top in out.top_logprobs:
+        top.token = token_text(top.token_id)
+    return out
 
 
 @dataclass
@@ -92,19 +83,19 @@ class SampleOutput:
         out = generate_pb2.GenerateResponse(index=self.index)
         if update.HasField("beam_score"):
             out.beam_score = update.beam_score
-        ended_by_scheduler = update.finish_reason != types_pb2.FINISH_REASON_UNSPECIFIED
+        ended_by_scheduler = update.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED
         ids = list(update.token_ids)
         text = []
         for position, token in enumerate(ids):
             self.num_tokens += 1
             out.token_ids.append(token)
             if position < len(update.logprobs):
-                out.logprobs.append(public_logprob(update.logprobs[position], self._token_text))
+                out.logprobs.append(with_token_text(update.logprobs[position], self._token_text))
             is_last = position == len(ids) - 1
             if (
                 is_last
                 and ended_by_scheduler
-                and update.finish_reason == types_pb2.FINISH_REASON_STOP
+                and update.finish_reason == generate_pb2.FINISH_REASON_STOP
                 and token in self._stop_token_ids
             ):
                 out.stop_token_id = token
@@ -131,7 +122,7 @@ class SampleOutput:
                 out.finish_reason = generate_pb2.FINISH_REASON_STOP
             else:
                 text.append(safe + self._stops.flush())
-                out.finish_reason = FINISH_FROM_PB[update.finish_reason]
+                out.finish_reason = update.finish_reason
             self.finished = True
         out.text = "".join(text)
         if self.finished:
@@ -171,7 +162,7 @@ class RequestOutput:
         if update.prompt_logprobs and not self._prompt_logprobs_sent:
             self._prompt_logprobs_sent = True
             out.prompt_logprobs.extend(
-                public_logprob(e, token_text) for e in update.prompt_logprobs
+                with_token_text(e, token_text) for e in update.prompt_logprobs
             )
         if self.done:
             out.usage.CopyFrom(self.usage())

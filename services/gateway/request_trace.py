@@ -65,7 +65,7 @@ class GenerateTrace:
         """Describe the request and name this span as the scheduler's parent."""
         if self.span is None:
             return
-        sampling = submit.sampling
+        sampling = submit.sampling.params
         attributes = {
             "gen_ai.response.id": submit.request_id,
             "gen_ai.request.max_tokens": submit.max_tokens,

@@ -18,7 +18,8 @@ import grpc
 import structlog
 
 from common.log import get_logger
-from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
+from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+from common.pb.tandem.v1 import generate_pb2
 
 log = get_logger(__name__)
 _END = object()
@@ -53,7 +54,7 @@ class RequestUpdates:
             self._fail(SchedulerError(_status(update.error_code), update.error_message))
             return
         self._queue.put_nowait(update)
-        if update.finish_reason != types_pb2.FINISH_REASON_UNSPECIFIED:
+        if update.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
             self._unfinished -= 1
             if not self._unfinished:
                 self._end()

@@ -201,8 +201,8 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
         )
         if beam is not None:
             submit.beam_search.CopyFrom(beam)
-        if request.HasField("structured_output"):  # same message shape as the internal one
-            submit.structured_output.ParseFromString(request.structured_output.SerializeToString())
+        if request.HasField("structured_output"):  # the public message, as it came
+            submit.structured_output.CopyFrom(request.structured_output)
         trace.submitted(submit)
         return PreparedRequest(prompt_ids, stopping, frozenset(stop_ids), n, submit)
 

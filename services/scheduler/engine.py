@@ -30,15 +30,19 @@ from common.log import bind_request, get_logger
 from common.prefix_hash import root_hash
 from common.step_result import StepResult
 from common.tracing import enabled as tracing_enabled
-from services.scheduler.beam_group import BeamSteps
+from services.scheduler.admission import (
+    InvalidRequestError,
+    OverloadedError,
+    check_queue_room,
+    validate_request,
+)
 from services.scheduler.finish_log import log_finished
 from services.scheduler.grammar_gate import GrammarGate
 from services.scheduler.handle import Finished, RequestHandle, Stage, Tokens
 from services.scheduler.handoff import KvHandoff
 from services.scheduler.link_breaker import LinkBreaker
 from services.scheduler.lora_registry import LoraRegistry
-from services.scheduler.placement import PrefillCandidate, choose_prefill
-from services.scheduler.pool import Pool
+from services.scheduler.pool import Pool, pick_prefill_pool
 from services.scheduler.pool_monitor import PoolMonitor
 from services.scheduler.pool_scheduler import PoolScheduler
 from services.scheduler.recovery import Recovery
@@ -48,13 +52,7 @@ from services.scheduler.worker_types import WorkerInfo, WorkerUnavailableError
 
 log = get_logger(__name__)
 
-
-class InvalidRequestError(ValueError):
-    """The request breaks a limit; the message names the field and the limit."""
-
-
-class OverloadedError(RuntimeError):
-    """The waiting queue is full; the client should retry later (RESOURCE_EXHAUSTED)."""
+__all__ = ["Engine", "InvalidRequestError", "OverloadedError", "Resilience"]
 
 
 @dataclass(frozen=True)
@@ -71,7 +69,7 @@ class Resilience:
     kv_link_cool_down_s: float = 30.0
 
 
-class Engine(Recovery, BeamSteps):
+class Engine(Recovery):
     def __init__(
         self,
         pools: Sequence[Pool],
@@ -121,7 +119,7 @@ class Engine(Recovery, BeamSteps):
             ),
             transfer_failed=self._transfer_failed,
             streaming=kv_transfer_streaming,
-            arrived=self._beam_arrived,
+            arrived=self._arrived,
             links=LinkBreaker(self.resilience.kv_link_cool_down_s),
         )
         self.grammars = GrammarGate(lambda: self.pools, self._spawn, self._grammar_ready)
@@ -159,7 +157,7 @@ class Engine(Recovery, BeamSteps):
         WorkerUnavailableError; LoraNotFoundError for an adapter that is not served.
         `trace`: the client request's span (request_trace.py), None when not traced."""
         for request in samples:
-            self._validate(request)
+            self.validate(request)
             rope = self.pools[0].info.model.prompt_rope_key(len(request.prompt_token_ids))
             lora = self.loras.cache_key(request.lora_name)
             request.hash_root = root_hash(self.deployment_salt, request.cache_salt, lora, rope)
@@ -169,7 +167,7 @@ class Engine(Recovery, BeamSteps):
                 "no healthy worker can serve: every prefill or every decode worker is down"
             )
         self._check_queue_room(samples)
-        pool = self._pick_prefill_pool(samples[0])
+        pool = pick_prefill_pool(self.pools, samples[0])
         if pool is None:
             raise WorkerUnavailableError("no healthy worker can run prompts")
         events = asyncio.Queue() if events is None else events
@@ -229,21 +227,11 @@ class Engine(Recovery, BeamSteps):
         return len(waiting), sum(r.num_uncomputed_tokens for r in waiting)
 
     def _check_queue_room(self, samples: Sequence[Request]) -> None:
-        requests, tokens = self.num_waiting
-        r = self.resilience
-        new_tokens = sum(s.num_known_tokens for s in samples)
-        if requests + len(samples) > r.max_waiting_requests:
+        try:
+            check_queue_room(self.num_waiting, samples, self.resilience)
+        except OverloadedError:
             self.num_rejected_requests += 1
-            raise OverloadedError(
-                f"server overloaded: {requests} requests waiting, the queue holds "
-                f"max_waiting_requests={r.max_waiting_requests}; retry later"
-            )
-        if requests and tokens + new_tokens > r.max_waiting_tokens:
-            self.num_rejected_requests += 1
-            raise OverloadedError(
-                f"server overloaded: {tokens} prompt tokens waiting + {new_tokens} new exceed "
-                f"max_waiting_tokens={r.max_waiting_tokens}; retry later"
-            )
+            raise
 
     def check_integrity(self) -> list[str]:
         """Every pool's invariants; returns the violations found (empty = sound)."""
@@ -268,43 +256,9 @@ class Engine(Recovery, BeamSteps):
         await asyncio.gather(*(p.client.close() for p in self.pools), return_exceptions=True)
 
     # -- validation and placement -----------------------------------------------------------
-    def _validate(self, request: Request) -> None:
-        n = len(request.prompt_token_ids)
-        if request.request_id in self._handles:
-            raise InvalidRequestError(f"request_id {request.request_id!r} is already running")
-        if n == 0:
-            raise InvalidRequestError("prompt_token_ids must not be empty")
-        bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt_token_ids must be in [0, {self.vocab_size}), got {bad[0]}"
-            )
-        if request.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be >= 1, got {request.max_tokens}")
-        if n + request.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) exceeds the context "
-                f"length max_model_len={self.max_model_len}"
-            )
-
-    def _pick_prefill_pool(self, request: Request, allow_draining: bool = False) -> Pool | None:
-        candidates = [p for p in self.pools if p.accepting and p.runs_prompts]
-        if not candidates and allow_draining:  # requeues may still go to a draining pool
-            candidates = [p for p in self.pools if p.healthy and p.runs_prompts]
-        scores = []
-        for pool in candidates:
-            hits = pool.blocks.cached_prefix(
-                request.block_hashes, request.all_token_ids, request.num_known_tokens - 1
-            )
-            scores.append(
-                PrefillCandidate(
-                    queued_tokens=pool.scheduler.num_queued_tokens,
-                    cached_tokens=pool.blocks.tokens_in(len(hits)),
-                    free_blocks=pool.blocks.num_free_blocks,
-                )
-            )
-        choice = choose_prefill(scores, request.num_known_tokens)
-        return None if choice is None else candidates[choice]
+    def validate(self, request: Request) -> None:
+        """Raise InvalidRequestError naming the field and the limit a request breaks."""
+        validate_request(request, self._handles, self.vocab_size, self.max_model_len)
 
     # -- the step loop ------------------------------------------------------------------------
     async def _run_pool(self, pool: Pool) -> None:
@@ -331,9 +285,14 @@ class Engine(Recovery, BeamSteps):
                 self.handoff.pull(pool)
                 self._migrate(pool)  # draining: what is idle here leaves with its KV
             plan = pool.scheduler.schedule()
-            self._beam_restarts(plan.swapped_out)  # a beam search restarts when it loses a beam
-            for victim in self._beam_restarts(plan.preempted):
-                self._requeue(self._handle_of(victim))
+            for victim in plan.swapped_out:
+                if not victim.restartable:  # its driver starts it over (`Request.restartable`)
+                    self._lose(self._handle_of(victim), "swapped out")
+            for victim in plan.preempted:
+                if victim.restartable:
+                    self._requeue(self._handle_of(victim))
+                else:
+                    self._lose(self._handle_of(victim), "preempted")
             if not plan.is_empty:
                 chunks = self._prompt_chunks(pool, plan)  # noted before the send's await
                 step_id = await pool.client.send_step(plan)
@@ -342,7 +301,7 @@ class Engine(Recovery, BeamSteps):
                 self._stream_chunks(pool, step_id, chunks)
                 return
         if pool.scheduler.num_steps_in_flight:
-            result = await self._next_result(pool)
+            result = await pool.next_result(self.max_steps_in_flight)
             if result is None:
                 return  # woken with room for a plan: plan before the result comes
             pool.counters.record_step(result, pool.idle_since_last_result)
@@ -382,30 +341,6 @@ class Engine(Recovery, BeamSteps):
             except Exception as exc:
                 self._fail_alone(handle.request, exc)
 
-    async def _next_result(self, pool: Pool) -> StepResult | None:
-        """The oldest step's result; None when, waiting for it with room for another plan,
-        the pool has cancelled transfers to report: a worker that stops answering must
-        still get the plan that carries their tags, since their blocks are held until it
-        goes. (Other wake-ups wait for the result, as before: planning more eagerly would
-        take CPU turns from the other workers' steps.)"""
-        if pool.receiving is None:
-            if pool.scheduler.num_steps_in_flight >= self.max_steps_in_flight:
-                return await pool.client.receive_step()  # no room to plan: just wait
-            pool.receiving = asyncio.ensure_future(pool.client.receive_step())
-        receiving = pool.receiving
-        while not receiving.done():
-            room = pool.scheduler.num_steps_in_flight < self.max_steps_in_flight
-            if room and pool.scheduler.has_pending_cancels:
-                return None  # (without room the plan after this result carries them)
-            pool.wakeup.clear()  # a plan follows the result anyway
-            woken = asyncio.ensure_future(pool.wakeup.wait())
-            try:
-                await asyncio.wait((receiving, woken), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                woken.cancel()
-        pool.receiving = None
-        return await receiving
-
     def _apply(self, pool: Pool, result: StepResult) -> None:
         """Route what the pool's scheduler made of a step's result. An unexpected error in
         one request's part fails that request alone (INTERNAL), never its neighbours."""
@@ -428,9 +363,6 @@ class Engine(Recovery, BeamSteps):
     def _route_token(self, pool: Pool, item) -> None:
         """One sampled token (`item`: a SampledToken) to its request's stream."""
         request = item.request
-        if request.beam is not None:
-            self._beam_token(pool, item)  # beam_group.py
-            return
         handle = self._handle_of(request)
         handle.events.put_nowait(
             Tokens(
@@ -444,7 +376,67 @@ class Engine(Recovery, BeamSteps):
         if handle.pool is not pool:
             handle.pool.wakeup.set()  # preempted meanwhile: it waited for this token
         if item.finish_reason is not None:
-            self._finish(handle, item.finish_reason)
+            if request.keep_kv:
+                self._park(handle)
+            else:
+                self._finish(handle, item.finish_reason)
+
+    def _park(self, handle: RequestHandle) -> None:
+        """A request that keeps its KV finished (`Request.keep_kv`): parked where it
+        decodes; one that finished in a pool that does not decode hands its KV on to a
+        decode pool first and parks where it arrives (`_arrived`)."""
+        if handle.pool.scheduler.runs_decodes:
+            handle.park()
+            self._emit_finish(handle, handle.request.finish_reason, None, parked=True)
+        else:
+            self.handoff.enqueue(handle)
+
+    def _arrived(self, handle: RequestHandle) -> None:
+        """The hand-off put the request's KV in its decode pool."""
+        if handle.stage is Stage.PARKED:
+            self._emit_finish(handle, handle.request.finish_reason, None, parked=True)
+
+    def _lose(self, handle: RequestHandle | None, why: str) -> None:
+        """A request that does not start over (`Request.restartable`) lost its KV: it ends
+        with ABORTED, and its driver decides what follows."""
+        if handle is not None:
+            self._finish(handle, FinishReason.ABORT, ("ABORTED", f"its KV was lost: {why}"))
+
+    def fork(self, parent_id: str, child: Request, events) -> RequestHandle:
+        """Queue `child` where parked request `parent_id` keeps its KV, sharing its blocks
+        (copied on write): the child's computed tokens are the parent's; its events go to
+        `events`. Raises KeyError when the parent keeps no KV (released, or lost)."""
+        parent = self._handles.get(parent_id)
+        if parent is None or parent.stage is not Stage.PARKED or not parent.pool.healthy:
+            raise KeyError(f"request {parent_id!r} keeps no KV")
+        pool = parent.pool
+        if child.num_computed_tokens != parent.request.num_computed_tokens:
+            raise ValueError(
+                f"{child.request_id}: {child.num_computed_tokens} tokens computed, its parent "
+                f"{parent_id} holds {parent.request.num_computed_tokens}"
+            )
+        child.hash_root = parent.request.hash_root
+        shared = child.num_computed_tokens // pool.blocks.block_size  # full blocks in common
+        child.block_hashes = list(parent.request.block_hashes[:shared])
+        pool.blocks.fork(parent_id, child.request_id)
+        stage = Stage.DECODE if pool.info.role == "decode" else Stage.PREFILL
+        handle = RequestHandle(request=child, pool=pool, stage=stage, events=events)
+        self._handles[child.request_id] = handle
+        pool.scheduler.add(child, front=True)
+        pool.wakeup.set()
+        return handle
+
+    def count_restart(self) -> None:
+        """A driver started a client request over (`restarted_requests` in pool stats)."""
+        self.num_restarted_requests += 1
+
+    def release_kv(self, request_id: str) -> None:
+        """Free what a parked request keeps (nothing if it is not parked)."""
+        handle = self._handles.get(request_id)
+        if handle is not None and handle.stage is Stage.PARKED:
+            self._release(handle)
+            handle.finish()
+            self._handles.pop(request_id, None)
 
     def _handle_of(self, request: Request) -> RequestHandle | None:
         """The request's handle while it runs; None once it ended (a handle that now
@@ -453,26 +445,25 @@ class Engine(Recovery, BeamSteps):
         return handle if handle is not None and handle.request is request else None
 
     def _fail_alone(self, request: Request, exc: Exception) -> None:
-        """A bug met in one request's bookkeeping: that request (a beam's: its search)
-        ends with INTERNAL; the pool and the other requests go on."""
-        leader = request.beam.leader if request.beam is not None else request
-        with bind_request(leader.request_id, leader.trace_id):
+        """A bug met in one request's bookkeeping: that request ends with INTERNAL; the
+        pool and the other requests go on."""
+        with bind_request(request.request_id, request.trace_id):
             log.error("request_failed", error=repr(exc), exc_info=exc)
-        handle = self._handle_of(leader)
+        handle = self._handle_of(request)
         if handle is None:
             return
         error = ("INTERNAL", f"request failed: {exc!r}")
         try:
             self._finish(handle, FinishReason.ABORT, error)
         except Exception:  # its release failed too: end its stream all the same
-            log.exception("request_release_failed", request_id=leader.request_id)
+            log.exception("request_release_failed", request_id=request.request_id)
             if not handle.done:
                 handle.stage = Stage.DONE
                 self._emit_finish(handle, FinishReason.ABORT, error)
 
     def _requeue(self, handle: RequestHandle) -> None:
         """A preempted request recomputes from its prompt + tokens so far in a prefill pool."""
-        target = self._pick_prefill_pool(handle.request, allow_draining=True)
+        target = pick_prefill_pool(self.pools, handle.request, allow_draining=True)
         if target is None:
             self._finish(handle, FinishReason.ABORT, ("UNAVAILABLE", "no prefill worker left"))
             return
@@ -495,8 +486,6 @@ class Engine(Recovery, BeamSteps):
         """Free what the request holds wherever it is (queues, blocks, a transfer in
         flight); it is left RECOVERING, holding nothing."""
         request, stage = handle.request, handle.stage
-        if request.beam is not None:  # its live beams, in the pool the leader is in
-            request.beam.reset(handle.pool.scheduler)
         handle.hold_nothing()
         if stage in (Stage.PREFILL, Stage.DECODE):
             if handle.transfer is not None:  # streamed while its prompt ran
@@ -509,29 +498,37 @@ class Engine(Recovery, BeamSteps):
             handle.pool.wakeup.set()
         elif stage is Stage.TRANSFER:
             self.handoff.cancel(handle)  # both sides freed now (the pools are woken)
+        elif stage is Stage.PARKED:
+            handle.pool.blocks.free(request.request_id)
+            handle.pool.wakeup.set()
 
     def _emit_finish(
-        self, handle: RequestHandle, reason: FinishReason, error: tuple[str, str] | None
+        self,
+        handle: RequestHandle,
+        reason: FinishReason,
+        error: tuple[str, str] | None,
+        parked: bool = False,
     ) -> None:
+        """The request's Finished event (its handle kept while it is `parked`)."""
         request = handle.request
         if request.finish_reason is None:
             request.finish_reason = reason
-        self._handles.pop(request.request_id, None)
-        cached = max(0, request.num_cached_tokens)
-        beam = request.beam  # a beam search ends each of its n results
-        for index in range(beam.params.num_return_sequences) if beam else [request.index]:
-            handle.events.put_nowait(
-                Finished(
-                    index=index,
-                    reason=request.finish_reason,
-                    prompt_tokens=len(request.prompt_token_ids),
-                    completion_tokens=len(request.output_token_ids),
-                    cached_tokens=cached,
-                    error=error,
-                    num_draft_tokens=request.num_draft_tokens,
-                    num_accepted_tokens=request.num_accepted_tokens,
-                )
+        if not parked:
+            self._handles.pop(request.request_id, None)
+        handle.events.put_nowait(
+            Finished(
+                index=request.index,
+                reason=request.finish_reason,
+                prompt_tokens=len(request.prompt_token_ids),
+                completion_tokens=len(request.output_token_ids),
+                cached_tokens=max(0, request.num_cached_tokens),
+                error=error,
+                num_draft_tokens=request.num_draft_tokens,
+                num_accepted_tokens=request.num_accepted_tokens,
             )
+        )
+        if not request.counted:  # a part of a client request: its driver ends that
+            return
         if handle.trace is not None:
             handle.trace.sample_finished(request, error)
         now = time.monotonic()

@@ -7,6 +7,8 @@ table of allowed moves (`_NEXT`):
     DECODE -> HANDOFF (-> DECODE)                   a draining decode pool hands it on with
                                                     its KV (or takes it back before the move)
     PREFILL -> PREFILL, DECODE -> PREFILL           preempted: recompute in a prefill pool
+    PREFILL | DECODE | TRANSFER -> PARKED           finished, its KV kept where it decodes
+                                                    (`Request.keep_kv`)
     any live stage -> RECOVERING                    released (finishing, or starting over)
     RECOVERING -> PREFILL | DONE                    started over, or finished
 """
@@ -30,15 +32,17 @@ class Stage(enum.Enum):
     HANDOFF = "handoff"  # holds its blocks (prompt done, or draining) until pulled
     TRANSFER = "transfer"  # KV moving over UCX; holds blocks in both pools
     DECODE = "decode"  # in a decode pool
+    PARKED = "parked"  # finished; its blocks stay in its pool until forked or released
     RECOVERING = "recovering"  # holds nothing; about to start over after a failure
     DONE = "done"
 
 
 _NEXT = {
-    Stage.PREFILL: {Stage.PREFILL, Stage.HANDOFF, Stage.RECOVERING},
+    Stage.PREFILL: {Stage.PREFILL, Stage.HANDOFF, Stage.PARKED, Stage.RECOVERING},
     Stage.HANDOFF: {Stage.TRANSFER, Stage.DECODE, Stage.RECOVERING},
-    Stage.TRANSFER: {Stage.DECODE, Stage.RECOVERING},
-    Stage.DECODE: {Stage.PREFILL, Stage.HANDOFF, Stage.RECOVERING},
+    Stage.TRANSFER: {Stage.DECODE, Stage.PARKED, Stage.RECOVERING},
+    Stage.DECODE: {Stage.PREFILL, Stage.HANDOFF, Stage.PARKED, Stage.RECOVERING},
+    Stage.PARKED: {Stage.RECOVERING},
     Stage.RECOVERING: {Stage.RECOVERING, Stage.PREFILL, Stage.DONE},
     Stage.DONE: set(),
 }
@@ -191,9 +195,13 @@ class RequestHandle:
         self.transfer = transfer
 
     def arrive(self, pool: Pool) -> None:
-        """KV in place: the decode pool holds the request now."""
-        self._move(Stage.DECODE)
+        """KV in place: the decode pool holds the request now (parked, if it finished)."""
+        self._move(Stage.PARKED if self.request.is_finished else Stage.DECODE)
         self.pool, self.transfer = pool, None
+
+    def park(self) -> None:
+        """Finished in a pool that decodes: its blocks stay there (`Request.keep_kv`)."""
+        self._move(Stage.PARKED)
 
     def hold_nothing(self) -> None:
         """Released everywhere: about to start over or to finish."""

@@ -351,7 +351,8 @@ class KvHandoff:
             request.num_computed_tokens,
         )
         handle.arrive(dst)
-        dst.scheduler.add(request)
+        if not request.is_finished:  # a finished one that keeps its KV parks here
+            dst.scheduler.add(request)
         dst.wakeup.set()
         if self._arrived is not None:
             self._arrived(handle)

@@ -1,14 +1,18 @@
-"""One worker as the engine sees it: its connection, its pool scheduler, and its counters."""
+"""One worker as the engine sees it: its connection, its pool scheduler, and its counters;
+and which pool a prompt runs in."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from common.step_result import StepResult
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.placement import PrefillCandidate, choose_prefill
 from services.scheduler.pool_scheduler import PoolScheduler
+from services.scheduler.request import Request
 from services.scheduler.worker_types import WorkerConnection, WorkerInfo
 
 
@@ -84,3 +88,51 @@ class Pool:
     @property
     def blocks(self) -> BlockManager:
         return self.scheduler.blocks
+
+    async def next_result(self, max_steps_in_flight: int) -> StepResult | None:
+        """The oldest step's result; None when, waiting for it with room for another plan,
+        the pool has cancelled transfers to report: a worker that stops answering must
+        still get the plan that carries their tags, since their blocks are held until it
+        goes. (Other wake-ups wait for the result, as before: planning more eagerly would
+        take CPU turns from the other workers' steps.)"""
+        if self.receiving is None:
+            if self.scheduler.num_steps_in_flight >= max_steps_in_flight:
+                return await self.client.receive_step()  # no room to plan: just wait
+            self.receiving = asyncio.ensure_future(self.client.receive_step())
+        receiving = self.receiving
+        while not receiving.done():
+            room = self.scheduler.num_steps_in_flight < max_steps_in_flight
+            if room and self.scheduler.has_pending_cancels:
+                return None  # (without room the plan after this result carries them)
+            self.wakeup.clear()  # a plan follows the result anyway
+            woken = asyncio.ensure_future(self.wakeup.wait())
+            try:
+                await asyncio.wait((receiving, woken), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                woken.cancel()
+        self.receiving = None
+        return await receiving
+
+
+def pick_prefill_pool(
+    pools: Sequence[Pool], request: Request, allow_draining: bool = False
+) -> Pool | None:
+    """The pool a request's prompt runs in (`placement.choose_prefill`); with
+    `allow_draining`, a draining one when none accepts (a requeue may still go there)."""
+    candidates = [p for p in pools if p.accepting and p.runs_prompts]
+    if not candidates and allow_draining:  # requeues may still go to a draining pool
+        candidates = [p for p in pools if p.healthy and p.runs_prompts]
+    scores = []
+    for pool in candidates:
+        hits = pool.blocks.cached_prefix(
+            request.block_hashes, request.all_token_ids, request.num_known_tokens - 1
+        )
+        scores.append(
+            PrefillCandidate(
+                queued_tokens=pool.scheduler.num_queued_tokens,
+                cached_tokens=pool.blocks.tokens_in(len(hits)),
+                free_blocks=pool.blocks.num_free_blocks,
+            )
+        )
+    choice = choose_prefill(scores, request.num_known_tokens)
+    return None if choice is None else candidates[choice]

@@ -35,7 +35,6 @@ class Migration:
             and not r.num_pending_tokens
             and r.num_computed_tokens
             and not r.is_finished
-            and r.beam is None  # beam searches start over instead (Engine._beam_leave)
         ]
         for request in ready:
             (self.running if request in self.running else self.waiting).remove(request)

@@ -13,8 +13,8 @@ Each step:
 2. If nobody was preempted: swapped requests come back first (swap-in), then waiting ones
    join while the budget, `max_num_seqs` and free blocks allow. A waiting request starts
    from the longest cached prefix of its prompt (never its last token, which must be
-   computed to sample from). The samples of an n > 1 request wait until their leader
-   (sample 0) has planned every full prompt block, then start from those blocks.
+   computed to sample from). The samples of an n > 1 request wait until sample 0
+   (`Request.prompt_of`) has planned every full prompt block, then start from those blocks.
 
 `num_computed_tokens` advances when a step is planned; full blocks whose tokens are known
 are then offered to the prefix cache. A draining decode pool can hand its requests to
@@ -160,11 +160,8 @@ class PoolScheduler(Migration):
     # -- introspection ---------------------------------------------------------------------
     def schedulable_tokens(self, request: Request) -> int:
         """Tokens the next step could compute for the request."""
-        if request.held:
-            return 0  # a beam waiting for its group's step (beam_group.py)
         known = request.num_known_tokens
-        # A beam is never planned ahead of its result: its group picks its next token.
-        if self.runs_decodes and not request.will_finish and request.beam is None:
+        if self.runs_decodes and not request.will_finish:
             known += request.num_pending_tokens  # the worker computes what it sampled
         return known - request.num_computed_tokens
 
@@ -275,7 +272,9 @@ class PoolScheduler(Migration):
                 )
             )
         if reason is not None:
-            if self.holds(request):
+            if request.keep_kv:
+                self.detach(request)  # its blocks stay: the engine parks them
+            elif self.holds(request):
                 self.release(request)
             update.finished.append(request)
         elif not self.runs_decodes and self.is_running(request):
@@ -336,7 +335,7 @@ class PoolScheduler(Migration):
                 num_new = 1
                 if ahead and not Lookahead.can_plan_ahead(request):
                     continue  # its steps in flight may finish it: wait for them
-                if self.lookahead is not None and request.beam is None:
+                if self.lookahead is not None:
                     lookahead = self.lookahead.slots(
                         request, budget - 1 - later_decodes, len(self.running)
                     )
@@ -371,7 +370,7 @@ class PoolScheduler(Migration):
         acceptance rate, and the slots a request may get (a draft model's passes)."""
         counts = self.spec_decode
         pool_rate = pool_acceptance(counts.num_draft_tokens, counts.num_accepted_tokens)
-        alphas = [acceptance(r, pool_rate) for r in self.running if r.beam is None]
+        alphas = [acceptance(r, pool_rate) for r in self.running]
         k = self.lookahead.num_speculative_tokens
         rows = len(self.running)
         bar = self.step_cost.bar(rows, alphas, k)
@@ -407,9 +406,9 @@ class PoolScheduler(Migration):
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.popleft()
-            if request.num_pending_tokens or self._awaits_leader(request):
+            if request.num_pending_tokens or self._awaits_prompt(request):
                 skipped.append(request)  # preempted while a token was on the way, or
-                continue  # a sample whose prompt blocks its leader is still computing
+                continue  # a sample whose prompt blocks sample 0 is still computing
             if not self._lora_fits(request):
                 skipped.append(request)  # its adapter waits for a free LoRA slot
                 continue
@@ -451,14 +450,18 @@ class PoolScheduler(Migration):
         active = {r.lora_name for r in self.running if r.lora_name}
         return request.lora_name in active or len(active) < self.max_loras
 
-    def _awaits_leader(self, request: Request) -> bool:
-        """True for sample i > 0 of n while sample 0, in this pool, has not yet planned every
-        full prompt block: waiting lets it reuse them all instead of computing them again."""
-        leader = request.leader
-        if leader is None or not self.blocks.pool.enable_caching or not self.holds(leader):
+    def _awaits_prompt(self, request: Request) -> bool:
+        """True for sample i > 0 of n while sample 0 (`prompt_of`), in this pool, has not
+        yet planned every full prompt block: waiting lets it reuse them all instead of
+        computing them again."""
+        if not request.prompt_of or not self.blocks.pool.enable_caching:
+            return False
+        queues = (self.running, self.waiting, self.swapped)
+        first = next((r for q in queues for r in q if r.request_id == request.prompt_of), None)
+        if first is None:
             return False
         shareable = (len(request.prompt_token_ids) - 1) // self.blocks.block_size
-        return leader.num_computed_tokens < shareable * self.blocks.block_size
+        return first.num_computed_tokens < shareable * self.blocks.block_size
 
     def _prefix_hits(self, request: Request) -> list[int]:
         """Cached blocks for a request that starts from scratch here (none otherwise)."""

@@ -27,6 +27,9 @@ class Recovery:
         tokens already streamed stay, the next one is computed again, none is repeated."""
         if handle.done:
             return
+        if not handle.request.restartable:  # its driver starts it over
+            self._lose(handle, why)
+            return
         self._release(handle)
         handle.num_restarts += 1
         if handle.num_restarts > self.resilience.max_restarts:
@@ -143,10 +146,7 @@ class Recovery:
             pool.wakeup.set()
 
     def _migrate(self, pool: Pool) -> None:
-        """Hand on what a migrating pool holds with no step in flight (none otherwise).
-        Beam searches do not migrate: they start over elsewhere (beam_group.py)."""
-        if pool.scheduler.migrating:
-            self._beam_leave(pool)
+        """Hand on what a migrating pool holds with no step in flight (none otherwise)."""
         for request in pool.scheduler.take_migrations():
             self.handoff.enqueue(self._handle_of(request))
 

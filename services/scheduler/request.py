@@ -10,15 +10,11 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from common.prefix_hash import BlockHash, extend_block_hashes
 from common.sampling import Logprob, SamplingParams
 from common.structured_output import Constraint
 from common.tracing import trace_id_of
-
-if TYPE_CHECKING:
-    from services.scheduler.beam_group import BeamGroup
 
 
 class FinishReason(enum.Enum):
@@ -39,16 +35,18 @@ class Request:
     lora_name: str = ""  # its LoRA adapter ("" = the base model)
     structured: Constraint | None = None  # the grammar its output must follow
     grammar_pending: bool = False  # its grammar is still compiling on the workers
-    # Which of the client request's n samples this is; samples 1..n-1 point at sample 0,
-    # whose prompt blocks they reuse through the prefix cache.
+    # Which of the client request's n samples this is; samples 1..n-1 name sample 0
+    # (`prompt_of`), whose prompt blocks they reuse through the prefix cache.
     index: int = 0
-    leader: Request | None = None
-    # Beam search: the group this request is the prompt (leader) or a live beam of.
-    # Its output's last token is the worker's greedy pick, never used: the group
-    # chooses each beam's tokens from the step's logprobs (beam_group.py).
-    beam: BeamGroup | None = None
-    # A beam whose candidates are in, waiting for the rest of its group: not scheduled.
-    held: bool = False
+    prompt_of: str = ""
+    # What a driver above the engine (a beam search, `beam_driver.py`) asks of a request
+    # it submits: finished, its KV stays where it decodes (`keep_kv`: parked until the
+    # driver forks or releases it); its KV lost (preempted, swapped out, its worker
+    # failed), it ends with ABORTED instead of starting over (`restartable`); it is a
+    # part of a client request, not one (`counted`: metrics and the finish log).
+    keep_kv: bool = False
+    restartable: bool = True
+    counted: bool = True
     output_token_ids: list[int] = field(default_factory=list)
     # Leading tokens whose KV sits in the blocks of the pool the request is in now.
     num_computed_tokens: int = 0

@@ -9,12 +9,13 @@ import dataclasses
 import grpc
 
 from common.log import bind_request, get_logger
-from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
+from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+from common.pb.tandem.v1 import generate_pb2
 from common.sampling import MAX_BEAM_WIDTH, MAX_INTERNAL_LOGPROBS, MAX_SAMPLES, SamplingParams
 from common.sampling_pb import ROLE_TO_PB, sampling_from_pb
 from common.structured_output import constraint_from_pb
-from services.scheduler.beam_group import EARLY_STOPPING, BeamGroup
-from services.scheduler.beam_search import BeamParams
+from services.scheduler.beam_driver import EARLY_STOPPING, BeamDriver
+from services.scheduler.beam_search import BeamParams, BeamSearch
 from services.scheduler.engine import Engine, InvalidRequestError, OverloadedError
 from services.scheduler.lora_admin import LoraAdmin
 from services.scheduler.lora_registry import LoraConflictError, LoraEntry, LoraNotFoundError
@@ -59,11 +60,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                     yield scheduler_pb2.SessionResponse(updates=updates)
         finally:
             reader.cancel()
-            orphans = state.running_handles()
-            for handle in orphans:  # the gateway went away: free it all
-                engine.abort(handle.request.request_id)
+            aborted = state.abort_all(engine)  # the gateway went away: free it all
             # (Not context.peer(): on a call the transport already dropped, it segfaults.)
-            log.info("session_ended", aborted=len(orphans))
+            log.info("session_ended", aborted=aborted)
 
     async def _read_session(self, engine: Engine, request_iterator, state: SessionState) -> None:
         try:
@@ -72,11 +71,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 if action == "submit":
                     self._submit(engine, message.submit, state)
                 elif action == "abort":
-                    ids = state.sample_ids(message.abort.request_id)
-                    if message.abort.HasField("index"):
-                        ids = ids[message.abort.index : message.abort.index + 1]
-                    for sample_id in ids:
-                        engine.abort(sample_id)
+                    index = message.abort.index if message.abort.HasField("index") else None
+                    state.abort(engine, message.abort.request_id, index)
         finally:
             state.queue.put_nowait((None, SESSION_CLOSED))
 
@@ -93,13 +89,21 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             if self.draining:
                 refuse("UNAVAILABLE", "scheduler is shutting down")
                 return
-            if request.request_id in state.handles:
+            if request.request_id in state.handles or request.request_id in state.searches:
                 refuse(
                     "INVALID_ARGUMENT",
                     f"request_id {request.request_id!r} is already running",
                 )
                 return
             try:
+                if request.HasField("beam_search"):
+                    template, params = beam_template_from_pb(request, engine.max_model_len)
+                    driver = BeamDriver(
+                        engine, template, params, state.sink(request.request_id), trace
+                    )
+                    driver.start()
+                    state.opened_search(request.request_id, driver, params.num_return_sequences)
+                    return
                 samples = samples_from_pb(request, engine.max_model_len)
                 handles = engine.submit(samples, events=state.sink(request.request_id), trace=trace)
             except (InvalidRequestError, ValueError) as exc:
@@ -171,8 +175,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         )
 
 
-def lora_to_pb(entry: LoraEntry) -> types_pb2.LoraAdapter:
-    return types_pb2.LoraAdapter(name=entry.name, path=entry.path, source=entry.source)
+def lora_to_pb(entry: LoraEntry) -> generate_pb2.LoraAdapterInfo:
+    return generate_pb2.LoraAdapterInfo(
+        lora_name=entry.name, lora_path=entry.path, source=entry.source
+    )
 
 
 def pool_stats(pool: Pool) -> scheduler_pb2.PoolStats:
@@ -213,8 +219,6 @@ def samples_from_pb(request: scheduler_pb2.SubmitRequest, max_model_len: int) ->
     """The n samples of a SubmitRequest as separate requests (sample i: seed + i; only
     sample 0 computes prompt logprobs)."""
     n = request.n or 1
-    if request.HasField("beam_search"):
-        return [beam_leader_from_pb(request, max_model_len)]
     if not 1 <= n <= MAX_SAMPLES:
         raise InvalidRequestError(f"n must be in 1..{MAX_SAMPLES}, got {n}")
     structured = constraint_from_pb(request.structured_output)  # each sample its matcher
@@ -234,13 +238,15 @@ def samples_from_pb(request: scheduler_pb2.SubmitRequest, max_model_len: int) ->
         for i in range(n)
     ]
     for sample in samples[1:]:
-        sample.leader = samples[0]
+        sample.prompt_of = samples[0].request_id
     return samples
 
 
-def beam_leader_from_pb(request: scheduler_pb2.SubmitRequest, max_model_len: int) -> Request:
-    """A beam search request: its prompt's request (the group's leader, beam_group.py),
-    greedy with the policy's candidates as logprobs; the stop tokens are its EOS ids."""
+def beam_template_from_pb(
+    request: scheduler_pb2.SubmitRequest, max_model_len: int
+) -> tuple[Request, BeamParams]:
+    """A beam search request: (what each of its requests starts from, greedy with the
+    policy's candidates as logprobs; the policy's settings, the stop tokens its EOS ids)."""
     beam = request.beam_search
     if not 1 <= beam.beam_width <= MAX_BEAM_WIDTH:
         raise InvalidRequestError(
@@ -272,11 +278,11 @@ def beam_leader_from_pb(request: scheduler_pb2.SubmitRequest, max_model_len: int
         lora_name=request.lora_name,
         max_model_len=max_model_len,
     )
-    needed = BeamGroup(leader, params).search.candidates_needed()
+    needed = BeamSearch(params).candidates_needed()
     if needed > MAX_INTERNAL_LOGPROBS:
         raise InvalidRequestError(
             f"beam_search needs max(2, 1 + stop tokens) * beam_width = {needed} candidates "
             f"per beam; at most {MAX_INTERNAL_LOGPROBS}"
         )
     leader.sampling = SamplingParams(logprobs=needed)  # greedy, plain: raw logprobs
-    return leader
+    return leader, params

@@ -13,15 +13,17 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from common.pb.tandem.internal.v1 import scheduler_pb2, types_pb2
+from common.pb.tandem.internal.v1 import scheduler_pb2
+from common.pb.tandem.v1 import generate_pb2
 from common.sampling_pb import logprob_to_pb
+from services.scheduler.beam_driver import BeamDriver
 from services.scheduler.handle import Finished, RequestHandle, Tokens
 from services.scheduler.request import FinishReason
 
 FINISH_TO_PB = {
-    FinishReason.STOP: types_pb2.FINISH_REASON_STOP,
-    FinishReason.LENGTH: types_pb2.FINISH_REASON_LENGTH,
-    FinishReason.ABORT: types_pb2.FINISH_REASON_ABORT,
+    FinishReason.STOP: generate_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: generate_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: generate_pb2.FINISH_REASON_ABORT,
 }
 
 
@@ -57,6 +59,8 @@ class SessionState:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     handles: dict[str, list[RequestHandle]] = field(default_factory=dict)
     unfinished: dict[str, int] = field(default_factory=dict)
+    # Beam searches (`beam_driver.py`), by client request id.
+    searches: dict[str, BeamDriver] = field(default_factory=dict)
 
     def sink(self, request_id: str) -> TaggedSink:
         return TaggedSink(self.queue, request_id)
@@ -64,10 +68,26 @@ class SessionState:
     def opened(
         self, request_id: str, handles: list[RequestHandle], outputs: int | None = None
     ) -> None:
-        """`outputs`: the Finished events that end the request (default one per handle; a
-        beam search has one handle and sends one per hypothesis returned)."""
+        """`outputs`: the Finished events that end the request (default one per handle)."""
         self.handles[request_id] = handles
         self.unfinished[request_id] = len(handles) if outputs is None else outputs
+
+    def opened_search(self, request_id: str, search: BeamDriver, outputs: int) -> None:
+        """A beam search: it ends with one Finished per hypothesis returned."""
+        self.searches[request_id] = search
+        self.unfinished[request_id] = outputs
+
+    def abort(self, engine, request_id: str, index: int | None) -> None:
+        """The gateway stops a request (or one of its samples)."""
+        search = self.searches.get(request_id)
+        if search is not None:
+            search.abort()  # a search's results end together
+            return
+        ids = self.sample_ids(request_id)
+        if index is not None:
+            ids = ids[index : index + 1]
+        for sample_id in ids:
+            engine.abort(sample_id)
 
     def refuse(self, request_id: str, code: str, message: str) -> None:
         self.queue.put_nowait((request_id, Refused(code, message)))
@@ -86,10 +106,21 @@ class SessionState:
                 if not self.unfinished[request_id]:
                     del self.unfinished[request_id]
                     self.handles.pop(request_id, None)
+                    self.searches.pop(request_id, None)
         return batch
 
     def running_handles(self) -> list[RequestHandle]:
         return [h for handles in self.handles.values() for h in handles if not h.done]
+
+    def abort_all(self, engine) -> int:
+        """The gateway went away: stop everything still running; how many."""
+        orphans = self.running_handles()
+        for handle in orphans:
+            engine.abort(handle.request.request_id)
+        searches = [s for s in self.searches.values() if not s.done]
+        for search in searches:
+            search.abort()
+        return len(orphans) + len(searches)
 
 
 def updates_from_events(events: list) -> list[scheduler_pb2.SubmitResponse]:
@@ -103,7 +134,7 @@ def updates_from_events(events: list) -> list[scheduler_pb2.SubmitResponse]:
             out.append(
                 scheduler_pb2.SubmitResponse(
                     request_id=request_id,
-                    finish_reason=types_pb2.FINISH_REASON_ABORT,
+                    finish_reason=generate_pb2.FINISH_REASON_ABORT,
                     error_code=event.code,
                     error_message=event.message,
                 )
@@ -125,7 +156,7 @@ def updates_from_events(events: list) -> list[scheduler_pb2.SubmitResponse]:
             continue
         update.finish_reason = FINISH_TO_PB[event.reason]
         update.usage.CopyFrom(
-            types_pb2.Usage(
+            generate_pb2.Usage(
                 prompt_tokens=event.prompt_tokens,
                 completion_tokens=event.completion_tokens,
                 cached_tokens=event.cached_tokens,

@@ -159,7 +159,7 @@ def scheduler_adapters(address: str) -> set[str]:
         reply = scheduler_pb2_grpc.SchedulerServiceStub(channel).ListLoraAdapters(
             scheduler_pb2.ListLoraAdaptersRequest(), timeout=10
         )
-    return {a.name for a in reply.adapters}
+    return {a.lora_name for a in reply.adapters}
 
 
 def test_lora_adapter_loads_and_unloads_on_every_scheduler(

@@ -11,7 +11,8 @@ import threading
 import grpc
 import pytest
 
-from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
+from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+from common.pb.tandem.v1 import generate_pb2
 from common.sampling import Logprob
 from services.scheduler.handle import Finished, Tokens
 from services.scheduler.request import FinishReason
@@ -36,7 +37,7 @@ def test_updates_merge_runs_of_one_sample_and_keep_requests_apart():
         ("c", 0, []),
     ]
     a = updates[0]
-    assert a.finish_reason == types_pb2.FINISH_REASON_LENGTH and a.usage.completion_tokens == 2
+    assert a.finish_reason == generate_pb2.FINISH_REASON_LENGTH and a.usage.completion_tokens == 2
     assert a.cached_tokens == 3 and len(a.logprobs) == 1
     assert updates[3].error_code == "UNAVAILABLE" and updates[3].error_message == "worker gone"
 

@@ -12,9 +12,10 @@ import asyncio
 import pytest
 
 from common.pb.tandem.internal.v1 import scheduler_pb2
+from services.scheduler.beam_driver import BeamDriver
 from services.scheduler.beam_search import BeamParams, BeamSearch
-from services.scheduler.server import beam_leader_from_pb
-from tests.engine_cluster import cluster, collect, prompt, run, submit
+from services.scheduler.server import beam_template_from_pb
+from tests.engine_cluster import cluster, collect, prompt, run, submit, until
 from tests.fake_model import fake_top
 from tests.fake_worker import worker_info
 
@@ -52,16 +53,16 @@ async def scenario(infos, searches, greedy=2, **settings):
     async with cluster(*infos, **settings) as c:
         finished = []  # the metrics hook: each search and each greedy request once
         c.engine.on_finish = lambda request, now: finished.append(request.request_id)
-        handles = []
+        drivers = []
         for i, (k, n, max_tokens) in enumerate(searches):
-            leader = beam_leader_from_pb(
+            template, params = beam_template_from_pb(
                 beam_submit(f"b{i}", prompt(i, 20 + i), k, n, max_tokens), 512
             )
-            (handle,) = c.engine.submit([leader])
-            handles.append((handle, n))
-        groups = [h.request.beam for h, _ in handles]
+            driver = BeamDriver(c.engine, template, params, asyncio.Queue())
+            driver.start()
+            drivers.append((driver, n))
         plain = [submit(c, f"g{i}", prompt(50 + i, 30), 24) for i in range(greedy)]
-        results = [await collect(h.events, n, timeout_s=20) for h, n in handles]
+        results = [await collect(d.events, n, timeout_s=20) for d, n in drivers]
         for handle in plain:
             await collect(handle.events, timeout_s=20)
         await asyncio.sleep(0.05)
@@ -75,7 +76,8 @@ async def scenario(infos, searches, greedy=2, **settings):
         assert all(p.blocks.num_free_blocks == p.blocks.num_blocks for p in c.engine.pools)
         want = [f"b{i}" for i in range(len(searches))] + [f"g{i}" for i in range(greedy)]
         assert sorted(finished) == sorted(want)
-        return results, sum(g.num_restarts for g in groups)
+        assert not c.engine.num_requests  # every beam's request released
+        return results, sum(d.num_restarts for d, _ in drivers)
 
 
 def check(results, searches):
@@ -113,3 +115,33 @@ def test_lost_beams_restart_their_search_and_stay_exact(mode):
     )
     check(results, searches)
     assert restarts > 0
+
+
+def test_a_search_whose_decode_worker_dies_starts_over_and_stays_exact():
+    """Its beams' KV (running and parked) dies with d0: each beam request ends ABORTED
+    (`Request.restartable` is off), the driver releases the rest and submits the prompt
+    again, and the search finishes on d1 with the policy's results."""
+
+    async def scenario():
+        async with cluster(
+            worker_info("p0", "prefill", num_blocks=128),
+            worker_info("d0", "decode", num_blocks=128),
+            worker_info("d1", "decode", num_blocks=128),
+        ) as c:
+            d0 = c.worker("d0")
+            d0.step_delay_s = 0.002
+            template, params = beam_template_from_pb(beam_submit("b", prompt(3, 21), 4, 2, 12), 512)
+            search = BeamDriver(c.engine, template, params, asyncio.Queue())
+            search.start()
+            # the search has forked beams on d0 (its second step's requests run there)
+            await until(lambda: any("#2." in r for r in d0.planned_request_ids), timeout_s=5)
+            d0.kill()
+            results = await collect(search.events, 2, timeout_s=20)
+            assert search.num_restarts >= 1
+            assert [results[i].tokens for i in range(2)] == reference(prompt(3, 21), 4, 2, 12)
+            assert c.engine.num_worker_failures == 1 and not c.engine.num_requests
+            for pool in c.engine.pools:
+                if pool.healthy:
+                    assert pool.blocks.num_free_blocks == pool.blocks.num_blocks
+
+    run(scenario(), timeout_s=30)

@@ -16,9 +16,10 @@ from collections.abc import Callable
 import pytest
 
 from common.pb.tandem.internal.v1 import scheduler_pb2
+from services.scheduler.beam_driver import BeamDriver
 from services.scheduler.handle import Finished, Tokens
 from services.scheduler.request import FinishReason, Request
-from services.scheduler.server import SchedulerServicer, beam_leader_from_pb
+from services.scheduler.server import SchedulerServicer, beam_template_from_pb
 from services.scheduler.session import SessionState
 from tests.engine_cluster import (
     Cluster,
@@ -38,9 +39,20 @@ from tests.unit.test_beam_search_inprocess import beam_submit, reference
 pytestmark = pytest.mark.timeout(30)
 
 
-def cancel_during_send(c: Cluster, worker_id: str, victim: str, when: Callable) -> list[int]:
+def start_search(c: Cluster, rid: str, p, k: int, n: int, max_tokens: int) -> BeamDriver:
+    """A beam search driven over the cluster's engine; its results in `.events`."""
+    template, params = beam_template_from_pb(beam_submit(rid, p, k, n, max_tokens), 512)
+    search = BeamDriver(c.engine, template, params, asyncio.Queue())
+    search.start()
+    return search
+
+
+def cancel_during_send(
+    c: Cluster, worker_id: str, victim: str, when: Callable, abort: Callable | None = None
+) -> list[int]:
     """Abort `victim` inside the send of the first plan to `worker_id` whose scheduled item
-    for it satisfies `when(item)`; returns a list that gets that step's number."""
+    for it satisfies `when(item)` (with `abort()` when given: a beam search's driver);
+    returns a list that gets that step's number."""
     hits: list[int] = []
 
     async def hook(plan) -> None:
@@ -50,7 +62,10 @@ def cancel_during_send(c: Cluster, worker_id: str, victim: str, when: Callable) 
             rid = item.request.request_id
             if (rid == victim or rid.startswith(f"{victim}#")) and when(item):
                 hits.append(c.worker(worker_id).last_sent_step_id)
-                assert c.engine.abort(victim)
+                if abort is not None:
+                    abort()
+                else:
+                    assert c.engine.abort(victim)
                 await asyncio.sleep(0)  # the rest of the send happens after the abort
                 return
 
@@ -132,12 +147,14 @@ def test_cancel_while_a_beam_step_is_sent(role):
         )
         async with cluster(*infos, max_num_batched_tokens=32) as c:
             # The victim's second beam step (beams `x#2.*`) is being sent when it is cancelled.
-            hits = cancel_during_send(c, "w0", "x", lambda item: "#2." in item.request.request_id)
-            other = beam_leader_from_pb(beam_submit("b", prompt(7, 12), 3, 2, 10), 512)
-            (beams,) = c.engine.submit([other])
+            searches = {}
+            hits = cancel_during_send(
+                c, "w0", "x", lambda item: "#2." in item.request.request_id,
+                abort=lambda: searches["x"].abort(),
+            )  # fmt: skip
+            beams = start_search(c, "b", prompt(7, 12), 3, 2, 10)
             greedy = submit(c, "g", prompt(8, 9), 16)
-            leader = beam_leader_from_pb(beam_submit("x", prompt(9, 14), 3, 2, 10), 512)
-            (victim,) = c.engine.submit([leader])
+            victim = searches["x"] = start_search(c, "x", prompt(9, 14), 3, 2, 10)
             ended = await collect(victim.events, 2)
             assert hits, "the cancel was injected during a beam step's send"
             for stream in ended.values():
@@ -167,6 +184,7 @@ def test_cancel_storm_at_random_sends():
         ) as c:
             rng = random.Random(40)
             samples: dict[str, list[str]] = {}  # client request -> its sample ids
+            searches = {}  # client request -> its beam search
             cancelled: set[str] = set()  # samples whose abort found them running
 
             async def hook(plan) -> None:
@@ -177,9 +195,15 @@ def test_cancel_storm_at_random_sends():
                 choice = sorted(r for r in running if carried & set(samples[r])) or running
                 if not choice:
                     return
-                for sample in samples[rng.choice(choice)]:
-                    if c.engine.abort(sample):
-                        cancelled.add(sample)
+                rid = rng.choice(choice)
+                if rid in searches:
+                    if not searches[rid].done:
+                        searches[rid].abort()
+                        cancelled.add(rid)
+                else:
+                    for sample in samples[rid]:
+                        if c.engine.abort(sample):
+                            cancelled.add(sample)
                 await asyncio.sleep(0)
 
             for w in c.workers:
@@ -189,9 +213,7 @@ def test_cancel_storm_at_random_sends():
                 kind, p = ("greedy", "greedy", "n", "beam")[i % 4], prompt(20 + i, 4 + (i * 7) % 37)
                 rid, max_tokens = f"{kind}{i}", 10 + i % 13
                 if kind == "beam":
-                    (handle,) = c.engine.submit(
-                        [beam_leader_from_pb(beam_submit(rid, p, 2, 1, 8), 512)]
-                    )
+                    handle = searches[rid] = start_search(c, rid, p, 2, 1, 8)
                     samples[rid] = [rid]
                 elif kind == "n":
                     handle = c.engine.submit(n_samples(rid, p, max_tokens))[0]
@@ -221,7 +243,7 @@ def test_cancel_storm_at_random_sends():
 def n_samples(rid: str, p: list[int], max_tokens: int) -> list[Request]:
     """Two samples of one prompt (greedy: the same tokens), as the servicer makes them."""
     out = [Request(f"{rid}/{i}", list(p), max_tokens, index=i) for i in range(2)]
-    out[1].leader = out[0]
+    out[1].prompt_of = out[0].request_id
     return out
 
 

@@ -4,10 +4,10 @@ reasons, hand-offs and aborts in every stage; after each scenario nothing leaks 
 free, every worker's batch empty, the engine's integrity check clean). Worker failures,
 transfers, draining, preemption and admission: `test_engine_failures_inprocess.py`.
 
-Only the Engine's public surface is used: the constructor, start, submit, abort, the
-events of each request (Tokens / Finished), check_integrity, close, the pools' counters,
-health flags, block managers and scheduler queues, the engine's counters, and (once) a
-handle's stage. Engine internals (`_apply`, the hand-off's pumping) are not touched.
+Only the Engine's public surface is used: the constructor, start, submit, abort, fork,
+release_kv, the events of each request (Tokens / Finished), check_integrity, close, the
+pools' counters, health flags, block managers and scheduler queues, the engine's counters,
+and a handle's stage. Engine internals (`_apply`, the hand-off's pumping) are not touched.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def test_parallel_samples_share_the_prompt_blocks():
         async with cluster(worker_info("w0")) as c:
             p = prompt(3, 13)
             leader = Request("n-0", p, 8)
-            samples = [leader, Request("n-1", p, 8, index=1, leader=leader)]
+            samples = [leader, Request("n-1", p, 8, index=1, prompt_of=leader.request_id)]
             (handle, _) = c.engine.submit(samples)
             streams = await collect(handle.events, samples=2)
             for stream in streams.values():
@@ -284,6 +284,46 @@ def test_stale_receive_cannot_overwrite_blocks_reused_by_the_next_transfer():
             stream = await collect(b.events)
             assert d0.kv_errors == []
             assert_exact(stream, p_b, 4)
+            await assert_clean(c)
+
+    run(scenario())
+
+
+# -- requests a driver above the engine submits (Request.keep_kv, Engine.fork) ---------------
+def test_a_request_that_keeps_its_kv_parks_where_it_decodes_and_children_fork_from_it():
+    """Finished at the prefill worker, a `keep_kv` request's KV moves to the decode pool and
+    parks there (its Finished comes then); a fork from it computes only its new token on
+    the parent's blocks; a fork from a request that keeps nothing is refused; releasing
+    frees every block."""
+
+    async def scenario():
+        async with cluster(worker_info("p0", "prefill"), worker_info("d0", "decode")) as c:
+            p = prompt(4, 13)
+            parent = Request("parent", list(p), 1, keep_kv=True, counted=False)
+            (handle,) = c.engine.submit([parent])
+            stream = await collect(handle.events)
+            assert_exact(stream, p, 1)
+            assert handle.stage is Stage.PARKED and handle.pool is c.pool("d0")
+            held = c.pool("d0").blocks.num_held("parent")
+            assert held == c.pool("d0").blocks.blocks_for_tokens(len(p)) > 0
+            assert c.pool("p0").blocks.num_free_blocks == c.pool("p0").blocks.num_blocks
+            # the child: the parent's prompt and token, its computed tokens the parent's
+            child = Request(
+                "child", list(p), 3, output_token_ids=list(stream.tokens),
+                num_computed_tokens=len(p),
+            )  # fmt: skip
+            events = asyncio.Queue()
+            c.engine.fork("parent", child, events)
+            with pytest.raises(KeyError, match="keeps no KV"):
+                c.engine.fork("child", Request("x", list(p), 2), asyncio.Queue())
+            c.engine.release_kv("parent")
+            with pytest.raises(KeyError, match="keeps no KV"):
+                c.engine.fork("parent", Request("y", list(p), 2), asyncio.Queue())
+            got = await collect(events)
+            # the child's tokens continue the parent's output exactly, computed on d0 alone
+            assert_exact(Stream(list(stream.tokens) + got.tokens, got.finished, None), p, 3)
+            assert "child" in c.worker("d0").planned_request_ids
+            assert "child" not in c.worker("p0").planned_request_ids
             await assert_clean(c)
 
     run(scenario())

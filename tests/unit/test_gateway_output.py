@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from common.hf_checkpoint_reader import load_tokenizer
-from common.pb.tandem.internal.v1 import scheduler_pb2, types_pb2
+from common.pb.tandem.internal.v1 import scheduler_pb2
 from common.pb.tandem.v1 import generate_pb2
 from services.gateway.output import RequestOutput, SampleOutput
 from services.gateway.prompts import PromptTokenizer
@@ -26,7 +26,7 @@ def sample(tokenizer, stopping: Stopping, index: int = 0) -> SampleOutput:
     return SampleOutput(index, tokenizer, [], stopping, frozenset({EOS}), prompts.token_text)
 
 
-def updates(ids, finish_last=types_pb2.FINISH_REASON_UNSPECIFIED, index=0):
+def updates(ids, finish_last=generate_pb2.FINISH_REASON_UNSPECIFIED, index=0):
     out = [scheduler_pb2.SubmitResponse(token_ids=[t], index=index) for t in ids]
     out[-1].finish_reason = finish_last
     return out
@@ -85,7 +85,7 @@ def test_stop_token_text_is_left_out_unless_asked(tokenizer):
             frozenset({EOS, stop_id}),
             PromptTokenizer(tokenizer).token_text,
         )
-        got, text, emitted = drive(out, updates(ids, types_pb2.FINISH_REASON_STOP))
+        got, text, emitted = drive(out, updates(ids, generate_pb2.FINISH_REASON_STOP))
         assert text == tokenizer.decode(want) and emitted == ids
         assert got[-1].stop_token_id == stop_id
         assert got[-1].finish_reason == generate_pb2.FINISH_REASON_STOP
@@ -96,7 +96,7 @@ def test_length_finish_flushes_held_back_text(tokenizer):
     full = tokenizer.decode(ids)
     stop = full[-2:] + "\u2603"  # the text ends with the start of a stop string
     got, text, _ = drive(
-        sample(tokenizer, Stopping(stop=(stop,))), updates(ids, types_pb2.FINISH_REASON_LENGTH)
+        sample(tokenizer, Stopping(stop=(stop,))), updates(ids, generate_pb2.FINISH_REASON_LENGTH)
     )
     assert text == full
     assert got[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
@@ -107,7 +107,7 @@ def test_stop_strings_wait_for_min_tokens(tokenizer):
     ids = tokenizer.encode(TEXT)
     stop = tokenizer.decode(ids[:2])  # completed by the 2nd token, nowhere later
     assert TEXT.count(stop) == 1
-    length = types_pb2.FINISH_REASON_LENGTH
+    length = generate_pb2.FINISH_REASON_LENGTH
     got, text, _ = drive(sample(tokenizer, Stopping(stop=(stop,))), updates(ids, length))
     assert (text, got[-1].stop_string) == ("", stop)
     got, text, emitted = drive(
@@ -122,8 +122,10 @@ def test_request_output_usage_timings_and_prompt_logprobs(tokenizer):
     prompts = PromptTokenizer(tokenizer)
     samples = [sample(tokenizer, Stopping(), index=i) for i in range(2)]
     request = RequestOutput("rid", samples, num_prompt_tokens=9, arrival=0.0)
-    entry = types_pb2.TokenLogprob(
-        token_id=ids[0], logprob=-0.5, top_logprobs=[types_pb2.TopLogprob(token_id=5, logprob=-1)]
+    entry = generate_pb2.TokenLogprob(
+        token_id=ids[0],
+        logprob=-0.5,
+        top_logprobs=[generate_pb2.TopLogprob(token_id=5, logprob=-1)],
     )
     first = scheduler_pb2.SubmitResponse(
         token_ids=ids[:2],
@@ -137,7 +139,7 @@ def test_request_output_usage_timings_and_prompt_logprobs(tokenizer):
     assert m.logprobs[0].token == tokenizer.decode([ids[0]])
     assert m.logprobs[0].top_logprobs[0].token == tokenizer.decode([5])
     assert len(m.prompt_logprobs) == 1 and not m.HasField("usage")
-    length = types_pb2.FINISH_REASON_LENGTH
+    length = generate_pb2.FINISH_REASON_LENGTH
     m = request.consume(
         scheduler_pb2.SubmitResponse(token_ids=ids[2:], index=0, finish_reason=length),
         prompts.token_text,

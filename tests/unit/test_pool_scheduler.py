@@ -337,7 +337,7 @@ def test_context_limit_counts_only_tokens_that_arrived():
 def samples_of(prompt_len: int, n: int) -> list[Request]:
     group = [make_request(f"s/{i}", prompt_len) for i in range(n)]
     for sample in group[1:]:
-        sample.leader = group[0]
+        sample.prompt_of = group[0].request_id
     return group
 
 

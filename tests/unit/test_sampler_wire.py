@@ -1,8 +1,9 @@
-"""The worker's protobuf edges for sampling: every SamplingParams field resolved into
-`SamplingParams` (unset optionals -> None, zero top_p / repetition_penalty -> 1), and step
-results with logprobs only where a request asked."""
+"""The worker's protobuf edges for sampling: every field of the internal `Sampling` (the
+public SamplingParams inside it) resolved into `SamplingParams` (unset settings -> off,
+unset logprobs -> None), and step results with logprobs only where a request asked."""
 
 from common.pb.tandem.internal.v1 import types_pb2
+from common.pb.tandem.v1 import generate_pb2
 from common.sampling import Logprob, SamplingParams
 from common.sampling_pb import sampling_from_pb
 from common.step_result import PromptLogprobs, SpecOutcome, StepResult
@@ -10,7 +11,7 @@ from common.step_result_pb import result_from_pb, result_to_pb
 
 
 def test_every_field_is_parsed():
-    pb = types_pb2.SamplingParams(
+    params = generate_pb2.SamplingParams(
         temperature=0.5,
         top_p=0.9,
         top_k=40,
@@ -20,6 +21,9 @@ def test_every_field_is_parsed():
         frequency_penalty=0.25,
         logit_bias={7: 2.0, 3: -1.5},
         seed=2**64 - 1,
+    )
+    pb = types_pb2.Sampling(
+        params=params,
         min_tokens=4,
         stop_token_ids=[2, 9],
         logprobs=0,
@@ -42,11 +46,12 @@ def test_every_field_is_parsed():
     )
 
 
-def test_unset_and_zero_fields_resolve_to_off():
-    parsed = sampling_from_pb(types_pb2.SamplingParams())
+def test_unset_fields_resolve_to_off():
+    parsed = sampling_from_pb(types_pb2.Sampling())
     assert parsed == SamplingParams(top_p=1.0, repetition_penalty=1.0)
     assert parsed.seed is None and parsed.logprobs is None and parsed.prompt_logprobs is None
-    assert sampling_from_pb(types_pb2.SamplingParams(seed=0)).seed == 0  # set, even if 0
+    seeded = types_pb2.Sampling(params=generate_pb2.SamplingParams(seed=0))
+    assert sampling_from_pb(seeded).seed == 0  # set, even if 0
 
 
 def test_step_response_carries_logprobs_only_where_asked():

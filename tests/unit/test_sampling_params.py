@@ -8,6 +8,7 @@ import math
 import pytest
 
 from common.pb.tandem.internal.v1 import scheduler_pb2, types_pb2
+from common.pb.tandem.v1 import generate_pb2
 from common.sampling import MAX_LOGPROBS, MAX_SAMPLES, Logprob, SamplingParams
 from common.sampling_pb import (
     ROLE_FROM_PB,
@@ -114,30 +115,36 @@ def test_limits_are_inclusive_where_documented():
 
 def test_round_trip_keeps_every_field():
     pb = sampling_to_pb(FULL)
-    assert list(pb.stop_token_ids) == [9, 2] and dict(pb.logit_bias) == {3: -1.5, 7: 2.0}
+    assert list(pb.stop_token_ids) == [9, 2] and dict(pb.params.logit_bias) == {3: -1.5, 7: 2.0}
     assert sampling_from_pb(pb) == FULL
-    assert sampling_from_pb(types_pb2.SamplingParams.FromString(pb.SerializeToString())) == FULL
+    assert sampling_from_pb(types_pb2.Sampling.FromString(pb.SerializeToString())) == FULL
 
 
 def test_unset_optional_fields_stay_unset():
     pb = sampling_to_pb(SamplingParams())
-    for name in ("seed", "logprobs", "prompt_logprobs"):
+    assert not pb.params.HasField("seed")
+    for name in ("logprobs", "prompt_logprobs"):
         assert not pb.HasField(name)
     assert sampling_from_pb(pb) == SamplingParams()
     # Set to zero is still set.
     pb = sampling_to_pb(SamplingParams(seed=0, logprobs=0, prompt_logprobs=0))
-    assert pb.HasField("seed") and pb.HasField("logprobs") and pb.HasField("prompt_logprobs")
+    assert pb.params.HasField("seed") and pb.HasField("logprobs")
+    assert pb.HasField("prompt_logprobs")
     assert sampling_from_pb(pb) == SamplingParams(seed=0, logprobs=0, prompt_logprobs=0)
 
 
-def test_zero_top_p_and_repetition_penalty_on_the_wire_mean_off():
-    parsed = sampling_from_pb(types_pb2.SamplingParams(top_p=0.0, repetition_penalty=0.0))
-    assert parsed == SamplingParams()
+def test_every_setting_travels_set_so_unset_means_off_and_zero_is_zero():
+    pb = sampling_to_pb(SamplingParams())
+    assert all(pb.params.HasField(name) for name in ("temperature", "top_p", "top_k"))
+    assert sampling_from_pb(types_pb2.Sampling()) == SamplingParams()
+    zero = types_pb2.Sampling(params=generate_pb2.SamplingParams(top_p=0.0))
+    with pytest.raises(ValueError, match="top_p must be in"):
+        sampling_from_pb(zero)  # a zero is a zero, not "off"
 
 
 def test_out_of_limit_message_is_refused_when_read():
     with pytest.raises(ValueError, match="top_k must be >= 0"):
-        sampling_from_pb(types_pb2.SamplingParams(top_k=-2))
+        sampling_from_pb(types_pb2.Sampling(params=generate_pb2.SamplingParams(top_k=-2)))
 
 
 def test_sample_i_draws_with_seed_plus_i_and_only_sample_0_scores_the_prompt():
@@ -154,7 +161,7 @@ def test_sample_i_draws_with_seed_plus_i_and_only_sample_0_scores_the_prompt():
     unseeded = scheduler_pb2.SubmitRequest(
         request_id="u", prompt_token_ids=[1], max_tokens=1, sampling=sampling_to_pb(FULL), n=2
     )
-    unseeded.sampling.ClearField("seed")
+    unseeded.sampling.params.ClearField("seed")
     assert [s.sampling.seed for s in samples_from_pb(unseeded, 64)] == [None, None]
 
 

@@ -4,6 +4,7 @@ new request (its sampling with the request's stop tokens)."""
 from dataclasses import fields
 
 from common.pb.tandem.internal.v1 import types_pb2
+from common.pb.tandem.v1 import generate_pb2
 from common.sampling import SamplingParams
 from services.scheduler.request import Request
 from services.scheduler.step_codec import model_from_pb, model_to_pb
@@ -36,7 +37,6 @@ def test_the_worker_gets_the_requests_stop_tokens_inside_its_sampling():
 def test_a_requests_constraint_reaches_the_worker_as_it_was_given():
     """Structured output: scheduler Request -> NewRequest -> the worker's
     NewRequestData, for every kind of constraint."""
-    from common.pb.tandem.internal.v1 import types_pb2
     from common.structured_output import Constraint, constraint_from_pb, constraint_to_pb
 
     for constraint in [
@@ -47,7 +47,7 @@ def test_a_requests_constraint_reaches_the_worker_as_it_was_given():
         Constraint.choice(["yes", "no"]),
         None,
     ]:
-        message = types_pb2.StructuredOutput()
+        message = generate_pb2.StructuredOutput()
         constraint_to_pb(constraint, message)
-        wire = types_pb2.StructuredOutput.FromString(message.SerializeToString())
+        wire = generate_pb2.StructuredOutput.FromString(message.SerializeToString())
         assert constraint_from_pb(wire) == constraint

@@ -23,49 +23,50 @@ _sym_db = _symbol_database.Default()
 
 
 from common.pb.tandem.internal.v1 import types_pb2 as tandem_dot_internal_dot_v1_dot_types__pb2
+from common.pb.tandem.v1 import generate_pb2 as tandem_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"tandem/internal/v1/scheduler.proto\x12\x12tandem.internal.v1\x1a\x1etandem/internal/v1/types.proto\"\xf0\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12\x34\n\x08sampling\x18\x03 \x01(\x0b\x32\".tandem.internal.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x03\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\t\n\x01n\x18\x07 \x01(\r\x12\x11\n\tlora_name\x18\x08 \x01(\t\x12?\n\x11structured_output\x18\t \x01(\x0b\x32$.tandem.internal.v1.StructuredOutput\x12\x33\n\x0b\x62\x65\x61m_search\x18\n \x01(\x0b\x32\x1e.tandem.internal.v1.BeamSearch\x12\x13\n\x0btraceparent\x18\x0b \x01(\t\x12\x12\n\ntracestate\x18\x0c \x01(\t\"P\n\nBeamSearch\x12\x12\n\nbeam_width\x18\x01 \x01(\r\x12\x16\n\x0elength_penalty\x18\x02 \x01(\x01\x12\x16\n\x0e\x65\x61rly_stopping\x18\x03 \x01(\t\"\x82\x01\n\x0eSessionRequest\x12\x33\n\x06submit\x18\x01 \x01(\x0b\x32!.tandem.internal.v1.SubmitRequestH\x00\x12\x31\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32 .tandem.internal.v1.AbortRequestH\x00\x42\x08\n\x06\x61\x63tion\"F\n\x0fSessionResponse\x12\x33\n\x07updates\x18\x01 \x03(\x0b\x32\".tandem.internal.v1.SubmitResponse\"\x82\x03\n\x0eSubmitResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x37\n\rfinish_reason\x18\x02 \x01(\x0e\x32 .tandem.internal.v1.FinishReason\x12(\n\x05usage\x18\x03 \x01(\x0b\x32\x19.tandem.internal.v1.Usage\x12\r\n\x05index\x18\x04 \x01(\r\x12\x32\n\x08logprobs\x18\x05 \x03(\x0b\x32 .tandem.internal.v1.TokenLogprob\x12\x39\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32 .tandem.internal.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x07 \x01(\r\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\x12\n\nerror_code\x18\t \x01(\t\x12\x15\n\rerror_message\x18\n \x01(\t\x12\x17\n\nbeam_score\x18\x0b \x01(\x01H\x00\x88\x01\x01\x42\r\n\x0b_beam_score\"@\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\x05index\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_index\"\x15\n\x13GetModelInfoRequest\"b\n\x14GetModelInfoResponse\x12\x33\n\x05model\x18\x01 \x01(\x0b\x32$.tandem.internal.v1.ModelDescription\x12\x15\n\rkv_block_size\x18\x02 \x01(\r\".\n\x13GetPoolStatsRequest\x12\x17\n\x0f\x63heck_integrity\x18\x01 \x01(\x08\"\xfe\x01\n\x14GetPoolStatsResponse\x12,\n\x05pools\x18\x01 \x03(\x0b\x32\x1d.tandem.internal.v1.PoolStats\x12\x14\n\x0cnum_requests\x18\x02 \x01(\r\x12\x18\n\x10integrity_errors\x18\x03 \x03(\t\x12\x1c\n\x14num_waiting_requests\x18\x04 \x01(\r\x12\x1a\n\x12num_waiting_tokens\x18\x05 \x01(\x04\x12\x19\n\x11rejected_requests\x18\x06 \x01(\x04\x12\x17\n\x0fworker_failures\x18\x07 \x01(\x04\x12\x1a\n\x12restarted_requests\x18\x08 \x01(\x04\"\xe6\x05\n\tPoolStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12,\n\x04role\x18\x02 \x01(\x0e\x32\x1e.tandem.internal.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x14\n\x0cnum_requests\x18\x06 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x07 \x01(\r\x12\x19\n\x11prefix_hit_tokens\x18\x08 \x01(\x04\x12\x11\n\tevictions\x18\t \x01(\x04\x12\x13\n\x0bpreemptions\x18\n \x01(\x04\x12\x1a\n\x12kv_blocks_received\x18\x0b \x01(\x04\x12\x18\n\x10kv_blocks_reused\x18\x0c \x01(\x04\x12\r\n\x05steps\x18\r \x01(\x04\x12\x17\n\x0fmean_execute_ms\x18\x0e \x01(\x01\x12\x1d\n\x15mean_step_interval_ms\x18\x0f \x01(\x01\x12\x17\n\x0fnum_swap_blocks\x18\x10 \x01(\r\x12\x1c\n\x14num_free_swap_blocks\x18\x11 \x01(\r\x12\x11\n\tswap_outs\x18\x12 \x01(\x04\x12\x0f\n\x07healthy\x18\x13 \x01(\x08\x12\x10\n\x08\x64raining\x18\x14 \x01(\x08\x12\x1d\n\x15mean_step_overhead_ms\x18\x15 \x01(\x01\x12\x19\n\x11kv_migrations_out\x18\x16 \x01(\x04\x12\x1e\n\x16prompt_tokens_computed\x18\x17 \x01(\x04\x12\x14\n\x0ckv_transfers\x18\x18 \x01(\x04\x12\x1e\n\x16kv_source_lag_ms_total\x18\x19 \x01(\x01\x12\x1d\n\x15spec_decode_num_steps\x18\x1a \x01(\x04\x12$\n\x1cspec_decode_num_draft_tokens\x18\x1b \x01(\x04\x12\'\n\x1fspec_decode_num_accepted_tokens\x18\x1c \x01(\x04\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"K\n\x17LoadLoraAdapterResponse\x12\x30\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x1f.tandem.internal.v1.LoraAdapter\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"\x1b\n\x19UnloadLoraAdapterResponse\"\x19\n\x17ListLoraAdaptersRequest\"M\n\x18ListLoraAdaptersResponse\x12\x31\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1f.tandem.internal.v1.LoraAdapter2\xfd\x04\n\x10SchedulerService\x12V\n\x07Session\x12\".tandem.internal.v1.SessionRequest\x1a#.tandem.internal.v1.SessionResponse(\x01\x30\x01\x12\x61\n\x0cGetModelInfo\x12\'.tandem.internal.v1.GetModelInfoRequest\x1a(.tandem.internal.v1.GetModelInfoResponse\x12\x61\n\x0cGetPoolStats\x12\'.tandem.internal.v1.GetPoolStatsRequest\x1a(.tandem.internal.v1.GetPoolStatsResponse\x12j\n\x0fLoadLoraAdapter\x12*.tandem.internal.v1.LoadLoraAdapterRequest\x1a+.tandem.internal.v1.LoadLoraAdapterResponse\x12p\n\x11UnloadLoraAdapter\x12,.tandem.internal.v1.UnloadLoraAdapterRequest\x1a-.tandem.internal.v1.UnloadLoraAdapterResponse\x12m\n\x10ListLoraAdapters\x12+.tandem.internal.v1.ListLoraAdaptersRequest\x1a,.tandem.internal.v1.ListLoraAdaptersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"tandem/internal/v1/scheduler.proto\x12\x12tandem.internal.v1\x1a\x1etandem/internal/v1/types.proto\x1a\x18tandem/v1/generate.proto\"\xe1\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.tandem.internal.v1.Sampling\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x03\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\t\n\x01n\x18\x07 \x01(\r\x12\x11\n\tlora_name\x18\x08 \x01(\t\x12\x36\n\x11structured_output\x18\t \x01(\x0b\x32\x1b.tandem.v1.StructuredOutput\x12\x33\n\x0b\x62\x65\x61m_search\x18\n \x01(\x0b\x32\x1e.tandem.internal.v1.BeamSearch\x12\x13\n\x0btraceparent\x18\x0b \x01(\t\x12\x12\n\ntracestate\x18\x0c \x01(\t\"P\n\nBeamSearch\x12\x12\n\nbeam_width\x18\x01 \x01(\r\x12\x16\n\x0elength_penalty\x18\x02 \x01(\x01\x12\x16\n\x0e\x65\x61rly_stopping\x18\x03 \x01(\t\"\x82\x01\n\x0eSessionRequest\x12\x33\n\x06submit\x18\x01 \x01(\x0b\x32!.tandem.internal.v1.SubmitRequestH\x00\x12\x31\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32 .tandem.internal.v1.AbortRequestH\x00\x42\x08\n\x06\x61\x63tion\"F\n\x0fSessionResponse\x12\x33\n\x07updates\x18\x01 \x03(\x0b\x32\".tandem.internal.v1.SubmitResponse\"\xde\x02\n\x0eSubmitResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\r\n\x05index\x18\x04 \x01(\r\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x07 \x01(\r\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\x12\n\nerror_code\x18\t \x01(\t\x12\x15\n\rerror_message\x18\n \x01(\t\x12\x17\n\nbeam_score\x18\x0b \x01(\x01H\x00\x88\x01\x01\x42\r\n\x0b_beam_score\"@\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\x05index\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_index\"\x15\n\x13GetModelInfoRequest\"b\n\x14GetModelInfoResponse\x12\x33\n\x05model\x18\x01 \x01(\x0b\x32$.tandem.internal.v1.ModelDescription\x12\x15\n\rkv_block_size\x18\x02 \x01(\r\".\n\x13GetPoolStatsRequest\x12\x17\n\x0f\x63heck_integrity\x18\x01 \x01(\x08\"\xfe\x01\n\x14GetPoolStatsResponse\x12,\n\x05pools\x18\x01 \x03(\x0b\x32\x1d.tandem.internal.v1.PoolStats\x12\x14\n\x0cnum_requests\x18\x02 \x01(\r\x12\x18\n\x10integrity_errors\x18\x03 \x03(\t\x12\x1c\n\x14num_waiting_requests\x18\x04 \x01(\r\x12\x1a\n\x12num_waiting_tokens\x18\x05 \x01(\x04\x12\x19\n\x11rejected_requests\x18\x06 \x01(\x04\x12\x17\n\x0fworker_failures\x18\x07 \x01(\x04\x12\x1a\n\x12restarted_requests\x18\x08 \x01(\x04\"\xe6\x05\n\tPoolStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12,\n\x04role\x18\x02 \x01(\x0e\x32\x1e.tandem.internal.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x14\n\x0cnum_requests\x18\x06 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x07 \x01(\r\x12\x19\n\x11prefix_hit_tokens\x18\x08 \x01(\x04\x12\x11\n\tevictions\x18\t \x01(\x04\x12\x13\n\x0bpreemptions\x18\n \x01(\x04\x12\x1a\n\x12kv_blocks_received\x18\x0b \x01(\x04\x12\x18\n\x10kv_blocks_reused\x18\x0c \x01(\x04\x12\r\n\x05steps\x18\r \x01(\x04\x12\x17\n\x0fmean_execute_ms\x18\x0e \x01(\x01\x12\x1d\n\x15mean_step_interval_ms\x18\x0f \x01(\x01\x12\x17\n\x0fnum_swap_blocks\x18\x10 \x01(\r\x12\x1c\n\x14num_free_swap_blocks\x18\x11 \x01(\r\x12\x11\n\tswap_outs\x18\x12 \x01(\x04\x12\x0f\n\x07healthy\x18\x13 \x01(\x08\x12\x10\n\x08\x64raining\x18\x14 \x01(\x08\x12\x1d\n\x15mean_step_overhead_ms\x18\x15 \x01(\x01\x12\x19\n\x11kv_migrations_out\x18\x16 \x01(\x04\x12\x1e\n\x16prompt_tokens_computed\x18\x17 \x01(\x04\x12\x14\n\x0ckv_transfers\x18\x18 \x01(\x04\x12\x1e\n\x16kv_source_lag_ms_total\x18\x19 \x01(\x01\x12\x1d\n\x15spec_decode_num_steps\x18\x1a \x01(\x04\x12$\n\x1cspec_decode_num_draft_tokens\x18\x1b \x01(\x04\x12\'\n\x1fspec_decode_num_accepted_tokens\x18\x1c \x01(\x04\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"F\n\x17LoadLoraAdapterResponse\x12+\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x1a.tandem.v1.LoraAdapterInfo\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"\x1b\n\x19UnloadLoraAdapterResponse\"\x19\n\x17ListLoraAdaptersRequest\"H\n\x18ListLoraAdaptersResponse\x12,\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1a.tandem.v1.LoraAdapterInfo2\xfd\x04\n\x10SchedulerService\x12V\n\x07Session\x12\".tandem.internal.v1.SessionRequest\x1a#.tandem.internal.v1.SessionResponse(\x01\x30\x01\x12\x61\n\x0cGetModelInfo\x12\'.tandem.internal.v1.GetModelInfoRequest\x1a(.tandem.internal.v1.GetModelInfoResponse\x12\x61\n\x0cGetPoolStats\x12\'.tandem.internal.v1.GetPoolStatsRequest\x1a(.tandem.internal.v1.GetPoolStatsResponse\x12j\n\x0fLoadLoraAdapter\x12*.tandem.internal.v1.LoadLoraAdapterRequest\x1a+.tandem.internal.v1.LoadLoraAdapterResponse\x12p\n\x11UnloadLoraAdapter\x12,.tandem.internal.v1.UnloadLoraAdapterRequest\x1a-.tandem.internal.v1.UnloadLoraAdapterResponse\x12m\n\x10ListLoraAdapters\x12+.tandem.internal.v1.ListLoraAdaptersRequest\x1a,.tandem.internal.v1.ListLoraAdaptersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.internal.v1.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SUBMITREQUEST']._serialized_start=91
-  _globals['_SUBMITREQUEST']._serialized_end=459
-  _globals['_BEAMSEARCH']._serialized_start=461
-  _globals['_BEAMSEARCH']._serialized_end=541
-  _globals['_SESSIONREQUEST']._serialized_start=544
-  _globals['_SESSIONREQUEST']._serialized_end=674
-  _globals['_SESSIONRESPONSE']._serialized_start=676
-  _globals['_SESSIONRESPONSE']._serialized_end=746
-  _globals['_SUBMITRESPONSE']._serialized_start=749
-  _globals['_SUBMITRESPONSE']._serialized_end=1135
-  _globals['_ABORTREQUEST']._serialized_start=1137
-  _globals['_ABORTREQUEST']._serialized_end=1201
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1203
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1224
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1226
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1324
-  _globals['_GETPOOLSTATSREQUEST']._serialized_start=1326
-  _globals['_GETPOOLSTATSREQUEST']._serialized_end=1372
-  _globals['_GETPOOLSTATSRESPONSE']._serialized_start=1375
-  _globals['_GETPOOLSTATSRESPONSE']._serialized_end=1629
-  _globals['_POOLSTATS']._serialized_start=1632
-  _globals['_POOLSTATS']._serialized_end=2374
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=2376
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=2438
-  _globals['_LOADLORAADAPTERRESPONSE']._serialized_start=2440
-  _globals['_LOADLORAADAPTERRESPONSE']._serialized_end=2515
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=2517
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=2562
-  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_start=2564
-  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_end=2591
-  _globals['_LISTLORAADAPTERSREQUEST']._serialized_start=2593
-  _globals['_LISTLORAADAPTERSREQUEST']._serialized_end=2618
-  _globals['_LISTLORAADAPTERSRESPONSE']._serialized_start=2620
-  _globals['_LISTLORAADAPTERSRESPONSE']._serialized_end=2697
-  _globals['_SCHEDULERSERVICE']._serialized_start=2700
-  _globals['_SCHEDULERSERVICE']._serialized_end=3337
+  _globals['_SUBMITREQUEST']._serialized_start=117
+  _globals['_SUBMITREQUEST']._serialized_end=470
+  _globals['_BEAMSEARCH']._serialized_start=472
+  _globals['_BEAMSEARCH']._serialized_end=552
+  _globals['_SESSIONREQUEST']._serialized_start=555
+  _globals['_SESSIONREQUEST']._serialized_end=685
+  _globals['_SESSIONRESPONSE']._serialized_start=687
+  _globals['_SESSIONRESPONSE']._serialized_end=757
+  _globals['_SUBMITRESPONSE']._serialized_start=760
+  _globals['_SUBMITRESPONSE']._serialized_end=1110
+  _globals['_ABORTREQUEST']._serialized_start=1112
+  _globals['_ABORTREQUEST']._serialized_end=1176
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1178
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1199
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1201
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1299
+  _globals['_GETPOOLSTATSREQUEST']._serialized_start=1301
+  _globals['_GETPOOLSTATSREQUEST']._serialized_end=1347
+  _globals['_GETPOOLSTATSRESPONSE']._serialized_start=1350
+  _globals['_GETPOOLSTATSRESPONSE']._serialized_end=1604
+  _globals['_POOLSTATS']._serialized_start=1607
+  _globals['_POOLSTATS']._serialized_end=2349
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=2351
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=2413
+  _globals['_LOADLORAADAPTERRESPONSE']._serialized_start=2415
+  _globals['_LOADLORAADAPTERRESPONSE']._serialized_end=2485
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=2487
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=2532
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_start=2534
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_end=2561
+  _globals['_LISTLORAADAPTERSREQUEST']._serialized_start=2563
+  _globals['_LISTLORAADAPTERSREQUEST']._serialized_end=2588
+  _globals['_LISTLORAADAPTERSRESPONSE']._serialized_start=2590
+  _globals['_LISTLORAADAPTERSRESPONSE']._serialized_end=2662
+  _globals['_SCHEDULERSERVICE']._serialized_start=2665
+  _globals['_SCHEDULERSERVICE']._serialized_end=3302
 # @@protoc_insertion_point(module_scope)

@@ -1,4 +1,5 @@
 from common.pb.tandem.internal.v1 import types_pb2 as _types_pb2
+from common.pb.tandem.v1 import generate_pb2 as _generate_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -23,17 +24,17 @@ class SubmitRequest(_message.Message):
     TRACESTATE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    sampling: _types_pb2.SamplingParams
+    sampling: _types_pb2.Sampling
     max_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
     n: int
     lora_name: str
-    structured_output: _types_pb2.StructuredOutput
+    structured_output: _generate_pb2.StructuredOutput
     beam_search: BeamSearch
     traceparent: str
     tracestate: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., n: _Optional[int] = ..., lora_name: _Optional[str] = ..., structured_output: _Optional[_Union[_types_pb2.StructuredOutput, _Mapping]] = ..., beam_search: _Optional[_Union[BeamSearch, _Mapping]] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_types_pb2.Sampling, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., n: _Optional[int] = ..., lora_name: _Optional[str] = ..., structured_output: _Optional[_Union[_generate_pb2.StructuredOutput, _Mapping]] = ..., beam_search: _Optional[_Union[BeamSearch, _Mapping]] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
 
 class BeamSearch(_message.Message):
     __slots__ = ("beam_width", "length_penalty", "early_stopping")
@@ -73,17 +74,17 @@ class SubmitResponse(_message.Message):
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     BEAM_SCORE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    finish_reason: _types_pb2.FinishReason
-    usage: _types_pb2.Usage
+    finish_reason: _generate_pb2.FinishReason
+    usage: _generate_pb2.Usage
     index: int
-    logprobs: _containers.RepeatedCompositeFieldContainer[_types_pb2.TokenLogprob]
-    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_types_pb2.TokenLogprob]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprob]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprob]
     cached_tokens: int
     request_id: str
     error_code: str
     error_message: str
     beam_score: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_types_pb2.Usage, _Mapping]] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_types_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_types_pb2.TokenLogprob, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., beam_score: _Optional[float] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_generate_pb2.Usage, _Mapping]] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., beam_score: _Optional[float] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id", "index")
@@ -202,8 +203,8 @@ class LoadLoraAdapterRequest(_message.Message):
 class LoadLoraAdapterResponse(_message.Message):
     __slots__ = ("adapter",)
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
-    adapter: _types_pb2.LoraAdapter
-    def __init__(self, adapter: _Optional[_Union[_types_pb2.LoraAdapter, _Mapping]] = ...) -> None: ...
+    adapter: _generate_pb2.LoraAdapterInfo
+    def __init__(self, adapter: _Optional[_Union[_generate_pb2.LoraAdapterInfo, _Mapping]] = ...) -> None: ...
 
 class UnloadLoraAdapterRequest(_message.Message):
     __slots__ = ("lora_name",)
@@ -222,5 +223,5 @@ class ListLoraAdaptersRequest(_message.Message):
 class ListLoraAdaptersResponse(_message.Message):
     __slots__ = ("adapters",)
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
-    adapters: _containers.RepeatedCompositeFieldContainer[_types_pb2.LoraAdapter]
-    def __init__(self, adapters: _Optional[_Iterable[_Union[_types_pb2.LoraAdapter, _Mapping]]] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[_generate_pb2.LoraAdapterInfo]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[_generate_pb2.LoraAdapterInfo, _Mapping]]] = ...) -> None: ...

@@ -22,39 +22,22 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from common.pb.tandem.v1 import generate_pb2 as tandem_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1etandem/internal/v1/types.proto\x12\x12tandem.internal.v1\"\xba\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x45\n\nlogit_bias\x18\x08 \x03(\x0b\x32\x31.tandem.internal.v1.SamplingParams.LogitBiasEntry\x12\x11\n\x04seed\x18\t \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x03\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\r \x01(\x05H\x02\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x34\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x1e.tandem.internal.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xbe\x02\n\x10ModelDescription\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x03\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nnum_layers\x18\x07 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x08 \x01(\r\x12\x10\n\x08head_dim\x18\t \x01(\r\x12\x15\n\rlora_adapters\x18\n \x03(\t\x12\x11\n\trope_type\x18\x0b \x01(\t\x12\x1d\n\x15rope_length_threshold\x18\x0c \x01(\r\x12\x18\n\x10kv_group_windows\x18\x0e \x03(\rJ\x04\x08\r\x10\x0eR\x10kv_window_tokens\"z\n\x12KvCacheDescription\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x17\n\x0fnum_swap_blocks\x18\x05 \x01(\r\"\x87\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x05 \x01(\r\"9\n\x0bLoraAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0e\n\x06source\x18\x03 \x01(\t\"\xa1\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12-\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x1b.tandem.internal.v1.ChoicesH\x00\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t*p\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x14\n\x10WORKER_ROLE_BOTH\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1etandem/internal/v1/types.proto\x12\x12tandem.internal.v1\x1a\x18tandem/v1/generate.proto\"\xb7\x01\n\x08Sampling\x12)\n\x06params\x18\x01 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x03\x12\x15\n\x08logprobs\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x05 \x01(\x05H\x01\x88\x01\x01\x42\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xbe\x02\n\x10ModelDescription\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x03\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nnum_layers\x18\x07 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x08 \x01(\r\x12\x10\n\x08head_dim\x18\t \x01(\r\x12\x15\n\rlora_adapters\x18\n \x03(\t\x12\x11\n\trope_type\x18\x0b \x01(\t\x12\x1d\n\x15rope_length_threshold\x18\x0c \x01(\r\x12\x18\n\x10kv_group_windows\x18\x0e \x03(\rJ\x04\x08\r\x10\x0eR\x10kv_window_tokens\"z\n\x12KvCacheDescription\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x17\n\x0fnum_swap_blocks\x18\x05 \x01(\r*p\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x14\n\x10WORKER_ROLE_BOTH\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.internal.v1.types_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_WORKERROLE']._serialized_start=1487
-  _globals['_WORKERROLE']._serialized_end=1599
-  _globals['_FINISHREASON']._serialized_start=1601
-  _globals['_FINISHREASON']._serialized_end=1721
-  _globals['_SAMPLINGPARAMS']._serialized_start=55
-  _globals['_SAMPLINGPARAMS']._serialized_end=497
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=407
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=455
-  _globals['_TOKENLOGPROB']._serialized_start=499
-  _globals['_TOKENLOGPROB']._serialized_end=602
-  _globals['_TOPLOGPROB']._serialized_start=604
-  _globals['_TOPLOGPROB']._serialized_end=651
-  _globals['_MODELDESCRIPTION']._serialized_start=654
-  _globals['_MODELDESCRIPTION']._serialized_end=972
-  _globals['_KVCACHEDESCRIPTION']._serialized_start=974
-  _globals['_KVCACHEDESCRIPTION']._serialized_end=1096
-  _globals['_USAGE']._serialized_start=1099
-  _globals['_USAGE']._serialized_end=1234
-  _globals['_LORAADAPTER']._serialized_start=1236
-  _globals['_LORAADAPTER']._serialized_end=1293
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=1296
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1457
-  _globals['_CHOICES']._serialized_start=1459
-  _globals['_CHOICES']._serialized_end=1485
+  _globals['_WORKERROLE']._serialized_start=711
+  _globals['_WORKERROLE']._serialized_end=823
+  _globals['_SAMPLING']._serialized_start=81
+  _globals['_SAMPLING']._serialized_end=264
+  _globals['_MODELDESCRIPTION']._serialized_start=267
+  _globals['_MODELDESCRIPTION']._serialized_end=585
+  _globals['_KVCACHEDESCRIPTION']._serialized_start=587
+  _globals['_KVCACHEDESCRIPTION']._serialized_end=709
 # @@protoc_insertion_point(module_scope)

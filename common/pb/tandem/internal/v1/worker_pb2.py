@@ -23,61 +23,62 @@ _sym_db = _symbol_database.Default()
 
 
 from common.pb.tandem.internal.v1 import types_pb2 as tandem_dot_internal_dot_v1_dot_types__pb2
+from common.pb.tandem.v1 import generate_pb2 as tandem_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ftandem/internal/v1/worker.proto\x12\x12tandem.internal.v1\x1a\x1etandem/internal/v1/types.proto\"\x17\n\x15\x44\x65scribeWorkerRequest\"\xb6\x04\n\x16\x44\x65scribeWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12,\n\x04role\x18\x02 \x01(\x0e\x32\x1e.tandem.internal.v1.WorkerRole\x12\x33\n\x05model\x18\x03 \x01(\x0b\x32$.tandem.internal.v1.ModelDescription\x12\x38\n\x08kv_cache\x18\x04 \x01(\x0b\x32&.tandem.internal.v1.KvCacheDescription\x12\x13\n\x0bucx_address\x18\x05 \x01(\x0c\x12\x1b\n\x13num_active_requests\x18\x06 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12<\n\x10kv_shared_memory\x18\x08 \x01(\x0b\x32\".tandem.internal.v1.KvSharedMemory\x12<\n\x0bspeculative\x18\t \x01(\x0b\x32\'.tandem.internal.v1.SpeculativeDecoding\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\r\x12\x41\n\x15rank_kv_shared_memory\x18\x0b \x03(\x0b\x32\".tandem.internal.v1.KvSharedMemory\x12\x1e\n\x16pipeline_parallel_size\x18\x0c \x01(\r\x12\x1a\n\x12rank_ucx_addresses\x18\r \x03(\x0c\x12\x11\n\tmax_loras\x18\x0e \x01(\r\"d\n\x13SpeculativeDecoding\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\r\x12\x1d\n\x15\x64isable_by_batch_size\x18\x03 \x01(\r\"q\n\x0eKvSharedMemory\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\n\n\x02\x66\x64\x18\x03 \x01(\r\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\r\n\x05token\x18\x05 \x01(\x0c\x12\x13\n\x0bpool_offset\x18\x06 \x01(\x04\"\xe5\x02\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x34\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1e.tandem.internal.v1.NewRequest\x12:\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32!.tandem.internal.v1.CachedRequest\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\x12/\n\x08swap_out\x18\x05 \x03(\x0b\x32\x1d.tandem.internal.v1.BlockCopy\x12.\n\x07swap_in\x18\x06 \x03(\x0b\x32\x1d.tandem.internal.v1.BlockCopy\x12\x33\n\x0c\x62lock_copies\x18\x07 \x03(\x0b\x32\x1d.tandem.internal.v1.BlockCopy\x12\x1f\n\x17\x63\x61ncelled_transfer_tags\x18\x08 \x03(\x04\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\xed\x02\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\x12\x34\n\x08sampling\x18\x06 \x01(\x0b\x32\".tandem.internal.v1.SamplingParams\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\r\x12\x1c\n\x14num_lookahead_tokens\x18\x08 \x01(\r\x12\x11\n\tlora_name\x18\t \x01(\t\x12?\n\x11structured_output\x18\n \x01(\x0b\x32$.tandem.internal.v1.StructuredOutput\x12\x13\n\x0btraceparent\x18\x0b \x01(\t\x12\x12\n\ntracestate\x18\x0c \x01(\t\"\x8b\x01\n\rCachedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\r\x12\x1c\n\x14num_lookahead_tokens\x18\x05 \x01(\r\"\xad\x02\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x38\n\x0esampled_tokens\x18\x02 \x03(\x0b\x32 .tandem.internal.v1.SampledToken\x12\x17\n\x0f\x65xecute_seconds\x18\x03 \x01(\x01\x12;\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\".tandem.internal.v1.PromptLogprobs\x12\x39\n\x0bspec_decode\x18\x05 \x03(\x0b\x32$.tandem.internal.v1.SpecDecodeCounts\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x17\n\x0fpropose_seconds\x18\x07 \x01(\x01\x12\x16\n\x0epropose_passes\x18\x08 \x01(\r\"]\n\x10SpecDecodeCounts\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\r\"f\n\x0ePromptLogprobs\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x31\n\x07\x65ntries\x18\x03 \x03(\x0b\x32 .tandem.internal.v1.TokenLogprob\"g\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x03\x12\x31\n\x07logprob\x18\x03 \x01(\x0b\x32 .tandem.internal.v1.TokenLogprob\"\xd3\x01\n\rSendKvRequest\x12\x14\n\x0ctransfer_tag\x18\x01 \x01(\x04\x12\x16\n\x0epeer_worker_id\x18\x02 \x01(\t\x12\x18\n\x10peer_ucx_address\x18\x03 \x01(\x0c\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12!\n\x19peer_tensor_parallel_size\x18\x05 \x01(\r\x12#\n\x1bpeer_pipeline_parallel_size\x18\x06 \x01(\r\x12\x1f\n\x17peer_rank_ucx_addresses\x18\x07 \x03(\x0c\"4\n\x0eSendKvResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\xcc\x01\n\x10ReceiveKvRequest\x12\x14\n\x0ctransfer_tag\x18\x01 \x01(\x04\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x15\n\rafter_step_id\x18\x03 \x01(\x04\x12,\n\x06source\x18\x04 \x01(\x0b\x32\x1c.tandem.internal.v1.KvSource\x12#\n\x1bsender_tensor_parallel_size\x18\x05 \x01(\r\x12%\n\x1dsender_pipeline_parallel_size\x18\x06 \x01(\r\"\x80\x02\n\x08KvSource\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x39\n\rshared_memory\x18\x02 \x01(\x0b\x32\".tandem.internal.v1.KvSharedMemory\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x15\n\rready_step_id\x18\x04 \x01(\x04\x12\x1c\n\x14tensor_parallel_size\x18\x05 \x01(\r\x12>\n\x12rank_shared_memory\x18\x06 \x03(\x0b\x32\".tandem.internal.v1.KvSharedMemory\x12\x1e\n\x16pipeline_parallel_size\x18\x07 \x01(\r\"S\n\x11ReceiveKvResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x1a\n\x12source_lag_seconds\x18\x03 \x01(\x01\"6\n\x0e\x41\x64\x64LoraRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"(\n\x0f\x41\x64\x64LoraResponse\x12\x15\n\rlora_adapters\x18\x01 \x03(\t\"&\n\x11RemoveLoraRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"+\n\x12RemoveLoraResponse\x12\x15\n\rlora_adapters\x18\x01 \x03(\t\"a\n\x1ePrepareStructuredOutputRequest\x12?\n\x11structured_output\x18\x01 \x01(\x0b\x32$.tandem.internal.v1.StructuredOutput\"2\n\x1fPrepareStructuredOutputResponse\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x32\xa8\x05\n\rWorkerService\x12g\n\x0e\x44\x65scribeWorker\x12).tandem.internal.v1.DescribeWorkerRequest\x1a*.tandem.internal.v1.DescribeWorkerResponse\x12M\n\x04Step\x12\x1f.tandem.internal.v1.StepRequest\x1a .tandem.internal.v1.StepResponse(\x01\x30\x01\x12O\n\x06SendKv\x12!.tandem.internal.v1.SendKvRequest\x1a\".tandem.internal.v1.SendKvResponse\x12X\n\tReceiveKv\x12$.tandem.internal.v1.ReceiveKvRequest\x1a%.tandem.internal.v1.ReceiveKvResponse\x12R\n\x07\x41\x64\x64Lora\x12\".tandem.internal.v1.AddLoraRequest\x1a#.tandem.internal.v1.AddLoraResponse\x12[\n\nRemoveLora\x12%.tandem.internal.v1.RemoveLoraRequest\x1a&.tandem.internal.v1.RemoveLoraResponse\x12\x82\x01\n\x17PrepareStructuredOutput\x12\x32.tandem.internal.v1.PrepareStructuredOutputRequest\x1a\x33.tandem.internal.v1.PrepareStructuredOutputResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ftandem/internal/v1/worker.proto\x12\x12tandem.internal.v1\x1a\x1etandem/internal/v1/types.proto\x1a\x18tandem/v1/generate.proto\"\x17\n\x15\x44\x65scribeWorkerRequest\"\xb6\x04\n\x16\x44\x65scribeWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12,\n\x04role\x18\x02 \x01(\x0e\x32\x1e.tandem.internal.v1.WorkerRole\x12\x33\n\x05model\x18\x03 \x01(\x0b\x32$.tandem.internal.v1.ModelDescription\x12\x38\n\x08kv_cache\x18\x04 \x01(\x0b\x32&.tandem.internal.v1.KvCacheDescription\x12\x13\n\x0bucx_address\x18\x05 \x01(\x0c\x12\x1b\n\x13num_active_requests\x18\x06 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12<\n\x10kv_shared_memory\x18\x08 \x01(\x0b\x32\".tandem.internal.v1.KvSharedMemory\x12<\n\x0bspeculative\x18\t \x01(\x0b\x32\'.tandem.internal.v1.SpeculativeDecoding\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\r\x12\x41\n\x15rank_kv_shared_memory\x18\x0b \x03(\x0b\x32\".tandem.internal.v1.KvSharedMemory\x12\x1e\n\x16pipeline_parallel_size\x18\x0c \x01(\r\x12\x1a\n\x12rank_ucx_addresses\x18\r \x03(\x0c\x12\x11\n\tmax_loras\x18\x0e \x01(\r\"d\n\x13SpeculativeDecoding\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\r\x12\x1d\n\x15\x64isable_by_batch_size\x18\x03 \x01(\r\"q\n\x0eKvSharedMemory\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\n\n\x02\x66\x64\x18\x03 \x01(\r\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\r\n\x05token\x18\x05 \x01(\x0c\x12\x13\n\x0bpool_offset\x18\x06 \x01(\x04\"\xe5\x02\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x34\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1e.tandem.internal.v1.NewRequest\x12:\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32!.tandem.internal.v1.CachedRequest\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\x12/\n\x08swap_out\x18\x05 \x03(\x0b\x32\x1d.tandem.internal.v1.BlockCopy\x12.\n\x07swap_in\x18\x06 \x03(\x0b\x32\x1d.tandem.internal.v1.BlockCopy\x12\x33\n\x0c\x62lock_copies\x18\x07 \x03(\x0b\x32\x1d.tandem.internal.v1.BlockCopy\x12\x1f\n\x17\x63\x61ncelled_transfer_tags\x18\x08 \x03(\x04\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\xde\x02\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.tandem.internal.v1.Sampling\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\r\x12\x1c\n\x14num_lookahead_tokens\x18\x08 \x01(\r\x12\x11\n\tlora_name\x18\t \x01(\t\x12\x36\n\x11structured_output\x18\n \x01(\x0b\x32\x1b.tandem.v1.StructuredOutput\x12\x13\n\x0btraceparent\x18\x0b \x01(\t\x12\x12\n\ntracestate\x18\x0c \x01(\t\"\x8b\x01\n\rCachedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\r\x12\x1c\n\x14num_lookahead_tokens\x18\x05 \x01(\r\"\xad\x02\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x38\n\x0esampled_tokens\x18\x02 \x03(\x0b\x32 .tandem.internal.v1.SampledToken\x12\x17\n\x0f\x65xecute_seconds\x18\x03 \x01(\x01\x12;\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\".tandem.internal.v1.PromptLogprobs\x12\x39\n\x0bspec_decode\x18\x05 \x03(\x0b\x32$.tandem.internal.v1.SpecDecodeCounts\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x17\n\x0fpropose_seconds\x18\x07 \x01(\x01\x12\x16\n\x0epropose_passes\x18\x08 \x01(\r\"]\n\x10SpecDecodeCounts\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\r\"]\n\x0ePromptLogprobs\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12(\n\x07\x65ntries\x18\x03 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"^\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x03\x12(\n\x07logprob\x18\x03 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\"\xd3\x01\n\rSendKvRequest\x12\x14\n\x0ctransfer_tag\x18\x01 \x01(\x04\x12\x16\n\x0epeer_worker_id\x18\x02 \x01(\t\x12\x18\n\x10peer_ucx_address\x18\x03 \x01(\x0c\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12!\n\x19peer_tensor_parallel_size\x18\x05 \x01(\r\x12#\n\x1bpeer_pipeline_parallel_size\x18\x06 \x01(\r\x12\x1f\n\x17peer_rank_ucx_addresses\x18\x07 \x03(\x0c\"4\n\x0eSendKvResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\xcc\x01\n\x10ReceiveKvRequest\x12\x14\n\x0ctransfer_tag\x18\x01 \x01(\x04\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x15\n\rafter_step_id\x18\x03 \x01(\x04\x12,\n\x06source\x18\x04 \x01(\x0b\x32\x1c.tandem.internal.v1.KvSource\x12#\n\x1bsender_tensor_parallel_size\x18\x05 \x01(\r\x12%\n\x1dsender_pipeline_parallel_size\x18\x06 \x01(\r\"\x80\x02\n\x08KvSource\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x39\n\rshared_memory\x18\x02 \x01(\x0b\x32\".tandem.internal.v1.KvSharedMemory\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x15\n\rready_step_id\x18\x04 \x01(\x04\x12\x1c\n\x14tensor_parallel_size\x18\x05 \x01(\r\x12>\n\x12rank_shared_memory\x18\x06 \x03(\x0b\x32\".tandem.internal.v1.KvSharedMemory\x12\x1e\n\x16pipeline_parallel_size\x18\x07 \x01(\r\"S\n\x11ReceiveKvResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x1a\n\x12source_lag_seconds\x18\x03 \x01(\x01\"6\n\x0e\x41\x64\x64LoraRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"(\n\x0f\x41\x64\x64LoraResponse\x12\x15\n\rlora_adapters\x18\x01 \x03(\t\"&\n\x11RemoveLoraRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"+\n\x12RemoveLoraResponse\x12\x15\n\rlora_adapters\x18\x01 \x03(\t\"X\n\x1ePrepareStructuredOutputRequest\x12\x36\n\x11structured_output\x18\x01 \x01(\x0b\x32\x1b.tandem.v1.StructuredOutput\"2\n\x1fPrepareStructuredOutputResponse\x12\x0f\n\x07seconds\x18\x01 \x01(\x01\x32\xa8\x05\n\rWorkerService\x12g\n\x0e\x44\x65scribeWorker\x12).tandem.internal.v1.DescribeWorkerRequest\x1a*.tandem.internal.v1.DescribeWorkerResponse\x12M\n\x04Step\x12\x1f.tandem.internal.v1.StepRequest\x1a .tandem.internal.v1.StepResponse(\x01\x30\x01\x12O\n\x06SendKv\x12!.tandem.internal.v1.SendKvRequest\x1a\".tandem.internal.v1.SendKvResponse\x12X\n\tReceiveKv\x12$.tandem.internal.v1.ReceiveKvRequest\x1a%.tandem.internal.v1.ReceiveKvResponse\x12R\n\x07\x41\x64\x64Lora\x12\".tandem.internal.v1.AddLoraRequest\x1a#.tandem.internal.v1.AddLoraResponse\x12[\n\nRemoveLora\x12%.tandem.internal.v1.RemoveLoraRequest\x1a&.tandem.internal.v1.RemoveLoraResponse\x12\x82\x01\n\x17PrepareStructuredOutput\x12\x32.tandem.internal.v1.PrepareStructuredOutputRequest\x1a\x33.tandem.internal.v1.PrepareStructuredOutputResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.internal.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DESCRIBEWORKERREQUEST']._serialized_start=87
-  _globals['_DESCRIBEWORKERREQUEST']._serialized_end=110
-  _globals['_DESCRIBEWORKERRESPONSE']._serialized_start=113
-  _globals['_DESCRIBEWORKERRESPONSE']._serialized_end=679
-  _globals['_SPECULATIVEDECODING']._serialized_start=681
-  _globals['_SPECULATIVEDECODING']._serialized_end=781
-  _globals['_KVSHAREDMEMORY']._serialized_start=783
-  _globals['_KVSHAREDMEMORY']._serialized_end=896
-  _globals['_STEPREQUEST']._serialized_start=899
-  _globals['_STEPREQUEST']._serialized_end=1256
-  _globals['_BLOCKCOPY']._serialized_start=1258
-  _globals['_BLOCKCOPY']._serialized_end=1295
-  _globals['_NEWREQUEST']._serialized_start=1298
-  _globals['_NEWREQUEST']._serialized_end=1663
-  _globals['_CACHEDREQUEST']._serialized_start=1666
-  _globals['_CACHEDREQUEST']._serialized_end=1805
-  _globals['_STEPRESPONSE']._serialized_start=1808
-  _globals['_STEPRESPONSE']._serialized_end=2109
-  _globals['_SPECDECODECOUNTS']._serialized_start=2111
-  _globals['_SPECDECODECOUNTS']._serialized_end=2204
-  _globals['_PROMPTLOGPROBS']._serialized_start=2206
-  _globals['_PROMPTLOGPROBS']._serialized_end=2308
-  _globals['_SAMPLEDTOKEN']._serialized_start=2310
-  _globals['_SAMPLEDTOKEN']._serialized_end=2413
-  _globals['_SENDKVREQUEST']._serialized_start=2416
-  _globals['_SENDKVREQUEST']._serialized_end=2627
-  _globals['_SENDKVRESPONSE']._serialized_start=2629
-  _globals['_SENDKVRESPONSE']._serialized_end=2681
-  _globals['_RECEIVEKVREQUEST']._serialized_start=2684
-  _globals['_RECEIVEKVREQUEST']._serialized_end=2888
-  _globals['_KVSOURCE']._serialized_start=2891
-  _globals['_KVSOURCE']._serialized_end=3147
-  _globals['_RECEIVEKVRESPONSE']._serialized_start=3149
-  _globals['_RECEIVEKVRESPONSE']._serialized_end=3232
-  _globals['_ADDLORAREQUEST']._serialized_start=3234
-  _globals['_ADDLORAREQUEST']._serialized_end=3288
-  _globals['_ADDLORARESPONSE']._serialized_start=3290
-  _globals['_ADDLORARESPONSE']._serialized_end=3330
-  _globals['_REMOVELORAREQUEST']._serialized_start=3332
-  _globals['_REMOVELORAREQUEST']._serialized_end=3370
-  _globals['_REMOVELORARESPONSE']._serialized_start=3372
-  _globals['_REMOVELORARESPONSE']._serialized_end=3415
-  _globals['_PREPARESTRUCTUREDOUTPUTREQUEST']._serialized_start=3417
-  _globals['_PREPARESTRUCTUREDOUTPUTREQUEST']._serialized_end=3514
-  _globals['_PREPARESTRUCTUREDOUTPUTRESPONSE']._serialized_start=3516
-  _globals['_PREPARESTRUCTUREDOUTPUTRESPONSE']._serialized_end=3566
-  _globals['_WORKERSERVICE']._serialized_start=3569
-  _globals['_WORKERSERVICE']._serialized_end=4249
+  _globals['_DESCRIBEWORKERREQUEST']._serialized_start=113
+  _globals['_DESCRIBEWORKERREQUEST']._serialized_end=136
+  _globals['_DESCRIBEWORKERRESPONSE']._serialized_start=139
+  _globals['_DESCRIBEWORKERRESPONSE']._serialized_end=705
+  _globals['_SPECULATIVEDECODING']._serialized_start=707
+  _globals['_SPECULATIVEDECODING']._serialized_end=807
+  _globals['_KVSHAREDMEMORY']._serialized_start=809
+  _globals['_KVSHAREDMEMORY']._serialized_end=922
+  _globals['_STEPREQUEST']._serialized_start=925
+  _globals['_STEPREQUEST']._serialized_end=1282
+  _globals['_BLOCKCOPY']._serialized_start=1284
+  _globals['_BLOCKCOPY']._serialized_end=1321
+  _globals['_NEWREQUEST']._serialized_start=1324
+  _globals['_NEWREQUEST']._serialized_end=1674
+  _globals['_CACHEDREQUEST']._serialized_start=1677
+  _globals['_CACHEDREQUEST']._serialized_end=1816
+  _globals['_STEPRESPONSE']._serialized_start=1819
+  _globals['_STEPRESPONSE']._serialized_end=2120
+  _globals['_SPECDECODECOUNTS']._serialized_start=2122
+  _globals['_SPECDECODECOUNTS']._serialized_end=2215
+  _globals['_PROMPTLOGPROBS']._serialized_start=2217
+  _globals['_PROMPTLOGPROBS']._serialized_end=2310
+  _globals['_SAMPLEDTOKEN']._serialized_start=2312
+  _globals['_SAMPLEDTOKEN']._serialized_end=2406
+  _globals['_SENDKVREQUEST']._serialized_start=2409
+  _globals['_SENDKVREQUEST']._serialized_end=2620
+  _globals['_SENDKVRESPONSE']._serialized_start=2622
+  _globals['_SENDKVRESPONSE']._serialized_end=2674
+  _globals['_RECEIVEKVREQUEST']._serialized_start=2677
+  _globals['_RECEIVEKVREQUEST']._serialized_end=2881
+  _globals['_KVSOURCE']._serialized_start=2884
+  _globals['_KVSOURCE']._serialized_end=3140
+  _globals['_RECEIVEKVRESPONSE']._serialized_start=3142
+  _globals['_RECEIVEKVRESPONSE']._serialized_end=3225
+  _globals['_ADDLORAREQUEST']._serialized_start=3227
+  _globals['_ADDLORAREQUEST']._serialized_end=3281
+  _globals['_ADDLORARESPONSE']._serialized_start=3283
+  _globals['_ADDLORARESPONSE']._serialized_end=3323
+  _globals['_REMOVELORAREQUEST']._serialized_start=3325
+  _globals['_REMOVELORAREQUEST']._serialized_end=3363
+  _globals['_REMOVELORARESPONSE']._serialized_start=3365
+  _globals['_REMOVELORARESPONSE']._serialized_end=3408
+  _globals['_PREPARESTRUCTUREDOUTPUTREQUEST']._serialized_start=3410
+  _globals['_PREPARESTRUCTUREDOUTPUTREQUEST']._serialized_end=3498
+  _globals['_PREPARESTRUCTUREDOUTPUTRESPONSE']._serialized_start=3500
+  _globals['_PREPARESTRUCTUREDOUTPUTRESPONSE']._serialized_end=3550
+  _globals['_WORKERSERVICE']._serialized_start=3553
+  _globals['_WORKERSERVICE']._serialized_end=4233
 # @@protoc_insertion_point(module_scope)

@@ -1,4 +1,5 @@
 from common.pb.tandem.internal.v1 import types_pb2 as _types_pb2
+from common.pb.tandem.v1 import generate_pb2 as _generate_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -116,14 +117,14 @@ class NewRequest(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
-    sampling: _types_pb2.SamplingParams
+    sampling: _types_pb2.Sampling
     num_prompt_tokens: int
     num_lookahead_tokens: int
     lora_name: str
-    structured_output: _types_pb2.StructuredOutput
+    structured_output: _generate_pb2.StructuredOutput
     traceparent: str
     tracestate: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_types_pb2.SamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., structured_output: _Optional[_Union[_types_pb2.StructuredOutput, _Mapping]] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_types_pb2.Sampling, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., structured_output: _Optional[_Union[_generate_pb2.StructuredOutput, _Mapping]] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
 
 class CachedRequest(_message.Message):
     __slots__ = ("request_id", "new_block_ids", "num_scheduled_tokens", "block_table", "num_lookahead_tokens")
@@ -176,8 +177,8 @@ class PromptLogprobs(_message.Message):
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     start: int
-    entries: _containers.RepeatedCompositeFieldContainer[_types_pb2.TokenLogprob]
-    def __init__(self, request_id: _Optional[str] = ..., start: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[_types_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    entries: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., start: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("request_id", "token_id", "logprob")
@@ -186,8 +187,8 @@ class SampledToken(_message.Message):
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_id: int
-    logprob: _types_pb2.TokenLogprob
-    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[_Union[_types_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
+    logprob: _generate_pb2.TokenLogprob
+    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class SendKvRequest(_message.Message):
     __slots__ = ("transfer_tag", "peer_worker_id", "peer_ucx_address", "block_ids", "peer_tensor_parallel_size", "peer_pipeline_parallel_size", "peer_rank_ucx_addresses")
@@ -288,8 +289,8 @@ class RemoveLoraResponse(_message.Message):
 class PrepareStructuredOutputRequest(_message.Message):
     __slots__ = ("structured_output",)
     STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
-    structured_output: _types_pb2.StructuredOutput
-    def __init__(self, structured_output: _Optional[_Union[_types_pb2.StructuredOutput, _Mapping]] = ...) -> None: ...
+    structured_output: _generate_pb2.StructuredOutput
+    def __init__(self, structured_output: _Optional[_Union[_generate_pb2.StructuredOutput, _Mapping]] = ...) -> None: ...
 
 class PrepareStructuredOutputResponse(_message.Message):
     __slots__ = ("seconds",)
