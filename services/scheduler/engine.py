@@ -122,16 +122,9 @@ class Engine(Recovery):
             arrived=self._arrived,
             links=LinkBreaker(self.resilience.kv_link_cool_down_s),
         )
-        self.grammars = GrammarGate(lambda: self.pools, self._spawn, self._grammar_ready)
+        self.grammars = GrammarGate(lambda: self.pools, self._spawn)
         r = self.resilience
-        self.monitor = PoolMonitor(
-            r.health_interval_s,
-            r.health_timeout_s,
-            r.health_max_misses,
-            fail=self._fail_pool,
-            set_draining=self._set_draining,
-            rejoin=self._rejoin,
-        )
+        self.monitor = PoolMonitor(r.health_interval_s, r.health_timeout_s, r.health_max_misses)
         self.num_worker_failures = 0
         self.num_restarted_requests = 0
         self.num_rejected_requests = 0
@@ -142,7 +135,8 @@ class Engine(Recovery):
     def start(self) -> None:
         for pool in self.pools:
             self._start_loop(pool)
-            self._spawn(self.monitor.watch(pool), f"watch-{pool.info.address}")
+            self._spawn(self.watch_pool(pool), f"watch-{pool.info.address}")
+        self._spawn(self._grammars_done(), "grammars-done")
 
     def _start_loop(self, pool: Pool) -> None:
         self._loops[id(pool)] = self._spawn(self._run_pool(pool), f"pool-{pool.info.worker_id}")
@@ -190,14 +184,21 @@ class Engine(Recovery):
         pool.wakeup.set()
         return handles
 
-    def _grammar_ready(self, request: Request, refusal: str | None) -> None:
-        handle = self._handle_of(request)
-        if handle is None:
-            return  # aborted while its grammar compiled
-        if refusal is not None:
-            self._finish(handle, FinishReason.ABORT, ("INVALID_ARGUMENT", refusal))
-        else:
-            handle.pool.wakeup.set()
+    async def _grammars_done(self) -> None:
+        """Requests whose grammar compiled run; those whose grammar was refused end."""
+        while True:
+            done = await self.grammars.results.get()
+            for request in done.requests:
+                handle = self._handle_of(request)
+                if handle is None:
+                    continue  # aborted while its grammar compiled
+                try:
+                    if done.refusal is not None:
+                        error = ("INVALID_ARGUMENT", done.refusal)
+                        self._finish(handle, FinishReason.ABORT, error)
+                    handle.pool.wakeup.set()
+                except Exception as exc:  # its own bookkeeping: it alone fails
+                    self._fail_alone(request, exc)
 
     def requests_using(self, lora_name: str) -> int:
         """Requests not finished (queued, running or preempted) on LoRA adapter `lora_name`."""

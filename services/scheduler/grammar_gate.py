@@ -8,13 +8,17 @@ until all answered. Constraints prepared everywhere are remembered (least recent
 forgotten first, and all of them when a worker rejoins with nothing compiled). A worker
 that does not answer only costs latency: a step that meets an unprepared constraint
 compiles it itself. A constraint a worker refuses ends its requests with
-INVALID_ARGUMENT (the gateway checks constraints first, so this is a last line)."""
+INVALID_ARGUMENT (the gateway checks constraints first, so this is a last line).
+
+The gate says when a constraint is done (`results`: `GrammarDone`, its held requests and
+the refusal if any); the engine lets them run or ends them."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from common.log import get_logger
 from common.structured_output import Constraint
@@ -26,19 +30,22 @@ PREPARE_TIMEOUT_S = 60.0
 MAX_REMEMBERED = 1024
 
 
+@dataclass(frozen=True)
+class GrammarDone:
+    """A constraint's compile ended: its held requests may run (`refusal` None), or end with
+    INVALID_ARGUMENT saying `refusal`."""
+
+    requests: tuple[Request, ...]
+    refusal: str | None
+
+
 class GrammarGate:
-    def __init__(
-        self,
-        pools: Callable[[], Sequence],
-        spawn: Callable,
-        release: Callable[[Request, str | None], None],
-    ) -> None:
+    def __init__(self, pools: Callable[[], Sequence], spawn: Callable) -> None:
         """`pools()`: the pools now (each with `healthy` and `client`); `spawn(coro, name)`
-        runs a task; `release(request, refusal)` lets a held request run (refusal None) or
-        ends it with INVALID_ARGUMENT saying `refusal`."""
+        runs a task."""
         self._pools = pools
         self._spawn = spawn
-        self._release = release
+        self.results: asyncio.Queue[GrammarDone] = asyncio.Queue()
         self._prepared: OrderedDict[Constraint, None] = OrderedDict()
         self._holding: dict[Constraint, list[Request]] = {}
 
@@ -86,6 +93,7 @@ class GrammarGate:
                 while len(self._prepared) > MAX_REMEMBERED:
                     self._prepared.popitem(last=False)
         finally:
-            for request in self._holding.pop(constraint, ()):
+            held = tuple(self._holding.pop(constraint, ()))
+            for request in held:
                 request.grammar_pending = False
-                self._release(request, refusal)
+            self.results.put_nowait(GrammarDone(held, refusal))

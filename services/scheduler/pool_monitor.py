@@ -8,38 +8,51 @@ Every `interval_s` the worker's grpc.health.v1 status is read (with `timeout_s`)
   finish;
 - a failed worker that answers SERVING again (restarted) rejoins with an empty pool.
 A dead Step stream fails the worker at once, without waiting for the monitor.
+
+The monitor says what it saw (`watch` yields `WorkerFailed`, `DrainingChanged`, `WorkerBack`);
+the engine acts on it (`Recovery.watch_pool`), and the watch goes on once it has.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
-from common.log import get_logger
 from services.scheduler.pool import Pool
 
-log = get_logger(__name__)
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    """It missed `max_misses` health checks in a row with no step result meanwhile."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class DrainingChanged:
+    """It answers NOT_SERVING (draining), or SERVING again."""
+
+    draining: bool
+
+
+@dataclass(frozen=True)
+class WorkerBack:
+    """A failed worker answers SERVING: it may rejoin."""
+
+
+HealthEvent = WorkerFailed | DrainingChanged | WorkerBack
 
 
 class PoolMonitor:
-    def __init__(
-        self,
-        interval_s: float,
-        timeout_s: float,
-        max_misses: int,
-        fail: Callable[[Pool, str], None],
-        set_draining: Callable[[Pool, bool], None],
-        rejoin: Callable[[Pool], Awaitable[None]],
-    ) -> None:
+    def __init__(self, interval_s: float, timeout_s: float, max_misses: int) -> None:
         """Settings come checked by SchedulerConfig (worker_health_*)."""
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.max_misses = max_misses
-        self._fail = fail
-        self._set_draining = set_draining
-        self._rejoin = rejoin
 
-    async def watch(self, pool: Pool) -> None:
+    async def watch(self, pool: Pool) -> AsyncIterator[HealthEvent]:
+        """What the pool's health checks show, as it changes (for ever)."""
         misses, steps_seen = 0, pool.counters.steps
         while True:
             await asyncio.sleep(self.interval_s)
@@ -52,21 +65,17 @@ class PoolMonitor:
             if not pool.healthy:
                 misses = 0
                 if status == "SERVING":
-                    try:
-                        await self._rejoin(pool)
-                    except Exception as exc:  # not ready after all, or now incompatible
-                        log.warning("rejoin_failed", address=pool.info.address, error=str(exc))
+                    yield WorkerBack()
                 continue
             if status == "UNREACHABLE":
                 misses += 1
                 if misses >= self.max_misses:
-                    self._fail(
-                        pool,
+                    yield WorkerFailed(
                         f"worker {pool.info.worker_id} did not answer health checks "
-                        f"{misses} times in a row ({self.timeout_s}s timeout)",
+                        f"{misses} times in a row ({self.timeout_s}s timeout)"
                     )
                 continue
             misses = 0
             draining = status != "SERVING"
             if draining != pool.draining:
-                self._set_draining(pool, draining)
+                yield DrainingChanged(draining)

@@ -16,12 +16,26 @@ from common.log import bind_request, get_logger
 from services.scheduler.handle import RequestHandle, Stage
 from services.scheduler.lora_admin import sync_worker
 from services.scheduler.pool import Pool
+from services.scheduler.pool_monitor import DrainingChanged, WorkerFailed
 from services.scheduler.request import FinishReason
 
 log = get_logger(__name__)
 
 
 class Recovery:
+    async def watch_pool(self, pool: Pool) -> None:
+        """Act on what the pool's health checks show (`PoolMonitor.watch`), for ever."""
+        async for event in self.monitor.watch(pool):
+            if isinstance(event, WorkerFailed):
+                self._fail_pool(pool, event.why)
+            elif isinstance(event, DrainingChanged):
+                self._set_draining(pool, event.draining)
+            else:  # WorkerBack
+                try:
+                    await self._rejoin(pool)
+                except Exception as exc:  # not ready after all, or now incompatible
+                    log.warning("rejoin_failed", address=pool.info.address, error=str(exc))
+
     def _restart(self, handle: RequestHandle, why: str) -> None:
         """Start a request over from its prompt + tokens so far (its KV is lost): the
         tokens already streamed stay, the next one is computed again, none is repeated."""
