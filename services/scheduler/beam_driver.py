@@ -198,10 +198,14 @@ class BeamDriver:
 
     def _release_all(self) -> None:
         """Free every request of this attempt (running ones are aborted; their late
-        events are ignored)."""
+        events are ignored). A failure here is logged, never raised: the client's results
+        must still go out."""
         for request_id in list(self._live):
-            self.engine.release_kv(request_id)  # parked: freed (else nothing)
-            self.engine.abort(request_id)  # running: ended (else nothing)
+            try:
+                self.engine.release_kv(request_id)  # parked: freed (else nothing)
+                self.engine.abort(request_id)  # running: ended (else nothing)
+            except Exception:
+                log.exception("beam_release_failed", request_id=request_id)
         self._live = set()
 
     def _restart(self, why: str) -> None:
@@ -227,36 +231,31 @@ class BeamDriver:
             self._end(FinishReason.ABORT, ("UNAVAILABLE", f"beam search restart failed: {exc}"))
 
     def _end(self, reason: FinishReason | None, error: tuple[str, str] | None) -> None:
-        """Release everything and send the results (the best hypotheses, whole), or end each
-        result with `reason` and `error`."""
+        """Release everything and send the results (`reason` None: the best hypotheses,
+        whole), or end each result with `reason` and `error`."""
+        if self.done:
+            return
         self.done = True
         self._release_all()
         summary = self._summary()
         cached = max(0, summary.num_cached_tokens)
-        n = self.params.num_return_sequences
-        results = self._search.results() if reason is None else []
         eos = set(self.params.eos_token_ids)
-        for index in range(n):
-            if reason is None:
-                hypothesis = results[index]
-                tokens = list(hypothesis.tokens)
-                why = FinishReason.STOP if tokens and tokens[-1] in eos else FinishReason.LENGTH
+        results = self._search.results() if reason is None else []
+        for index in range(self.params.num_return_sequences):
+            tokens = list(results[index].tokens) if results else []
+            why = reason or (FinishReason.STOP if tokens[-1:] and tokens[-1] in eos else
+                             FinishReason.LENGTH)  # fmt: skip
+            if results:
                 self.events.put_nowait(Tokens(index, tokens, cached_tokens=cached))
-                score = hypothesis.score
-            else:
-                tokens, why, score = [], reason, None
             self.events.put_nowait(
                 Finished(
                     index=index, reason=why, prompt_tokens=len(summary.prompt_token_ids),
                     completion_tokens=len(tokens), cached_tokens=cached, error=error,
-                    beam_score=score,
+                    beam_score=results[index].score if results else None,
                 )
             )  # fmt: skip
-        summary.finish_reason = FinishReason.ABORT if reason is not None else (
-            FinishReason.STOP if results and results[0].tokens[-1:] and
-            results[0].tokens[-1] in eos else FinishReason.LENGTH
-        )  # fmt: skip
-        summary.output_token_ids = list(results[0].tokens) if results else []
+            if index == 0:
+                summary.finish_reason, summary.output_token_ids = why, tokens
         now = time.monotonic()
         if self.trace is not None:
             self.trace.sample_finished(summary, error)
