@@ -114,12 +114,7 @@ class Engine(Recovery):
             [p for p in self.pools if p.info.role == "decode"],
             kv_transfer_timeout_s,
             spawn=self._spawn,
-            fail=lambda handle, message: self._finish(
-                handle, FinishReason.ABORT, ("UNAVAILABLE", message)
-            ),
-            transfer_failed=self._transfer_failed,
             streaming=kv_transfer_streaming,
-            arrived=self._arrived,
             links=LinkBreaker(self.resilience.kv_link_cool_down_s),
         )
         self.grammars = GrammarGate(lambda: self.pools, self._spawn)
@@ -137,6 +132,7 @@ class Engine(Recovery):
             self._start_loop(pool)
             self._spawn(self.watch_pool(pool), f"watch-{pool.info.address}")
         self._spawn(self._grammars_done(), "grammars-done")
+        self._spawn(self.handoff_events(), "handoff-events")
 
     def _start_loop(self, pool: Pool) -> None:
         self._loops[id(pool)] = self._spawn(self._run_pool(pool), f"pool-{pool.info.worker_id}")
@@ -385,17 +381,12 @@ class Engine(Recovery):
     def _park(self, handle: RequestHandle) -> None:
         """A request that keeps its KV finished (`Request.keep_kv`): parked where it
         decodes; one that finished in a pool that does not decode hands its KV on to a
-        decode pool first and parks where it arrives (`_arrived`)."""
+        decode pool first and parks where it arrives (`Recovery.handoff_events`)."""
         if handle.pool.scheduler.runs_decodes:
             handle.park()
             self._emit_finish(handle, handle.request.finish_reason, None, parked=True)
         else:
             self.handoff.enqueue(handle)
-
-    def _arrived(self, handle: RequestHandle) -> None:
-        """The hand-off put the request's KV in its decode pool."""
-        if handle.stage is Stage.PARKED:
-            self._emit_finish(handle, handle.request.finish_reason, None, parked=True)
 
     def _lose(self, handle: RequestHandle | None, why: str) -> None:
         """A request that does not start over (`Request.restartable`) lost its KV: it ends

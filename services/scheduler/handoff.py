@@ -21,6 +21,11 @@ token ends it by length (`max_tokens=1`). The request moves on when both
 the transfer and the prompt's result are in. A streamed transfer that fails before the
 result only drops its decode side: the prompt is then handed off as usual.
 
+The hand-off calls nothing back: what happened that the engine must act on goes into
+`events` (a request no decode pool is left for, a failed transfer, a request that arrived),
+each with the request's `moves` then, so the engine ignores it once the request has moved
+on (cancelled, started over) meanwhile.
+
 A transfer that is cancelled (the request ended) or fails (a peer died, a timeout) frees
 the prefill side's blocks at once. Its tag goes to the decode worker with that pool's next
 step (sent even if nothing else runs), and the decode side's blocks stay held until that
@@ -35,6 +40,7 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
 
 from common.log import bind_request, get_logger
 from services.scheduler.handle import RequestHandle, Stage, Transfer, TransferPart
@@ -47,27 +53,52 @@ from services.scheduler.worker_types import KvPullRefusedError, KvPullSource, Kv
 log = get_logger(__name__)
 
 
+@dataclass(frozen=True)
+class Stranded:
+    """No decode pool is left for the request: it must end."""
+
+    handle: RequestHandle
+    moves: int
+    why: str
+
+
+@dataclass(frozen=True)
+class TransferFailed:
+    """The request's transfer failed; both sides' blocks are released already."""
+
+    handle: RequestHandle
+    moves: int
+    src: Pool
+    dst: Pool
+    error: BaseException
+
+
+@dataclass(frozen=True)
+class Arrived:
+    """The request's KV is in its decode pool, which holds it now (parked, if finished)."""
+
+    handle: RequestHandle
+    moves: int
+
+
+HandoffEvent = Stranded | TransferFailed | Arrived
+
+
 class KvHandoff:
     def __init__(
         self,
         decode_pools: Sequence[Pool],
         timeout_s: float,
         spawn: Callable[[Coroutine, str], asyncio.Task],
-        fail: Callable[[RequestHandle, str], None],
-        transfer_failed: Callable[[RequestHandle, Pool, Pool, BaseException], None],
         streaming: bool = True,
-        arrived: Callable[[RequestHandle], None] | None = None,
         links: LinkBreaker | None = None,
     ) -> None:
-        """`fail` ends a request no decode pool can take; `transfer_failed` is told about a
-        transfer that failed (both sides' blocks already released)."""
+        """`spawn(coro, name)` runs a transfer's task."""
         self.decode_pools = list(decode_pools)
         self.timeout_s = timeout_s
         self.streaming = streaming
         self._spawn = spawn
-        self._fail = fail
-        self._transfer_failed = transfer_failed
-        self._arrived = arrived  # told after a request joins its decode pool
+        self.events: asyncio.Queue[HandoffEvent] = asyncio.Queue()
         self.queue: deque[RequestHandle] = deque()
         # (source, receiver) worker ids whose receiver could not map the source's pool.
         self._no_pull: set[tuple[str, str]] = set()
@@ -102,7 +133,7 @@ class KvHandoff:
         if any(p.healthy for p in self.decode_pools):
             return False
         for stranded in list(self.queue):
-            self._fail(stranded, "no decode worker left")
+            self.events.put_nowait(Stranded(stranded, stranded.moves, "no decode worker left"))
         return True
 
     def remove(self, handle: RequestHandle) -> None:
@@ -287,7 +318,7 @@ class KvHandoff:
                 dst=dst.info.worker_id,
                 seconds=cool_down,
             )
-            self._transfer_failed(handle, src, dst, error)
+            self.events.put_nowait(TransferFailed(handle, handle.moves, src, dst, error))
             return
         self.links.succeeded(src.info.worker_id, dst.info.worker_id)
         dst.counters.kv_blocks_received += num_blocks
@@ -354,5 +385,4 @@ class KvHandoff:
         if not request.is_finished:  # a finished one that keeps its KV parks here
             dst.scheduler.add(request)
         dst.wakeup.set()
-        if self._arrived is not None:
-            self._arrived(handle)
+        self.events.put_nowait(Arrived(handle, handle.moves))

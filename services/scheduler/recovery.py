@@ -14,6 +14,7 @@ import asyncio
 
 from common.log import bind_request, get_logger
 from services.scheduler.handle import RequestHandle, Stage
+from services.scheduler.handoff import Stranded, TransferFailed
 from services.scheduler.lora_admin import sync_worker
 from services.scheduler.pool import Pool
 from services.scheduler.pool_monitor import DrainingChanged, WorkerFailed
@@ -23,6 +24,24 @@ log = get_logger(__name__)
 
 
 class Recovery:
+    async def handoff_events(self) -> None:
+        """Act on what the hand-off reports (`KvHandoff.events`), for ever; an event about a
+        request that moved on since (cancelled, started over) is stale."""
+        while True:
+            event = await self.handoff.events.get()
+            handle = event.handle
+            if handle.done or handle.moves != event.moves:
+                continue
+            try:
+                if isinstance(event, Stranded):
+                    self._finish(handle, FinishReason.ABORT, ("UNAVAILABLE", event.why))
+                elif isinstance(event, TransferFailed):
+                    self._transfer_failed(handle, event.src, event.dst, event.error)
+                elif handle.stage is Stage.PARKED:  # Arrived, finished: it keeps its KV
+                    self._emit_finish(handle, handle.request.finish_reason, None, parked=True)
+            except Exception as exc:  # its own bookkeeping: it alone fails
+                self._fail_alone(handle.request, exc)
+
     async def watch_pool(self, pool: Pool) -> None:
         """Act on what the pool's health checks show (`PoolMonitor.watch`), for ever."""
         async for event in self.monitor.watch(pool):
