@@ -16,7 +16,7 @@ table, interleaved: entry `i * num_groups + g` is group g's block for tokens
 reads are freed (the null block takes their place) while the full groups keep theirs, so
 at a context of many windows the windowed layers cost about a window of KV.
 
-Layer `l` lives in slot `slot_of_layer[l]` of its group's blocks. A pipeline stage holds
+Layer `l` lives in the slot of its place in its group. A pipeline stage holds
 its layers' slots only (`stage_slots`): its blocks have as many slots as its largest
 group has layers there, group g's layers at slots from 0 in order.
 """
@@ -45,10 +45,6 @@ class KvGroups:
         return len(self.windows)
 
     @property
-    def num_layers(self) -> int:
-        return sum(len(g) for g in self.layers)
-
-    @property
     def size(self) -> int:
         """Slots (layers) per block: the largest group's layer count."""
         return max(len(g) for g in self.layers)
@@ -62,9 +58,6 @@ class KvGroups:
             if layer in layers:
                 return group
         raise ValueError(f"layer {layer} is in no KV group")
-
-    def slot_of(self, layer: int) -> int:
-        return self.layers[self.group_of(layer)].index(layer)
 
     def stage_slots(self, stage_layers: range) -> tuple[int, tuple[tuple[int, int], ...]]:
         """(slots per block, each stage layer's (group, slot)) for a pipeline stage holding

@@ -162,8 +162,7 @@ class BeamDriver:
                 self._live.add(child.request_id)
                 children.append(child.request_id)
         except KeyError as exc:  # a parent's KV is gone (its worker failed meanwhile)
-            self._beams = parents + children  # all released by the restart
-            self._restart(str(exc))
+            self._restart(str(exc))  # releases every live request, children included
             return
         for parent in parents:
             self._live.discard(parent)

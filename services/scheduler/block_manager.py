@@ -67,11 +67,6 @@ class BlockManager:
         self._trimmed: dict[str, list[int]] = {}
 
     @property
-    def window(self) -> int | None:
-        """The window of a one-group pool (None: full attention, or several groups)."""
-        return self.group_windows[0] if self.num_groups == 1 else None
-
-    @property
     def num_blocks(self) -> int:
         """Blocks requests can hold (the null block of a windowed pool is not one)."""
         return self.pool.num_blocks - int(self.pool.reserve_null)

@@ -22,7 +22,8 @@ the transfer and the prompt's result are in. A streamed transfer that fails befo
 result only drops its decode side: the prompt is then handed off as usual.
 
 The hand-off calls nothing back: what happened that the engine must act on goes into
-`events` (a request no decode pool is left for, a failed transfer, a request that arrived),
+`events` (a request no decode pool is left for, a failed transfer, a finished request whose
+KV arrived to be kept),
 each with the request's `moves` then, so the engine ignores it once the request has moved
 on (cancelled, started over) meanwhile.
 
@@ -74,14 +75,14 @@ class TransferFailed:
 
 
 @dataclass(frozen=True)
-class Arrived:
-    """The request's KV is in its decode pool, which holds it now (parked, if finished)."""
+class Parked:
+    """A finished request that keeps its KV arrived: its decode pool holds its blocks."""
 
     handle: RequestHandle
     moves: int
 
 
-HandoffEvent = Stranded | TransferFailed | Arrived
+HandoffEvent = Stranded | TransferFailed | Parked
 
 
 class KvHandoff:
@@ -385,4 +386,5 @@ class KvHandoff:
         if not request.is_finished:  # a finished one that keeps its KV parks here
             dst.scheduler.add(request)
         dst.wakeup.set()
-        self.events.put_nowait(Arrived(handle, handle.moves))
+        if request.is_finished:
+            self.events.put_nowait(Parked(handle, handle.moves))

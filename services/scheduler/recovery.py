@@ -37,7 +37,7 @@ class Recovery:
                     self._finish(handle, FinishReason.ABORT, ("UNAVAILABLE", event.why))
                 elif isinstance(event, TransferFailed):
                     self._transfer_failed(handle, event.src, event.dst, event.error)
-                elif handle.stage is Stage.PARKED:  # Arrived, finished: it keeps its KV
+                else:  # Parked
                     self._emit_finish(handle, handle.request.finish_reason, None, parked=True)
             except Exception as exc:  # its own bookkeeping: it alone fails
                 self._fail_alone(handle.request, exc)

@@ -270,7 +270,7 @@ def beam_template_from_pb(
         )
     except ValueError as exc:
         raise InvalidRequestError(f"beam_search: {exc}") from None
-    leader = Request(
+    template = Request(
         request_id=request.request_id,
         prompt_token_ids=list(request.prompt_token_ids),
         max_tokens=request.max_tokens,
@@ -284,5 +284,5 @@ def beam_template_from_pb(
             f"beam_search needs max(2, 1 + stop tokens) * beam_width = {needed} candidates "
             f"per beam; at most {MAX_INTERNAL_LOGPROBS}"
         )
-    leader.sampling = SamplingParams(logprobs=needed)  # greedy, plain: raw logprobs
-    return leader, params
+    template.sampling = SamplingParams(logprobs=needed)  # greedy, plain: raw logprobs
+    return template, params

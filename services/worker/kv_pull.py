@@ -159,7 +159,8 @@ class KvPuller:
             raise KvTransferError(f"source block ids {bad[:4]} outside the peer's pool")
         await wait_for_step()
         runs = block_runs(source.block_ids, block_ids)
-        geometry, pp = self._rank_pools().geometry, self._rank_pools().layout.pp
+        pools = self._rank_pools()
+        geometry, pp = pools.geometry, pools.layout.pp
         num_layers = geometry.num_layers  # the model's
         # Along the pools' layer axis (layers, or KV groups' slots: `KvGeometry`).
         axis_end, copied = geometry.axis_done(num_layers, pp), 0

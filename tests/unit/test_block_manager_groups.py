@@ -29,7 +29,7 @@ def groups_of(table: list[int]) -> tuple[list[int], list[int]]:
 
 def test_a_table_holds_one_block_per_group_per_block_of_tokens() -> None:
     manager = BlockManager(20, BS, group_windows=WINDOWS)
-    assert manager.num_groups == 2 and manager.window is None
+    assert manager.num_groups == 2 and manager.group_windows == WINDOWS
     assert (manager.blocks_for_tokens(9), manager.full_blocks(9), manager.tokens_in(4)) == (6, 4, 8)
     added, copies = manager.allocate("r", 9)
     assert len(added) == 6 and not copies and NULL_BLOCK not in added
