@@ -21,12 +21,10 @@ are dropped.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from common.lifecycle import wait_until
-from common.log import bind_request, get_logger
+from common.log import get_logger
 from common.prefix_hash import root_hash
 from common.step_result import StepResult
 from common.tracing import enabled as tracing_enabled
@@ -36,17 +34,17 @@ from services.scheduler.admission import (
     check_queue_room,
     validate_request,
 )
-from services.scheduler.finish_log import log_finished
 from services.scheduler.grammar_gate import GrammarGate
-from services.scheduler.handle import Finished, RequestHandle, Stage, Tokens
-from services.scheduler.handoff import KvHandoff
+from services.scheduler.handle import RequestHandle, Stage, Tokens
+from services.scheduler.handoff import KvHandoff, Stranded, TransferFailed
 from services.scheduler.link_breaker import LinkBreaker
 from services.scheduler.lora_registry import LoraRegistry
 from services.scheduler.pool import Pool, pick_prefill_pool
-from services.scheduler.pool_monitor import PoolMonitor
+from services.scheduler.pool_monitor import DrainingChanged, PoolMonitor, WorkerFailed
 from services.scheduler.pool_scheduler import PoolScheduler
-from services.scheduler.recovery import Recovery
+from services.scheduler.recovery import Recovery, Resilience, can_serve
 from services.scheduler.request import FinishReason, Request
+from services.scheduler.request_table import RequestTable
 from services.scheduler.request_trace import RequestTrace, note_scheduled
 from services.scheduler.worker_types import WorkerInfo, WorkerUnavailableError
 
@@ -55,21 +53,7 @@ log = get_logger(__name__)
 __all__ = ["Engine", "InvalidRequestError", "OverloadedError", "Resilience"]
 
 
-@dataclass(frozen=True)
-class Resilience:
-    """Queue bounds and failure handling (see SchedulerConfig for what each means and
-    the checks on them)."""
-
-    max_waiting_requests: int = 1024
-    max_waiting_tokens: int = 1 << 20
-    max_restarts: int = 3
-    health_interval_s: float = 1.0
-    health_timeout_s: float = 5.0
-    health_max_misses: int = 5
-    kv_link_cool_down_s: float = 30.0
-
-
-class Engine(Recovery):
+class Engine:
     def __init__(
         self,
         pools: Sequence[Pool],
@@ -103,11 +87,9 @@ class Engine(Recovery):
         self.deployment_salt = deployment_salt
         self.max_steps_in_flight = 2 if async_scheduling else 1
         self.resilience = resilience or Resilience()
-        self._make_scheduler = make_scheduler
         self._on_serving_change = on_serving_change
         self.loras = loras or LoraRegistry()
         self.serving = True
-        self._handles: dict[str, RequestHandle] = {}
         self._tasks: set[asyncio.Task] = set()
         self._loops: dict[int, asyncio.Task] = {}
         self.handoff = KvHandoff(
@@ -120,19 +102,36 @@ class Engine(Recovery):
         self.grammars = GrammarGate(lambda: self.pools, self._spawn)
         r = self.resilience
         self.monitor = PoolMonitor(r.health_interval_s, r.health_timeout_s, r.health_max_misses)
-        self.num_worker_failures = 0
-        self.num_restarted_requests = 0
+        self.requests = RequestTable(self.pools, self.handoff)
+        self.recovery = Recovery(
+            self.requests, self.pools, self.handoff, self.grammars, r, make_scheduler
+        )
         self.num_rejected_requests = 0
-        # Called with each finished request and the time (metrics: RequestTimes.observe).
-        self.on_finish: Callable[[Request, float], None] | None = None
+
+    @property
+    def on_finish(self) -> Callable[[Request, float], None] | None:
+        """Called with each finished request and the time (metrics: RequestTimes.observe)."""
+        return self.requests.on_finish
+
+    @on_finish.setter
+    def on_finish(self, hook: Callable[[Request, float], None] | None) -> None:
+        self.requests.on_finish = hook
+
+    @property
+    def num_worker_failures(self) -> int:
+        return self.recovery.num_worker_failures
+
+    @property
+    def num_restarted_requests(self) -> int:
+        return self.recovery.num_restarted_requests
 
     # -- public --------------------------------------------------------------------------
     def start(self) -> None:
         for pool in self.pools:
             self._start_loop(pool)
-            self._spawn(self.watch_pool(pool), f"watch-{pool.info.address}")
+            self._spawn(self._watch_pool(pool), f"watch-{pool.info.address}")
         self._spawn(self._grammars_done(), "grammars-done")
-        self._spawn(self.handoff_events(), "handoff-events")
+        self._spawn(self._handoff_events(), "handoff-events")
 
     def _start_loop(self, pool: Pool) -> None:
         self._loops[id(pool)] = self._spawn(self._run_pool(pool), f"pool-{pool.info.worker_id}")
@@ -168,14 +167,14 @@ class Engine(Recovery):
         try:
             for request in samples:
                 handle = RequestHandle(request=request, pool=pool, events=events, trace=trace)
-                self._handles[request.request_id] = handle
+                self.requests.add(handle)
                 handles.append(handle)
                 pool.scheduler.add(request)
         except Exception:  # all or nothing: what was queued leaves without a word
             for handle in handles:
-                self._release(handle)
+                self.requests.release(handle)
                 handle.finish()
-                self._handles.pop(handle.request.request_id, None)
+                self.requests.handles.pop(handle.request.request_id, None)
             raise
         pool.wakeup.set()
         return handles
@@ -185,37 +184,103 @@ class Engine(Recovery):
         while True:
             done = await self.grammars.results.get()
             for request in done.requests:
-                handle = self._handle_of(request)
+                handle = self.requests.of(request)
                 if handle is None:
                     continue  # aborted while its grammar compiled
                 try:
                     if done.refusal is not None:
                         error = ("INVALID_ARGUMENT", done.refusal)
-                        self._finish(handle, FinishReason.ABORT, error)
+                        self.requests.finish(handle, FinishReason.ABORT, error)
                     handle.pool.wakeup.set()
                 except Exception as exc:  # its own bookkeeping: it alone fails
-                    self._fail_alone(request, exc)
+                    self.requests.fail_alone(request, exc)
+
+    async def _handoff_events(self) -> None:
+        """Act on what the hand-off reports (`KvHandoff.events`), for ever; an event about a
+        request that moved on since (cancelled, started over) is stale."""
+        while True:
+            event = await self.handoff.events.get()
+            handle = event.handle
+            if handle.done or handle.moves != event.moves:
+                continue
+            try:
+                if isinstance(event, Stranded):
+                    self.requests.finish(handle, FinishReason.ABORT, ("UNAVAILABLE", event.why))
+                elif isinstance(event, TransferFailed):
+                    self.recovery.transfer_failed(handle, event.src, event.dst, event.error)
+                    self._spawn(self._recover_transfer(event), "kv-recover")
+                else:  # Parked
+                    reason = handle.request.finish_reason
+                    self.requests.emit_finish(handle, reason, None, parked=True)
+            except Exception as exc:  # its own bookkeeping: it alone fails
+                self.requests.fail_alone(handle.request, exc)
+
+    async def _recover_transfer(self, event: TransferFailed) -> None:
+        """Fail whichever side of a failed transfer does not answer, then start the
+        request over."""
+        why = str(event.error)
+        for pool in await self.recovery.broken_pools(event.src, event.dst):
+            self._fail_pool(pool, f"unreachable after a failed KV transfer ({why})")
+        self.recovery.restart(event.handle, f"KV transfer failed: {why}")
+
+    async def _watch_pool(self, pool: Pool) -> None:
+        """Act on what the pool's health checks show (`PoolMonitor.watch`), for ever."""
+        async for event in self.monitor.watch(pool):
+            if isinstance(event, WorkerFailed):
+                self._fail_pool(pool, event.why)
+            elif isinstance(event, DrainingChanged):
+                self._set_draining(pool, event.draining)
+            else:  # WorkerBack
+                try:
+                    if await self.recovery.rejoin(pool, self.loras):
+                        self._start_loop(pool)
+                        self._update_serving()
+                except Exception as exc:  # not ready after all, or now incompatible
+                    log.warning("rejoin_failed", address=pool.info.address, error=str(exc))
+
+    def _fail_pool(self, pool: Pool, why: str) -> None:
+        """Stop the failed worker's step loop (unless this is that loop, ending); its
+        requests start over elsewhere (`Recovery.fail_pool`)."""
+        if not pool.healthy:
+            return
+        loop = self._loops.pop(id(pool), None)
+        if loop is not None:
+            loop.cancel()
+        self.recovery.fail_pool(pool, why)
+        self._update_serving()
+
+    def _set_draining(self, pool: Pool, draining: bool) -> None:
+        self.recovery.set_draining(pool, draining)
+        self._update_serving()
+
+    def _update_serving(self) -> None:
+        serving = can_serve(self.pools, self.handoff.decode_pools)
+        if serving != self.serving:
+            self.serving = serving
+            log.warning("engine_serving" if serving else "engine_not_serving")
+            if self._on_serving_change is not None:
+                self._on_serving_change(serving)
 
     def requests_using(self, lora_name: str) -> int:
         """Requests not finished (queued, running or preempted) on LoRA adapter `lora_name`."""
-        return sum(h.request.lora_name == lora_name for h in self._handles.values())
+        return sum(h.request.lora_name == lora_name for h in self.requests)
 
     def abort(self, request_id: str) -> bool:
         """End a running request now (the client cancelled): its blocks, queues and
         transfers are released at once; a step in flight that carries it is dropped from
         the worker's batch by the next plan, and its tokens are discarded."""
-        handle = self._handles.get(request_id)
+        handle = self.requests.get(request_id)
         if handle is None:
             return False
         try:
-            self._finish(handle, FinishReason.ABORT)
+            self.requests.finish(handle, FinishReason.ABORT)
         except Exception as exc:
-            self._fail_alone(handle.request, exc)
+            self.requests.fail_alone(handle.request, exc)
         return True
 
     @property
     def num_requests(self) -> int:
-        return len(self._handles)
+        return len(self.requests)
 
     @property
     def num_waiting(self) -> tuple[int, int]:
@@ -242,7 +307,7 @@ class Engine(Recovery):
 
     async def drain(self, timeout_s: float) -> bool:
         """Wait until every request has finished (True) or timeout_s passed (False)."""
-        return await wait_until(lambda: not self._handles, timeout_s)
+        return await wait_until(lambda: not self.requests.handles, timeout_s)
 
     async def close(self) -> None:
         for pool in self.pools:
@@ -255,7 +320,7 @@ class Engine(Recovery):
     # -- validation and placement -----------------------------------------------------------
     def validate(self, request: Request) -> None:
         """Raise InvalidRequestError naming the field and the limit a request breaks."""
-        validate_request(request, self._handles, self.vocab_size, self.max_model_len)
+        validate_request(request, self.requests.handles, self.vocab_size, self.max_model_len)
 
     # -- the step loop ------------------------------------------------------------------------
     async def _run_pool(self, pool: Pool) -> None:
@@ -270,8 +335,9 @@ class Engine(Recovery):
                 # own bookkeeping fails that request alone: `_fail_alone`); its requests
                 # fail rather than the service stopping
                 log.exception("step_failed", worker_id=pool.info.worker_id)
-                for handle in [h for h in self._handles.values() if h.pool is pool]:
-                    self._finish(handle, FinishReason.ABORT, ("INTERNAL", f"step failed: {exc}"))
+                error = ("INTERNAL", f"step failed: {exc}")
+                for handle in [h for h in self.requests if h.pool is pool]:
+                    self.requests.finish(handle, FinishReason.ABORT, error)
                 await asyncio.sleep(0.1)
 
     async def _advance(self, pool: Pool) -> None:
@@ -280,21 +346,21 @@ class Engine(Recovery):
             pool.wakeup.clear()
             if pool.info.role == "decode":
                 self.handoff.pull(pool)
-                self._migrate(pool)  # draining: what is idle here leaves with its KV
+                self.recovery.migrate(pool)  # draining: what is idle here leaves with its KV
             plan = pool.scheduler.schedule()
             for victim in plan.swapped_out:
                 if not victim.restartable:  # its driver starts it over (`Request.restartable`)
-                    self._lose(self._handle_of(victim), "swapped out")
+                    self.requests.lose(self.requests.of(victim), "swapped out")
             for victim in plan.preempted:
                 if victim.restartable:
-                    self._requeue(self._handle_of(victim))
+                    self.requests.requeue(self.requests.of(victim))
                 else:
-                    self._lose(self._handle_of(victim), "preempted")
+                    self.requests.lose(self.requests.of(victim), "preempted")
             if not plan.is_empty:
                 chunks = self._prompt_chunks(pool, plan)  # noted before the send's await
                 step_id = await pool.client.send_step(plan)
                 if tracing_enabled():  # one check per step
-                    note_scheduled(plan, self._handles, pool.info.worker_id, step_id)
+                    note_scheduled(plan, self.requests.handles, pool.info.worker_id, step_id)
                 self._stream_chunks(pool, step_id, chunks)
                 return
         if pool.scheduler.num_steps_in_flight:
@@ -318,7 +384,7 @@ class Engine(Recovery):
             return []
         chunks = []
         for item in plan.scheduled:
-            handle = self._handle_of(item.request)
+            handle = self.requests.of(item.request)
             if handle is not None:
                 chunks.append((handle, handle.moves, item.samples))
         return chunks
@@ -336,7 +402,7 @@ class Engine(Recovery):
                     handle.prompt_step = (pool, step_id)
                 self.handoff.stream(handle, step_id, last=last)
             except Exception as exc:
-                self._fail_alone(handle.request, exc)
+                self.requests.fail_alone(handle.request, exc)
 
     def _apply(self, pool: Pool, result: StepResult) -> None:
         """Route what the pool's scheduler made of a step's result. An unexpected error in
@@ -348,19 +414,19 @@ class Engine(Recovery):
             try:
                 self._route_token(pool, item)
             except Exception as exc:
-                self._fail_alone(item.request, exc)
+                self.requests.fail_alone(item.request, exc)
         for request, exc in update.failed:
-            self._fail_alone(request, exc)
+            self.requests.fail_alone(request, exc)
         for request in update.ready_for_handoff:
             try:
-                self.handoff.enqueue(self._handle_of(request))
+                self.handoff.enqueue(self.requests.of(request))
             except Exception as exc:
-                self._fail_alone(request, exc)
+                self.requests.fail_alone(request, exc)
 
     def _route_token(self, pool: Pool, item) -> None:
         """One sampled token (`item`: a SampledToken) to its request's stream."""
         request = item.request
-        handle = self._handle_of(request)
+        handle = self.requests.of(request)
         handle.events.put_nowait(
             Tokens(
                 request.index,
@@ -374,31 +440,15 @@ class Engine(Recovery):
             handle.pool.wakeup.set()  # preempted meanwhile: it waited for this token
         if item.finish_reason is not None:
             if request.keep_kv:
-                self._park(handle)
+                self.requests.park(handle)
             else:
-                self._finish(handle, item.finish_reason)
-
-    def _park(self, handle: RequestHandle) -> None:
-        """A request that keeps its KV finished (`Request.keep_kv`): parked where it
-        decodes; one that finished in a pool that does not decode hands its KV on to a
-        decode pool first and parks where it arrives (`Recovery.handoff_events`)."""
-        if handle.pool.scheduler.runs_decodes:
-            handle.park()
-            self._emit_finish(handle, handle.request.finish_reason, None, parked=True)
-        else:
-            self.handoff.enqueue(handle)
-
-    def _lose(self, handle: RequestHandle | None, why: str) -> None:
-        """A request that does not start over (`Request.restartable`) lost its KV: it ends
-        with ABORTED, and its driver decides what follows."""
-        if handle is not None:
-            self._finish(handle, FinishReason.ABORT, ("ABORTED", f"its KV was lost: {why}"))
+                self.requests.finish(handle, item.finish_reason)
 
     def fork(self, parent_id: str, child: Request, events) -> RequestHandle:
         """Queue `child` where parked request `parent_id` keeps its KV, sharing its blocks
         (copied on write): the child's computed tokens are the parent's; its events go to
         `events`. Raises KeyError when the parent keeps no KV (released, or lost)."""
-        parent = self._handles.get(parent_id)
+        parent = self.requests.get(parent_id)
         if parent is None or parent.stage is not Stage.PARKED or not parent.pool.healthy:
             raise KeyError(f"request {parent_id!r} keeps no KV")
         pool = parent.pool
@@ -413,120 +463,18 @@ class Engine(Recovery):
         pool.blocks.fork(parent_id, child.request_id)
         stage = Stage.DECODE if pool.info.role == "decode" else Stage.PREFILL
         handle = RequestHandle(request=child, pool=pool, stage=stage, events=events)
-        self._handles[child.request_id] = handle
+        self.requests.add(handle)
         pool.scheduler.add(child, front=True)
         pool.wakeup.set()
         return handle
 
     def count_restart(self) -> None:
         """A driver started a client request over (`restarted_requests` in pool stats)."""
-        self.num_restarted_requests += 1
+        self.recovery.num_restarted_requests += 1
 
     def release_kv(self, request_id: str) -> None:
         """Free what a parked request keeps (nothing if it is not parked)."""
-        handle = self._handles.get(request_id)
-        if handle is not None and handle.stage is Stage.PARKED:
-            self._release(handle)
-            handle.finish()
-            self._handles.pop(request_id, None)
-
-    def _handle_of(self, request: Request) -> RequestHandle | None:
-        """The request's handle while it runs; None once it ended (a handle that now
-        holds the same id belongs to a later request)."""
-        handle = self._handles.get(request.request_id)
-        return handle if handle is not None and handle.request is request else None
-
-    def _fail_alone(self, request: Request, exc: Exception) -> None:
-        """A bug met in one request's bookkeeping: that request ends with INTERNAL; the
-        pool and the other requests go on."""
-        with bind_request(request.request_id, request.trace_id):
-            log.error("request_failed", error=repr(exc), exc_info=exc)
-        handle = self._handle_of(request)
-        if handle is None:
-            return
-        error = ("INTERNAL", f"request failed: {exc!r}")
-        try:
-            self._finish(handle, FinishReason.ABORT, error)
-        except Exception:  # its release failed too: end its stream all the same
-            log.exception("request_release_failed", request_id=request.request_id)
-            if not handle.done:
-                handle.stage = Stage.DONE
-                self._emit_finish(handle, FinishReason.ABORT, error)
-
-    def _requeue(self, handle: RequestHandle) -> None:
-        """A preempted request recomputes from its prompt + tokens so far in a prefill pool."""
-        target = pick_prefill_pool(self.pools, handle.request, allow_draining=True)
-        if target is None:
-            self._finish(handle, FinishReason.ABORT, ("UNAVAILABLE", "no prefill worker left"))
-            return
-        handle.queue_prompt(target)
-        target.scheduler.add(handle.request, front=True)
-        target.wakeup.set()
-
-    # -- finishing ------------------------------------------------------------------------------
-    def _finish(
-        self, handle: RequestHandle, reason: FinishReason, error: tuple[str, str] | None = None
-    ) -> None:
-        """Release whatever the request holds and end its stream."""
-        if handle.done:
-            return
-        self._release(handle)
-        handle.finish()
-        self._emit_finish(handle, reason, error)
-
-    def _release(self, handle: RequestHandle) -> None:
-        """Free what the request holds wherever it is (queues, blocks, a transfer in
-        flight); it is left RECOVERING, holding nothing."""
-        request, stage = handle.request, handle.stage
-        handle.hold_nothing()
-        if stage in (Stage.PREFILL, Stage.DECODE):
-            if handle.transfer is not None:  # streamed while its prompt ran
-                self.handoff.cancel(handle, free_source=False)
-            handle.pool.scheduler.release(request)
-            handle.pool.wakeup.set()
-        elif stage is Stage.HANDOFF:
-            self.handoff.remove(handle)
-            handle.pool.blocks.free(request.request_id)
-            handle.pool.wakeup.set()
-        elif stage is Stage.TRANSFER:
-            self.handoff.cancel(handle)  # both sides freed now (the pools are woken)
-        elif stage is Stage.PARKED:
-            handle.pool.blocks.free(request.request_id)
-            handle.pool.wakeup.set()
-
-    def _emit_finish(
-        self,
-        handle: RequestHandle,
-        reason: FinishReason,
-        error: tuple[str, str] | None,
-        parked: bool = False,
-    ) -> None:
-        """The request's Finished event (its handle kept while it is `parked`)."""
-        request = handle.request
-        if request.finish_reason is None:
-            request.finish_reason = reason
-        if not parked:
-            self._handles.pop(request.request_id, None)
-        handle.events.put_nowait(
-            Finished(
-                index=request.index,
-                reason=request.finish_reason,
-                prompt_tokens=len(request.prompt_token_ids),
-                completion_tokens=len(request.output_token_ids),
-                cached_tokens=max(0, request.num_cached_tokens),
-                error=error,
-                num_draft_tokens=request.num_draft_tokens,
-                num_accepted_tokens=request.num_accepted_tokens,
-            )
-        )
-        if not request.counted:  # a part of a client request: its driver ends that
-            return
-        if handle.trace is not None:
-            handle.trace.sample_finished(request, error)
-        now = time.monotonic()
-        if self.on_finish is not None:
-            self.on_finish(request, now)
-        log_finished(request, error, now)
+        self.requests.release_kv(request_id)
 
     def _spawn(self, coro, name: str) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro, name=name)

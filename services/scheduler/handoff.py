@@ -156,7 +156,7 @@ class KvHandoff:
         rid = handle.request.request_id
         if free_source:
             transfer.src.blocks.free(rid)
-        transfer.dst.scheduler.cancel_transfer(transfer.tag, rid)
+        transfer.dst.scheduler.receives.cancel(transfer.tag, rid)
         transfer.src.wakeup.set()
         transfer.dst.wakeup.set()
 

@@ -102,7 +102,7 @@ class Pool:
         receiving = self.receiving
         while not receiving.done():
             room = self.scheduler.num_steps_in_flight < max_steps_in_flight
-            if room and self.scheduler.has_pending_cancels:
+            if room and self.scheduler.receives.pending:
                 return None  # (without room the plan after this result carries them)
             self.wakeup.clear()  # a plan follows the result anyway
             woken = asyncio.ensure_future(self.wakeup.wait())

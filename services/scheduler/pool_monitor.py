@@ -10,7 +10,7 @@ Every `interval_s` the worker's grpc.health.v1 status is read (with `timeout_s`)
 A dead Step stream fails the worker at once, without waiting for the monitor.
 
 The monitor says what it saw (`watch` yields `WorkerFailed`, `DrainingChanged`, `WorkerBack`);
-the engine acts on it (`Recovery.watch_pool`), and the watch goes on once it has.
+the engine acts on it (`Engine._watch_pool`), and the watch goes on once it has.
 """
 
 from __future__ import annotations

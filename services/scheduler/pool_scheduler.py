@@ -18,7 +18,8 @@ Each step:
 
 `num_computed_tokens` advances when a step is planned; full blocks whose tokens are known
 are then offered to the prefix cache. A draining decode pool can hand its requests to
-another decode pool with their KV (`pool_migration.py`). Pure Python.
+another decode pool with their KV (`take_migrations`). Which requests the worker's batch
+holds is `worker_batch.py`'s. Pure Python.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from collections import deque
 
 from common.step_result import StepResult
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.cancelled_receives import CancelledReceives
 from services.scheduler.lookahead import Lookahead, SpecDecodeCounters
-from services.scheduler.pool_migration import Migration
 from services.scheduler.request import Request
 from services.scheduler.spec_goodput import (
     DraftCost,
@@ -41,11 +42,12 @@ from services.scheduler.spec_goodput import (
     worth,
 )
 from services.scheduler.step_plan import Placed, PoolStepPlan, SampledToken, StepUpdate, scheduled
+from services.scheduler.worker_batch import WorkerBatch
 
 PREEMPTION_MODES = ("recompute", "swap")
 
 
-class PoolScheduler(Migration):
+class PoolScheduler:
     """Waiting, running and swapped queues of one worker, and its block managers."""
 
     def __init__(
@@ -76,20 +78,14 @@ class PoolScheduler(Migration):
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
-        self._on_worker: set[str] = set()
-        self._pending_drops: list[str] = []
-        # Receives given up on: their tags go out with the next step; until then the
-        # blocks they were writing into stay held under a key of their own.
-        self._pending_cancels: list[int] = []
-        self._held_for_cancels: list[str] = []
+        self.batch = WorkerBatch()
+        self.receives = CancelledReceives(blocks)  # given up: their tags go with a plan
         # Per step sent and not yet answered, oldest first: its number, the requests it
         # computes, their proposal slots (those with any), and the tokens it computes.
         self._in_flight: deque[tuple[int, dict[str, Request], dict[str, int], int]] = deque()
         self._num_planned = 0
-        # Draining: requests leave with their KV (pool_migration.py); those that left
-        # stay in the worker's batch until their blocks here are freed.
+        # Draining: requests leave with their KV (`take_migrations`).
         self.migrating = False
-        self._leaving: dict[str, Request] = {}
         # Prefix cache, in tokens (vLLM's): the tokens of requests that looked it up on
         # admission, and the tokens found there.
         self.num_prefix_query_tokens = 0
@@ -106,8 +102,7 @@ class PoolScheduler(Migration):
     # -- queue changes -------------------------------------------------------------------
     def add(self, request: Request, front: bool = False) -> None:
         """Queue a request; its blocks here (if any) must already cover num_computed_tokens."""
-        if request.request_id in self._leaving:  # left, and back before it was dropped
-            self._drop_from_worker(self._leaving.pop(request.request_id))
+        self.batch.come_back(request.request_id)  # left, and back before it was dropped
         if front:
             self.waiting.appendleft(request)
         else:
@@ -119,7 +114,7 @@ class PoolScheduler(Migration):
             if request in queue:
                 queue.remove(request)
                 break
-        self._drop_from_worker(request)
+        self.batch.drop(request.request_id)
 
     def release(self, request: Request) -> int:
         """Detach the request and free its blocks (and swap space); returns blocks freed."""
@@ -128,34 +123,35 @@ class PoolScheduler(Migration):
             self.swap_blocks.free(request.request_id)
         return self.blocks.free(request.request_id)
 
-    def cancel_transfer(self, tag: int, request_id: str) -> None:
-        """Give up a KV receive into this pool. The worker learns the tag with the next
-        step; until that step is planned the request's blocks here stay allocated (under a
-        key of their own), so a receive still under way on the worker cannot write into
-        blocks already handed to another request's receive."""
-        if self.blocks.has(request_id):
-            key = f"\0cancelled-transfer-{tag:x}"
-            self.blocks.fork(request_id, key)
-            self.blocks.free(request_id)
-            self._held_for_cancels.append(key)
-        self._pending_cancels.append(tag)
+    # -- draining with KV ------------------------------------------------------------------
+    def take_migrations(self) -> list[Request]:
+        """While `migrating` (set by the engine on a draining decode pool while another
+        decode pool accepts; `schedule()` then plans only swap-ins, so the steps in flight
+        run out): take out every running or waiting request that holds KV here and that no
+        step in flight computes for, oldest first. Each keeps its blocks (the hand-off frees
+        them once its KV has moved) and goes on elsewhere with nothing recomputed."""
+        if not self.migrating:
+            return []
+        busy = {rid for _, step, _, _ in self._in_flight for rid in step}
+        ready = [
+            r
+            for r in (*self.running, *self.waiting)
+            if r.request_id not in busy
+            and not r.num_pending_tokens
+            and r.num_computed_tokens
+            and not r.is_finished
+        ]
+        for request in ready:
+            (self.running if request in self.running else self.waiting).remove(request)
+            self.batch.leave(request.request_id)
+        self.num_migrations_out += len(ready)
+        return ready
 
-    @property
-    def has_pending_cancels(self) -> bool:
-        """Cancelled receives whose tags the next plan must carry."""
-        return bool(self._pending_cancels)
-
-    def forget_cancelled_transfers(self) -> None:
-        """The worker is gone (a new step stream, which drops every receive, comes before
-        any reuse): free the blocks held for cancelled receives now."""
-        self._take_cancels()
-
-    def _take_cancels(self) -> list[int]:
-        """Free the blocks held for cancelled receives; the tags not yet sent."""
-        for key in self._held_for_cancels:
-            self.blocks.free(key)
-        tags, self._held_for_cancels, self._pending_cancels = self._pending_cancels, [], []
-        return tags
+    def take_back(self, request: Request) -> None:
+        """A move that has not started is called off: the request (still holding its
+        blocks here, and still in the worker's batch if it ran here) waits here again."""
+        self.batch.stay(request.request_id)
+        self.waiting.appendleft(request)
 
     # -- introspection ---------------------------------------------------------------------
     def schedulable_tokens(self, request: Request) -> int:
@@ -189,8 +185,8 @@ class PoolScheduler(Migration):
     def schedule(self) -> PoolStepPlan:
         plan = PoolStepPlan()
         # This step tells the worker; blocks it allocates are written only after that.
-        plan.cancelled_transfer_tags = self._take_cancels()
-        self._drop_departed()
+        plan.cancelled_transfer_tags = self.receives.take()
+        self.batch.drop_departed(self.blocks.has)
         if self.migrating:  # nothing new runs; swapped requests come back to leave with KV
             self._swap_in(plan, self.max_num_batched_tokens)
         else:
@@ -198,7 +194,7 @@ class PoolScheduler(Migration):
             if not (plan.preempted or plan.swapped_out):  # memory is short: admit nobody now
                 budget = self._swap_in(plan, budget)
                 self._admit_waiting(plan, budget)
-        plan.dropped_request_ids, self._pending_drops = self._pending_drops, []
+        plan.dropped_request_ids = self.batch.take_drops()
         if not plan.is_empty:  # the caller sends every plan that is not empty
             self._num_planned += 1
             slots = {s.request.request_id: s.num_lookahead_tokens for s in plan.scheduled}
@@ -490,7 +486,7 @@ class PoolScheduler(Migration):
         lookahead: int = 0,
     ) -> None:
         rid = request.request_id
-        is_new = rid not in self._on_worker
+        is_new = not self.batch.has(rid)
         ahead = request.num_lookahead_in_flight  # slots its steps in flight may fill
         added, copies = self.blocks.allocate(
             rid, start + ahead + num_new + lookahead, start, hits or (), next_position=start
@@ -505,7 +501,7 @@ class PoolScheduler(Migration):
         samples = request.num_computed_tokens == request.num_tokens
         if samples:
             request.num_pending_tokens += 1  # this step samples the next token
-        self._on_worker.add(rid)
+        self.batch.join(rid)
         request.update_block_hashes(self.blocks.block_size)
         self.blocks.cache_full_blocks(
             rid, request.block_hashes, request.all_token_ids, request.num_computed_tokens
@@ -517,7 +513,7 @@ class PoolScheduler(Migration):
     def _preempt(self, victim: Request, plan: PoolStepPlan) -> None:
         self.num_preemptions += 1
         victim.num_preemptions += 1
-        self._drop_from_worker(victim)
+        self.batch.drop(victim.request_id)
         computed = victim.num_computed_tokens
         if self._try_swap_out(victim, computed, plan):
             return
@@ -542,8 +538,3 @@ class PoolScheduler(Migration):
         plan.swapped_out.append(victim)
         self.num_swap_outs += 1
         return True
-
-    def _drop_from_worker(self, request: Request) -> None:
-        if request.request_id in self._on_worker:
-            self._on_worker.discard(request.request_id)
-            self._pending_drops.append(request.request_id)

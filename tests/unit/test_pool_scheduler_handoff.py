@@ -17,7 +17,7 @@ from tests.unit.test_pool_scheduler import (
 def test_blocks_of_a_cancelled_receive_are_held_until_a_step_carries_its_tag():
     s = sched(num_blocks=4, block_size=4)
     s.blocks.allocate("moving", 12)  # a receive into three blocks, then given up
-    s.cancel_transfer(0xAB, "moving")
+    s.receives.cancel(0xAB, "moving")
     assert not s.blocks.has("moving") and s.blocks.num_free_blocks == 1  # still held
     plan = s.schedule()  # nothing runs, yet the tag must reach the worker
     assert not plan.is_empty and plan.cancelled_transfer_tags == [0xAB]
@@ -29,8 +29,8 @@ def test_blocks_of_a_cancelled_receive_are_held_until_a_step_carries_its_tag():
 def test_a_lost_worker_frees_blocks_held_for_cancelled_receives_at_once():
     s = sched(num_blocks=4, block_size=4)
     s.blocks.allocate("moving", 8)
-    s.cancel_transfer(7, "moving")
-    s.forget_cancelled_transfers()
+    s.receives.cancel(7, "moving")
+    s.receives.take()
     assert s.blocks.num_free_blocks == 4 and s.schedule().is_empty
 
 
