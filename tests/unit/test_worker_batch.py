@@ -1,45 +1,67 @@
-"""WorkerBatch: which requests the worker's persistent batch holds, and what the next
-plan drops from it (a request that left with its KV stays until its blocks are freed)."""
+"""The worker's persistent batch: full data once, deltas after, plans checked."""
 
-from services.scheduler.worker_batch import WorkerBatch
+import pytest
 
-
-def test_a_member_that_leaves_the_pool_is_dropped_once_with_the_next_plan():
-    batch = WorkerBatch()
-    batch.join("a")
-    batch.join("b")
-    batch.drop("a")
-    batch.drop("a")  # twice: still one drop
-    batch.drop("never-joined")
-    assert batch.take_drops() == ["a"] and batch.take_drops() == []
-    assert not batch.has("a") and batch.has("b")
+from common.sampling import SamplingParams
+from common.step_plan import CachedRequestData, NewRequestData
+from services.worker.batch import PersistentBatch, PlanError
 
 
-def test_a_request_that_left_with_its_kv_stays_until_its_blocks_are_freed_oldest_first():
-    batch = WorkerBatch()
-    for rid in ("a", "b", "c"):
-        batch.join(rid)
-    batch.leave("b")
-    batch.leave("a")
-    batch.leave("not-on-the-worker")  # never ran here: nothing to keep
-    held = {"a", "b"}
-    batch.drop_departed(held.__contains__)
-    assert batch.take_drops() == []  # both still hold blocks here
-    held.clear()
-    batch.drop_departed(held.__contains__)
-    assert batch.take_drops() == ["b", "a"]
-    assert batch.has("c") and not batch.has("a")
+def new(rid="a", tokens=(1, 2, 3, 4, 5), blocks=(3, 1), computed=0, scheduled=5):
+    return NewRequestData(rid, list(tokens), list(blocks), computed, scheduled, SamplingParams())
 
 
-def test_a_move_called_off_keeps_the_request_and_one_back_early_is_dropped_to_rejoin():
-    batch = WorkerBatch()
-    batch.join("stays")
-    batch.join("returns")
-    batch.leave("stays")
-    batch.stay("stays")  # the drain ended before a decode pool pulled it
-    batch.drop_departed(lambda rid: False)
-    assert batch.take_drops() == [] and batch.has("stays")
-    batch.leave("returns")
-    batch.come_back("returns")  # queued here again: its old entry goes
-    batch.come_back("stays")  # never left: nothing to drop
-    assert batch.take_drops() == ["returns"] and not batch.has("returns")
+def test_new_request_then_deltas_advance_and_append_sampled_tokens():
+    batch = PersistentBatch(block_size=4, num_blocks=8, vocab_size=100)
+    (work,) = batch.apply([], [new()], [])
+    assert work.samples and work.num_new_tokens == 5
+    batch.complete([work], {"a": 42})
+    request = batch.requests["a"]
+    assert request.token_ids == [1, 2, 3, 4, 5, 42] and request.num_computed_tokens == 5
+    (work,) = batch.apply([], [], [CachedRequestData("a", [6], 1)])
+    assert request.block_ids == [3, 1, 6]
+    assert work.samples
+    batch.complete([work], {"a": 43})
+    assert request.num_computed_tokens == 6
+
+
+def test_partial_chunk_does_not_sample():
+    batch = PersistentBatch(block_size=4, num_blocks=8, vocab_size=100)
+    (work,) = batch.apply([], [new(scheduled=3)], [])
+    assert not work.samples
+
+
+def test_finished_ids_are_dropped_before_new_requests_are_added():
+    batch = PersistentBatch(block_size=4, num_blocks=8, vocab_size=100)
+    batch.apply([], [new()], [])
+    batch.apply(["a"], [new()], [])  # same id re-sent after a drop: accepted
+    assert len(batch) == 1
+    batch.apply(["a"], [], [])
+    assert len(batch) == 0
+
+
+@pytest.mark.parametrize(
+    "plan, message",
+    [
+        (lambda b: b.apply([], [new(), new()], []), "already in the batch"),
+        (lambda b: b.apply([], [], [CachedRequestData("zz", [], 1)]), "not in the batch"),
+        (lambda b: b.apply([], [new(blocks=(3,))], []), "cannot hold"),
+        (lambda b: b.apply([], [new(blocks=(3, 99))], []), "outside the pool"),
+        (lambda b: b.apply([], [new(scheduled=6)], []), "cannot compute"),
+        (lambda b: b.apply([], [new(scheduled=0)], []), "cannot compute"),
+        (lambda b: b.apply([], [new(tokens=(1, 2, 3, 4, 100))], []), "outside the vocab"),
+    ],
+)
+def test_plans_that_do_not_fit_are_rejected(plan, message):
+    batch = PersistentBatch(block_size=4, num_blocks=8, vocab_size=100)
+    with pytest.raises(PlanError, match=message):
+        plan(batch)
+
+
+def test_num_prompt_tokens_defaults_to_every_known_token():
+    batch = PersistentBatch(block_size=4, num_blocks=8, vocab_size=100)
+    batch.apply([], [new("a")], [])
+    resumed = NewRequestData("b", [1, 2, 3, 4, 5, 6], [4, 5], 0, 6, SamplingParams(), 4)
+    batch.apply([], [resumed], [])
+    assert batch.requests["a"].num_prompt_tokens == 5  # a plan that does not say: all prompt
+    assert batch.requests["b"].num_prompt_tokens == 4  # prompt + 2 outputs (recompute)
