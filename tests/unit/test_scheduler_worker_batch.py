@@ -1,5 +1,5 @@
-"""The scheduler's WorkerBatch: which requests the worker's persistent batch holds, and what the next
-plan drops from it (a request that left with its KV stays until its blocks are freed)."""
+"""The scheduler's WorkerBatch: which requests the worker's persistent batch holds, and
+what the next plan drops (a request that left with its KV stays until its blocks are freed)."""
 
 from services.scheduler.worker_batch import WorkerBatch
 
