@@ -48,14 +48,19 @@ class CachedRequestData:
 
 @dataclass(frozen=True)
 class BlockMoves:
-    """Whole-block copies a step makes before its forward pass, in field order."""
+    """Whole-block copies a step makes before its forward pass, in field order, and the
+    offload tier's saves after it."""
 
     swap_out: Sequence[tuple[int, int]] = ()  # (device block, swap block)
     swap_in: Sequence[tuple[int, int]] = ()  # (swap block, device block)
+    offload_in: Sequence[tuple[int, int]] = ()  # (offload block, device block)
     copies: Sequence[tuple[int, int]] = ()  # (shared device block, fresh device block)
+    offload_out: Sequence[tuple[int, int]] = ()  # after the forward: (device, offload block)
 
     def __bool__(self) -> bool:
-        return bool(self.swap_out or self.swap_in or self.copies)
+        return bool(
+            self.swap_out or self.swap_in or self.offload_in or self.copies or self.offload_out
+        )
 
 
 @dataclass(frozen=True)

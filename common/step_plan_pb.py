@@ -25,6 +25,8 @@ def plan_to_pb(plan: StepPlan) -> worker_pb2.StepRequest:
         swap_out=_copies(plan.moves.swap_out),
         swap_in=_copies(plan.moves.swap_in),
         block_copies=_copies(plan.moves.copies),
+        offload_in=_copies(plan.moves.offload_in),
+        offload_out=_copies(plan.moves.offload_out),
     )
     for r in plan.new:
         new = message.new_requests.add(
@@ -87,6 +89,8 @@ def plan_from_pb(plan: worker_pb2.StepRequest) -> StepPlan:
             swap_out=_pairs(plan.swap_out),
             swap_in=_pairs(plan.swap_in),
             copies=_pairs(plan.block_copies),
+            offload_in=_pairs(plan.offload_in),
+            offload_out=_pairs(plan.offload_out),
         ),
         cancelled_transfer_tags=list(plan.cancelled_transfer_tags),
     )

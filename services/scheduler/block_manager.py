@@ -183,20 +183,24 @@ class BlockManager:
         block_hashes: Sequence[BlockHash],
         token_ids: Sequence[int],
         num_computed_tokens: int,
-    ) -> None:
-        """Offer the request's blocks that are full and computed to the prefix cache."""
+    ) -> list[tuple[int, Hashable, Sequence[int]]]:
+        """Offer the request's blocks that are full and computed to the prefix cache;
+        returns those it took, as (block, key, tokens)."""
         table = self._tables.get(request_id)
         if table is None or not self.pool.enable_caching:
-            return
+            return []
         bs, n = self.block_size, self.num_groups
         end = min(len(block_hashes), num_computed_tokens // bs, len(table) // n)
+        taken = []
         for index in range(self._num_cached.get(request_id, 0), end):
             tokens = token_ids[index * bs : (index + 1) * bs]
             for group in range(n):
                 block = table[index * n + group]
-                if not self.is_null(block):
-                    self.pool.cache(block, self._key(block_hashes[index], group), tokens)
+                key = self._key(block_hashes[index], group)
+                if not self.is_null(block) and self.pool.cache(block, key, tokens):
+                    taken.append((block, key, tokens))
         self._num_cached[request_id] = max(self._num_cached.get(request_id, 0), end)
+        return taken
 
     # -- allocation --------------------------------------------------------------------------
     def _shared_in_range(self, request_id: str, start: int, end: int) -> list[int]:

@@ -15,6 +15,7 @@ from common.log import get_logger
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import Engine, Resilience
+from services.scheduler.kv_offload import HostOffload
 from services.scheduler.lookahead import Lookahead
 from services.scheduler.lora_registry import LoraRegistry
 from services.scheduler.pool import Pool
@@ -132,6 +133,11 @@ def pool_scheduler(config: SchedulerConfig, info: WorkerInfo) -> PoolScheduler:
         preemption_mode=config.preemption_mode,
         swap_blocks=swap,
         max_loras=info.max_loras,
+        offload=(
+            HostOffload(info.num_offload_cpu_blocks, info.block_size)
+            if info.num_offload_cpu_blocks and config.enable_prefix_caching
+            else None
+        ),
         lookahead=(
             None
             if info.speculative is None or info.role == "prefill"

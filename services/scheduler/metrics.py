@@ -83,6 +83,15 @@ def pool_families(engine, model_name: str) -> Iterable[Metric]:
     drafts = _pool_family(c, "spec_decode_num_drafts", "request-steps that verified proposals")
     draft_tokens = _pool_family(c, "spec_decode_num_draft_tokens", "proposed tokens")
     accepted = _pool_family(c, "spec_decode_num_accepted_tokens", "accepted proposed tokens")
+    ext_queries = _pool_family(
+        c, "external_prefix_cache_queries", "prompt tokens that looked up the KV offload tier"
+    )
+    ext_hits = _pool_family(
+        c, "external_prefix_cache_hits", "prompt tokens loaded from the KV offload tier"
+    )
+    saved = _pool_family(c, "kv_offload_saved_blocks", "KV blocks saved to the offload tier")
+    loaded = _pool_family(c, "kv_offload_loaded_blocks", "KV blocks loaded from the offload tier")
+    held = _pool_family(g, "kv_offload_cached_blocks", "offload tier blocks holding a KV block")
     for pool in engine.pools:
         labels = [model_name, pool.info.worker_id, pool.info.role]
         s, kv = pool.scheduler, pool.blocks
@@ -104,8 +113,16 @@ def pool_families(engine, model_name: str) -> Iterable[Metric]:
         drafts.add_metric(labels, s.spec_decode.num_steps)
         draft_tokens.add_metric(labels, s.spec_decode.num_draft_tokens)
         accepted.add_metric(labels, s.spec_decode.num_accepted_tokens)
+        if s.offload is not None:
+            tier = s.offload
+            ext_queries.add_metric(labels, tier.num_query_tokens)
+            ext_hits.add_metric(labels, tier.num_hit_tokens)
+            saved.add_metric(labels, tier.num_saved_blocks)
+            loaded.add_metric(labels, tier.num_loaded_blocks)
+            held.add_metric(labels, tier.num_cached_blocks)
     yield from (running, waiting, swapped, usage, blocks, healthy, queries, hits, preemptions)
     yield from (prompt_computed, transfers, blocks_received, drafts, draft_tokens, accepted)
+    yield from (ext_queries, ext_hits, saved, loaded, held)
     yield from engine_families(engine, model_name)
 
 

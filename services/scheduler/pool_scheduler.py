@@ -30,17 +30,10 @@ from collections import deque
 from common.step_result import StepResult
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.cancelled_receives import CancelledReceives
+from services.scheduler.kv_offload import HostOffload
 from services.scheduler.lookahead import Lookahead, SpecDecodeCounters
 from services.scheduler.request import Request
-from services.scheduler.spec_goodput import (
-    DraftCost,
-    StepCost,
-    acceptance,
-    draft_passes,
-    pool_acceptance,
-    probe_draft,
-    worth,
-)
+from services.scheduler.spec_goodput import DraftCost, StepCost, probe_draft, slot_bar, worth
 from services.scheduler.step_plan import Placed, PoolStepPlan, SampledToken, StepUpdate, scheduled
 from services.scheduler.worker_batch import WorkerBatch
 
@@ -61,10 +54,13 @@ class PoolScheduler:
         swap_blocks: BlockManager | None = None,
         lookahead: Lookahead | None = None,
         max_loras: int = 0,
+        offload: HostOffload | None = None,
     ) -> None:
         """Settings come checked (SchedulerConfig; swap space by bootstrap.pool_scheduler).
         `lookahead`: the worker verifies proposals (speculative decoding). `max_loras`:
-        distinct LoRA adapters the running requests may use at once (0: no limit)."""
+        distinct LoRA adapters the running requests may use at once (0: no limit).
+        `offload`: the worker's host-memory offload tier (kv_offload.py)."""
+        self.offload = offload
         self.lookahead = lookahead
         self.step_cost = StepCost()  # what a row costs a step here (spec_goodput.py)
         self.draft_cost = DraftCost()  # and a draft model's pass
@@ -175,6 +171,8 @@ class PoolScheduler:
 
     def check_integrity(self) -> None:
         self.blocks.check_integrity()
+        if self.offload is not None:
+            self.offload.check_integrity()
         if self.swap_blocks is not None:
             self.swap_blocks.check_integrity()
         ids = [r.request_id for q in (self.running, self.waiting, self.swapped) for r in q]
@@ -310,7 +308,9 @@ class PoolScheduler:
         later_decodes = sum(1 for r in self.running if self.schedulable_tokens(r) == 1)
         policy = self.lookahead is not None and self.lookahead.goodput
         if policy:
-            bar, pool_rate, passes = self._slot_bar()
+            bar, pool_rate, passes = slot_bar(
+                self.spec_decode, self.running, self.lookahead, self.step_cost, self.draft_cost
+            )
         else:  # every slot the lookahead allows
             bar, pool_rate = 0.0, 0.0
             passes = self.lookahead.num_speculative_tokens if self.lookahead else 0
@@ -361,18 +361,6 @@ class PoolScheduler:
             self._commit(plan, request, num_new, start, lookahead=lookahead)
         return budget
 
-    def _slot_bar(self) -> tuple[float, float, int]:
-        """What a proposal slot must bring in this step (spec_goodput.py), the pool's
-        acceptance rate, and the slots a request may get (a draft model's passes)."""
-        counts = self.spec_decode
-        pool_rate = pool_acceptance(counts.num_draft_tokens, counts.num_accepted_tokens)
-        alphas = [acceptance(r, pool_rate) for r in self.running]
-        k = self.lookahead.num_speculative_tokens
-        rows = len(self.running)
-        bar = self.step_cost.bar(rows, alphas, k)
-        line, per_pass = self.step_cost.line(), self.draft_cost.seconds_per_pass
-        return bar, pool_rate, draft_passes(line, per_pass, rows, alphas, bar, k)
-
     def _swap_in(self, plan: PoolStepPlan, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.swapped[0]
@@ -412,7 +400,16 @@ class PoolScheduler:
                 skipped.append(request)  # its grammar is compiling (grammar_gate)
                 continue
             hits = self._prefix_hits(request)
-            start = self.blocks.tokens_in(len(hits)) if hits else request.num_computed_tokens
+            loads = (
+                self.offload.hits_for(request, len(hits))
+                if self.offload and not self.blocks.has(request.request_id)
+                else []
+            )
+            start = (
+                self.blocks.tokens_in(len(hits) + len(loads))
+                if hits or loads
+                else request.num_computed_tokens
+            )
             num_new = min(request.num_tokens - start, budget)
             if num_new <= 0:
                 raise ValueError(f"request {request.request_id} queued with nothing to compute")
@@ -429,14 +426,20 @@ class PoolScheduler:
                 self._preempt(victim, plan)
                 continue
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = start if hits else 0
+                request.num_cached_tokens = start if hits or loads else 0
                 if request.first_scheduled_time is None:
                     request.first_scheduled_time = time.monotonic()
                 self.num_prefix_query_tokens += request.num_tokens
-                self.num_prefix_hit_tokens += request.num_cached_tokens
+                self.num_prefix_hit_tokens += self.blocks.tokens_in(len(hits))  # device
+                if self.offload is not None:
+                    self.offload.num_query_tokens += request.num_tokens
             self.running.append(request)
             budget -= num_new
             self._commit(plan, request, num_new, start, hits)
+            if loads:  # into the fresh blocks after the hits, before the forward pass
+                table = self.blocks.table(request.request_id)
+                plan.offload_in.extend(zip(loads, table[len(hits) :], strict=False))
+                self.offload.loaded(len(loads))
         self.waiting.extendleft(reversed(skipped))
 
     def _lora_fits(self, request: Request) -> bool:
@@ -503,9 +506,11 @@ class PoolScheduler:
             request.num_pending_tokens += 1  # this step samples the next token
         self.batch.join(rid)
         request.update_block_hashes(self.blocks.block_size)
-        self.blocks.cache_full_blocks(
+        cached = self.blocks.cache_full_blocks(
             rid, request.block_hashes, request.all_token_ids, request.num_computed_tokens
         )
+        if self.offload is not None and cached:  # saved after this step's forward pass
+            plan.offload_out.extend(self.offload.saves(cached))
         table = self.blocks.table(rid) if is_new or replaced else []  # else not sent
         placed = Placed(table, added, is_new, bool(replaced))
         plan.scheduled.append(scheduled(request, placed, start, num_new, lookahead, samples))

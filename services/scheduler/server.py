@@ -212,6 +212,20 @@ def pool_stats(pool: Pool) -> scheduler_pb2.PoolStats:
         spec_decode_num_steps=pool.scheduler.spec_decode.num_steps,
         spec_decode_num_draft_tokens=pool.scheduler.spec_decode.num_draft_tokens,
         spec_decode_num_accepted_tokens=pool.scheduler.spec_decode.num_accepted_tokens,
+        **offload_stats(pool.scheduler.offload),
+    )
+
+
+def offload_stats(offload) -> dict[str, int]:
+    """The offload tier's PoolStats fields (zeros without one)."""
+    if offload is None:
+        return {}
+    return dict(
+        num_offload_cpu_blocks=offload.num_blocks,
+        num_offload_cpu_cached_blocks=offload.num_cached_blocks,
+        offload_saved_blocks=offload.num_saved_blocks,
+        offload_loaded_blocks=offload.num_loaded_blocks,
+        offload_hit_tokens=offload.num_hit_tokens,
     )
 
 

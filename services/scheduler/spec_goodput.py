@@ -197,3 +197,16 @@ def probe_draft(steps_planned: int) -> bool:
     """Whether a pool whose draft model gets no pass probes it in this step (one request,
     one slot: the pool's acceptance keeps being measured)."""
     return steps_planned % PROBE_PERIOD == 0
+
+
+def slot_bar(counts, running, lookahead, step_cost: StepCost, draft_cost: DraftCost):
+    """What a proposal slot must bring in a pool's next step, the pool's acceptance rate,
+    and the slots a request may get (a draft model's passes): (bar, rate, passes).
+    `counts`: the pool's SpecDecodeCounters; `running`: its running requests."""
+    pool_rate = pool_acceptance(counts.num_draft_tokens, counts.num_accepted_tokens)
+    alphas = [acceptance(r, pool_rate) for r in running]
+    k = lookahead.num_speculative_tokens
+    rows = len(running)
+    bar = step_cost.bar(rows, alphas, k)
+    line, per_pass = step_cost.line(), draft_cost.seconds_per_pass
+    return bar, pool_rate, draft_passes(line, per_pass, rows, alphas, bar, k)

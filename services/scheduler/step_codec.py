@@ -43,6 +43,7 @@ def worker_info_from_pb(address: str, d: worker_pb2.DescribeWorkerResponse) -> W
         block_bytes=d.kv_cache.block_bytes,
         ucx_address=d.ucx_address,
         num_swap_blocks=d.kv_cache.num_swap_blocks,
+        num_offload_cpu_blocks=d.kv_cache.num_offload_cpu_blocks,
         shared_memory=(
             shared_memory_from_pb(d.kv_shared_memory) if d.HasField("kv_shared_memory") else None
         ),

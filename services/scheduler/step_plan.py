@@ -116,7 +116,10 @@ class PoolStepPlan:
     # Block copies the worker runs before the forward pass, in this order:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, swap) blocks
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (swap, device) blocks
+    offload_in: list[tuple[int, int]] = field(default_factory=list)  # (offload, device)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write
+    # After the forward pass: full blocks saved to the offload tier (device, offload).
+    offload_out: list[tuple[int, int]] = field(default_factory=list)
     # Tags of KV receives given up on: from this step on none may write into the pool.
     cancelled_transfer_tags: list[int] = field(default_factory=list)
 
@@ -131,7 +134,13 @@ class PoolStepPlan:
             finished_ids=self.dropped_request_ids,
             new=[s.work for s in self.scheduled if s.is_new],
             cached=[s.work for s in self.scheduled if not s.is_new],
-            moves=BlockMoves(self.swap_out, self.swap_in, self.block_copies),
+            moves=BlockMoves(
+                swap_out=self.swap_out,
+                swap_in=self.swap_in,
+                offload_in=self.offload_in,
+                copies=self.block_copies,
+                offload_out=self.offload_out,
+            ),
             cancelled_transfer_tags=self.cancelled_transfer_tags,
         )
 

@@ -108,6 +108,7 @@ class WorkerInfo:
     pipeline_parallel_size: int = 1
     rank_ucx_addresses: tuple[bytes, ...] = ()  # ranks 1.. (ucx_address is rank 0's)
     max_loras: int = 0  # distinct LoRA adapters per step (0: LoRA off)
+    num_offload_cpu_blocks: int = 0  # the host-memory KV offload tier
 
     def can_pull_from(self, source: WorkerInfo) -> bool:
         """This worker can copy KV straight out of `source`'s pool (same host)."""

@@ -114,6 +114,12 @@ class WorkerConfig(ServiceConfig):
         "CPU memory for swap preemption (0 = none); untouched until the scheduler swaps",
         env="TANDEM_SWAP_SPACE",
     )
+    kv_offload_cpu_bytes: str = setting(
+        "0",
+        "host memory for the KV offload tier (0 = none): full blocks are saved there and a "
+        "prefix the pool evicted is loaded back instead of recomputed",
+        env="TANDEM_KV_OFFLOAD_CPU_BYTES",
+    )
     gpu_memory_utilization: float = setting(
         0.9, "fraction of GPU memory for weights and KV", env="TANDEM_GPU_MEMORY_UTILIZATION"
     )
@@ -274,6 +280,14 @@ class WorkerConfig(ServiceConfig):
         self._at_least(0, "num_blocks", "max_model_len", "torch_threads")
         self._require(self._size("kv_cache_memory") > 0, "kv_cache_memory", "must be positive")
         self._require(self._size("swap_space") >= 0, "swap_space", "must be >= 0")
+        self._require(
+            self._size("kv_offload_cpu_bytes") >= 0, "kv_offload_cpu_bytes", "must be >= 0"
+        )
+        self._require(
+            not self._size("kv_offload_cpu_bytes") or self.role != "decode",
+            "kv_offload_cpu_bytes",
+            "is not supported on a decode worker yet (prefill and both workers offload)",
+        )
         self._require(
             0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]"
         )

@@ -129,6 +129,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 block_bytes=worker.model_block_bytes,
                 layout=KV_LAYOUT,
                 num_swap_blocks=0 if worker.swap_cache is None else worker.swap_cache.num_blocks,
+                num_offload_cpu_blocks=(
+                    0 if worker.offload_cache is None else worker.offload_cache.num_blocks
+                ),
             ),
             ucx_address=worker.transport.address,
             num_active_requests=len(worker.batch),

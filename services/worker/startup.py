@@ -61,6 +61,7 @@ class LoadedWorker:
     draft_cache: KvCache | None = None
     lora: LoraManager | None = None  # --enable-lora: the adapters and their slots
     kv_groups: KvGroups | None = None  # which layers share a block table (None: all)
+    offload_cache: KvCache | None = None  # the host-memory KV offload tier
 
 
 def resolve_device(name: str) -> torch.device:
@@ -284,6 +285,7 @@ def load_worker(
         if num_swap_blocks
         else None
     )
+    offload_cache = kv_offload_cache(config, groups, geometry, kv_cache.block_bytes)
     log.info(
         "worker_loaded",
         worker_id=worker_id,
@@ -304,6 +306,7 @@ def load_worker(
         draft_layers=draft.config.num_hidden_layers if draft else 0,
         draft_kv_pool_mib=round(num_blocks * draft_block_bytes / 2**20, 1),
         swap_blocks=num_swap_blocks,
+        offload_cpu_blocks=0 if offload_cache is None else offload_cache.num_blocks,
         shared_pool=shared_pool is not None,
         max_model_len=max_model_len,
         seconds=round(time.perf_counter() - started, 2),
@@ -311,8 +314,26 @@ def load_worker(
     )
     return LoadedWorker(
         model, model_config, kv_cache, max_model_len, device, swap_cache, graphs, shared_pool,
-        draft, draft_cache, lora, groups,
+        draft, draft_cache, lora, groups, offload_cache,
     )  # fmt: skip
+
+
+def kv_offload_cache(config: WorkerConfig, groups: KvGroups, geometry, block_bytes: int):
+    """The host-memory offload tier's blocks (`--kv-offload-cpu-bytes`; None: none)."""
+    size = parse_size(config.kv_offload_cpu_bytes)
+    if not size:
+        return None
+    if groups.num_groups > 1 or any(w is not None for w in groups.windows):
+        raise ValueError(
+            "--kv-offload-cpu-bytes does not support sliding-window models yet (their "
+            "windowed layers keep no full prefix)"
+        )
+    if size < block_bytes:
+        raise ValueError(
+            f"--kv-offload-cpu-bytes {config.kv_offload_cpu_bytes} holds no block "
+            f"(a block is {block_bytes} bytes)"
+        )
+    return KvCache(num_blocks=size // block_bytes, device="cpu", zeroed=False, **geometry)
 
 
 def check_features(config: WorkerConfig, model_config: ModelConfig) -> None:

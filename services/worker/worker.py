@@ -28,7 +28,7 @@ from common.step_plan import BlockMoves, CachedRequestData, NewRequestData
 from common.step_result import StepResult
 from common.structured_output import Constraint
 from services.worker.batch import PersistentBatch
-from services.worker.block_moves import run_moves
+from services.worker.block_moves import run_moves, run_saves
 from services.worker.compute_lock import ComputeLock, make_compute_lock
 from services.worker.config import WorkerConfig
 from services.worker.kv_cache import KvCache
@@ -103,6 +103,7 @@ class Worker:
         self._rank_maps: list[PeerPool] = []
         self.model_config, self.max_model_len = loaded.model_config, loaded.max_model_len
         self.kv_cache, self.swap_cache = loaded.kv_cache, loaded.swap_cache
+        self.offload_cache = loaded.offload_cache
         self.kv_groups = loaded.kv_groups or loaded.model_config.kv_groups(hybrid=False)
         self.device, self.lora, self.shared_pool = loaded.device, loaded.lora, loaded.shared_pool
         self.speculative = config.speculative
@@ -299,11 +300,12 @@ class Worker:
         work = self.batch.apply(finished_ids, new, cached)
         if self.runner.structured is not None:  # a request that comes back starts afresh
             self.runner.structured.forget(finished_ids)
-        run_moves(moves, self.kv_cache, self.swap_cache)
+        run_moves(moves, self.kv_cache, self.swap_cache, self.offload_cache)
         if self._progress is not None:  # peers stream this step's KV layer by layer
             self._running_step_id = step_id
             self._progress.step_started(step_id)
         output = self.runner.execute(work, step_id)
+        run_saves(moves, self.kv_cache, self.offload_cache)
         if self._progress is not None:
             self._progress.step_done(step_id)
         self.batch.complete(work, output.sampled, output.accepted_tokens)

@@ -4,6 +4,7 @@ cached requests, replaced tables, block moves and cancelled tags alike."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
 
 from common.pb.tandem.internal.v1 import worker_pb2
@@ -27,7 +28,7 @@ def _lists(plan: StepPlan) -> StepPlan:
             for c in plan.cached
         ],
         moves=BlockMoves(
-            *(list(pairs) for pairs in (plan.moves.swap_out, plan.moves.swap_in, plan.moves.copies))
+            *(list(getattr(plan.moves, f.name)) for f in dataclasses.fields(BlockMoves))
         ),
         cancelled_transfer_tags=list(plan.cancelled_transfer_tags),
     )
@@ -67,7 +68,7 @@ def test_moves_replaced_tables_and_cancelled_tags_cross_unchanged():
         finished_ids=["x"],
         new=[NewRequestData("n", [1, 2, 3], [4], 0, 3, SamplingParams(top_k=5))],
         cached=[CachedRequestData("c", (), 1, (8, 0, 9), 2)],
-        moves=BlockMoves([(1, 2)], [(3, 4)], [(5, 6)]),
+        moves=BlockMoves([(1, 2)], [(3, 4)], [(7, 8)], [(5, 6)], [(9, 10)]),
         cancelled_transfer_tags=[11, 12],
     )
     assert _through_the_wire(plan) == _lists(plan)

@@ -137,6 +137,7 @@ def fake_worker(device: str) -> SimpleNamespace:
         kv_cache=cache,
         kv_groups=SimpleNamespace(windows=(None,)),
         swap_cache=None,
+        offload_cache=None,
         transport=SimpleNamespace(address=b"ucx"),
         shared_pool=None,
         speculative=None,

@@ -1,5 +1,5 @@
-"""A real Worker's block moves (swap out, swap in, copy-on-write copies) and the step
-ordering that KV receives wait on."""
+"""A real Worker's block moves (swap out, swap in, offload loads and saves, copy-on-write
+copies) and the step ordering that KV receives wait on."""
 
 import asyncio
 
@@ -16,9 +16,9 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def loaded(model) -> Worker:
+async def loaded(model, **settings) -> Worker:
     config = WorkerConfig(
-        model=str(model), num_blocks=16, max_model_len=128, swap_space="256KiB", port=0
+        model=str(model), num_blocks=16, max_model_len=128, swap_space="256KiB", port=0, **settings
     )
     worker = await Worker.load(config, "moves")
     worker.kv_cache.data.copy_(torch.randn(worker.kv_cache.data.shape))
@@ -41,6 +41,31 @@ def test_swap_out_swap_in_and_copies_move_whole_blocks(tiny_llama_dir):
         assert worker.executed_step_id == 2
         await asyncio.wait_for(worker.wait_for_step(2), timeout=1)
         await worker.close()
+
+    run(scenario())
+
+
+def test_offload_loads_run_before_the_forward_pass_and_saves_after_it(tiny_llama_dir):
+    async def scenario():
+        worker = await loaded(tiny_llama_dir, kv_offload_cpu_bytes="512KiB")
+        kv, tier = worker.kv_cache, worker.offload_cache
+        assert tier is not None and tier.num_blocks >= 3 and worker.swap_cache is not None
+        tier.data.copy_(torch.randn(tier.data.shape))
+        original, stored = kv.data.clone(), tier.data.clone()
+        # One step loads tier block 0 into device block 4 and saves device block 4 (as the
+        # forward pass left it) into tier block 0: the load reads before the save writes.
+        await worker.step(1, [], [], [], BlockMoves(offload_in=[(0, 4)], offload_out=[(4, 0)]))
+        assert torch.equal(kv.data[4], stored[0]) and torch.equal(tier.data[0], stored[0])
+        await worker.step(2, [], [], [], BlockMoves(offload_out=[(6, 1), (7, 2)]))
+        assert torch.equal(tier.data[1], original[6]) and torch.equal(tier.data[2], original[7])
+        with pytest.raises(PlanError, match="offload_in"):
+            await worker.step(3, [], [], [], BlockMoves(offload_in=[(tier.num_blocks, 1)]))
+        await worker.close()
+        bare = await loaded(tiny_llama_dir)
+        assert bare.offload_cache is None
+        with pytest.raises(PlanError, match="no offload tier"):
+            await bare.step(1, [], [], [], BlockMoves(offload_out=[(1, 0)]))
+        await bare.close()
 
     run(scenario())
 

@@ -3,11 +3,12 @@ not support, and a KV pool that cannot hold one request of max_model_len (each K
 needing its blocks)."""
 
 import pytest
+import torch
 
 from common.kv_groups import kv_groups
 from common.model_config import ModelConfig
 from services.worker.config import WorkerConfig
-from services.worker.startup import check_features, check_pool_holds_a_request
+from services.worker.startup import check_features, check_pool_holds_a_request, kv_offload_cache
 from tests.unit.test_moe_config import mixtral
 
 
@@ -36,3 +37,26 @@ def test_the_pool_must_hold_one_request_of_max_model_len(windows, num_blocks, fi
         return
     with pytest.raises(ValueError, match="cannot hold one request of max_model_len=64"):
         check_pool_holds_a_request(num_blocks, 16, groups, 64)
+
+
+def test_the_kv_offload_tier_is_sized_in_blocks_and_refused_where_it_cannot_serve() -> None:
+    geometry = dict(num_layers=2, block_size=16, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    block_bytes = 2 * 2 * 16 * 2 * 8 * 4  # layers, K and V, slots, heads, dim, float32
+    tier = kv_offload_cache(
+        WorkerConfig(model="m", kv_offload_cpu_bytes="64KiB"), kv_groups(None, 2), geometry,
+        block_bytes,
+    )  # fmt: skip
+    assert tier.num_blocks == 64 * 1024 // block_bytes and tier.data.device.type == "cpu"
+    assert kv_offload_cache(WorkerConfig(model="m"), kv_groups(None, 2), geometry, 1) is None
+    with pytest.raises(ValueError, match="^--kv-offload-cpu-bytes does not support sliding"):
+        kv_offload_cache(
+            WorkerConfig(model="m", kv_offload_cpu_bytes="64KiB"), kv_groups((8, None), 2),
+            geometry, block_bytes,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="holds no block"):
+        kv_offload_cache(
+            WorkerConfig(model="m", kv_offload_cpu_bytes="1KiB"), kv_groups(None, 2), geometry,
+            block_bytes,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="kv_offload_cpu_bytes.*decode worker"):
+        WorkerConfig(model="m", role="decode", kv_offload_cpu_bytes="64KiB")

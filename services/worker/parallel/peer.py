@@ -20,7 +20,7 @@ from common.model_config import ModelConfig
 from common.pb.tandem.internal.v1 import worker_pb2
 from common.step_plan_pb import plan_from_pb
 from services.worker.batch import PersistentBatch, PlanError
-from services.worker.block_moves import run_moves
+from services.worker.block_moves import run_moves, run_saves
 from services.worker.config import WorkerConfig
 from services.worker.kv_transfer import TransferDeadline
 from services.worker.parallel.kv_ranks import KvGeometry
@@ -64,11 +64,12 @@ def serve_steps(
         plan = plan_from_pb(worker_pb2.StepRequest.FromString(payload))
         try:
             work = batch.apply(plan.finished_ids, plan.new, plan.cached)
-            run_moves(plan.moves, loaded.kv_cache, loaded.swap_cache)
+            run_moves(plan.moves, loaded.kv_cache, loaded.swap_cache, loaded.offload_cache)
         except PlanError as exc:  # rank 0 refuses the same plan and reports it
             log.warning("bad_step_plan", step_id=plan.step_id, error=str(exc))
             continue
         output = runner.execute(work)
+        run_saves(plan.moves, loaded.kv_cache, loaded.offload_cache)
         batch.complete(work, output.sampled, output.accepted_tokens)
 
 

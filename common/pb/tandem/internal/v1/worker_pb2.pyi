@@ -71,7 +71,7 @@ class KvSharedMemory(_message.Message):
     def __init__(self, host_id: _Optional[str] = ..., pid: _Optional[int] = ..., fd: _Optional[int] = ..., num_bytes: _Optional[int] = ..., token: _Optional[bytes] = ..., pool_offset: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "finished_request_ids", "swap_out", "swap_in", "block_copies", "cancelled_transfer_tags")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "finished_request_ids", "swap_out", "swap_in", "block_copies", "cancelled_transfer_tags", "offload_in", "offload_out")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,8 @@ class StepRequest(_message.Message):
     SWAP_IN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
     CANCELLED_TRANSFER_TAGS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_IN_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_OUT_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
@@ -88,7 +90,9 @@ class StepRequest(_message.Message):
     swap_in: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     block_copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     cancelled_transfer_tags: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., cancelled_transfer_tags: _Optional[_Iterable[int]] = ...) -> None: ...
+    offload_in: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    offload_out: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., cancelled_transfer_tags: _Optional[_Iterable[int]] = ..., offload_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., offload_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("src", "dst")

@@ -1,0 +1,110 @@
+"""The host-memory offload tier as a pool's scheduler plans it (kv_offload.py): full
+blocks saved after the step that fills them, a prefix the device cache evicted loaded
+back from the tier instead of recomputed, the tier's own LRU, and isolation by key."""
+
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.kv_offload import HostOffload
+from services.scheduler.pool_scheduler import PoolScheduler
+from tests.unit.test_pool_scheduler import make_request, step
+
+
+def offload_sched(num_blocks=6, offload_blocks=8, block_size=4) -> PoolScheduler:
+    return PoolScheduler(
+        BlockManager(num_blocks, block_size),
+        32,
+        8,
+        offload=HostOffload(offload_blocks, block_size),
+    )
+
+
+def test_full_blocks_are_saved_after_the_step_that_fills_them_and_only_once():
+    s = offload_sched()
+    first = make_request("first", 9, max_tokens=4)  # two full prompt blocks, then a third
+    s.add(first)
+    plan = step(s)
+    table = s.blocks.table("first")
+    assert plan.offload_out == [(table[0], 0), (table[1], 1)]  # saved after the forward
+    assert plan.offload_in == []
+    for _ in range(2):  # tokens 10 and 11: block 2 not full yet
+        assert step(s).offload_out == []
+    plan = step(s)  # token 12 fills block 2
+    assert plan.offload_out == [(table[2], 2)]
+    assert s.offload.num_saved_blocks == 3 and s.offload.num_cached_blocks == 3
+
+
+def test_a_prefix_the_device_evicted_is_loaded_from_the_tier_not_recomputed():
+    s = offload_sched(num_blocks=6, offload_blocks=16)
+    first = make_request("first", 16, max_tokens=1)  # four full blocks
+    s.add(first)
+    step(s)
+    other = make_request("other", 24, max_tokens=1, first=500)  # takes every device block
+    s.add(other)
+    step(s)
+    assert s.blocks.cached_prefix(first.block_hashes, first.all_token_ids, 15) == []
+    again = make_request("again", 18, max_tokens=1)  # first's prompt and two more tokens
+    s.add(again)
+    plan = step(s)
+    (item,) = plan.scheduled
+    # Blocks 0-3 come back from the tier (the 16th token is known; block 3 full), the
+    # two new tokens are computed.
+    assert (item.num_computed_before, item.num_new_tokens) == (16, 2)
+    assert [dst for _, dst in plan.offload_in] == list(item.work.block_ids[:4])
+    assert [src for src, _ in plan.offload_in] == [0, 1, 2, 3]
+    assert again.num_cached_tokens == 16
+    assert s.num_prefix_hit_tokens == 0  # none from the device cache
+    assert s.offload.num_loaded_blocks == 4 and s.offload.num_hit_tokens == 16
+
+
+def test_device_hits_come_first_and_the_tier_continues_the_run():
+    s = offload_sched(num_blocks=10, offload_blocks=8)
+    s.add(make_request("first", 12, max_tokens=1))  # blocks 0-2
+    step(s)
+    s.blocks.pool.reset_cache()  # the device forgets (as after an eviction)
+    s.add(make_request("half", 5, max_tokens=1))  # block 0 back on the device (from tier)
+    step(s)
+    again = make_request("again", 13, max_tokens=1)
+    s.add(again)
+    plan = step(s)
+    (item,) = plan.scheduled
+    assert (item.num_computed_before, item.num_new_tokens) == (12, 1)
+    assert [src for src, _ in plan.offload_in] == [1, 2]  # block 0 was a device hit
+    assert [dst for _, dst in plan.offload_in] == list(item.work.block_ids[1:3])
+
+
+def test_the_tier_is_an_lru_and_a_hit_refreshes():
+    s = offload_sched(num_blocks=40, offload_blocks=2, block_size=4)
+    a = make_request("a", 5, max_tokens=1, first=100)  # one full block each
+    b = make_request("b", 5, max_tokens=1, first=200)
+    c = make_request("c", 5, max_tokens=1, first=300)
+    for r in (a, b):
+        s.add(r)
+        step(s)
+    s.blocks.pool.reset_cache()
+    s.add(make_request("a2", 5, max_tokens=1, first=100))  # hits a's block: a is newest
+    assert step(s).offload_in
+    s.add(c)
+    plan = step(s)  # saving c evicts the least recently used: b's offload block 1
+    assert [dst for _, dst in plan.offload_out] == [1]
+    s.blocks.pool.reset_cache()
+    s.add(make_request("a3", 5, max_tokens=1, first=100))
+    assert step(s).offload_in  # a stayed
+    s.blocks.pool.reset_cache()
+    s.add(make_request("b2", 5, max_tokens=1, first=200))
+    assert step(s).offload_in == []  # b is gone from the tier
+
+
+def test_another_salt_never_hits_the_tier_and_prompt_logprobs_compute_everything():
+    s = offload_sched(num_blocks=6)
+    s.add(make_request("first", 16, max_tokens=1))
+    step(s)
+    s.blocks.pool.reset_cache()
+    salted = make_request("salted", 18, max_tokens=1)
+    salted.hash_root = b"\x01" * 32  # another cache_salt: another chain of keys
+    s.add(salted)
+    assert step(s).offload_in == []
+    s.blocks.pool.reset_cache()
+    scored = make_request("scored", 18, max_tokens=1)
+    scored.sampling = scored.sampling.__class__(prompt_logprobs=0)
+    s.add(scored)
+    plan = step(s)
+    assert plan.offload_in == [] and plan.scheduled[0].num_computed_before == 0
