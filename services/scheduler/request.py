@@ -11,7 +11,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from common.prefix_hash import BlockHash, extend_block_hashes
+from common.prefix_hash import BlockHash, ChainOrigin, HashChain, extend_block_hashes
 from common.sampling import Logprob, SamplingParams
 from common.structured_output import Constraint
 from common.tracing import trace_id_of
@@ -119,10 +119,18 @@ class Request:
             return True
         return self.max_model_len is not None and self.num_known_tokens + 1 >= self.max_model_len
 
+    @property
+    def chain_origin(self) -> ChainOrigin:
+        """What its hash root mixes besides the deployment salt (published with the KV
+        events of its first block)."""
+        return ChainOrigin(self.cache_salt, self.lora_name, len(self.prompt_token_ids))
+
     def update_block_hashes(self, block_size: int) -> list[BlockHash]:
         """Hashes of every full block of the known tokens (computed incrementally)."""
         if not self.hash_root:
             return self.block_hashes
+        if not isinstance(self.block_hashes, HashChain):  # (a fork or a copy: a plain list)
+            self.block_hashes = HashChain(self.block_hashes, self.chain_origin)
         return extend_block_hashes(
             self.block_hashes, self.all_token_ids, block_size, self.hash_root
         )
