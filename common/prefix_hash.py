@@ -8,6 +8,10 @@ different salts, adapters or RoPE states never share blocks (an adapter changes 
 layer's K and V; so does the length of a prompt under dynamic or longrope RoPE) and
 hashes cannot be predicted across deployments. SHA-256 over a fixed little-endian encoding
 (never Python's `hash()`, never pickle). Pure Python.
+
+A request's `ChainOrigin` is what its root mixes besides the salt; the KV events
+(`common/kv_events.py`) publish it with a sequence's first block so that a router can
+rebuild the chain with a salt of its own.
 """
 
 from __future__ import annotations
@@ -15,8 +19,20 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 BlockHash = bytes  # 32-byte SHA-256 digest
+
+
+@dataclass(frozen=True)
+class ChainOrigin:
+    """What a sequence's root mixes besides the deployment salt, as its request says it:
+    its `cache_salt`, its adapter's name and its prompt's length (its RoPE key, if any,
+    follows from that: `common.rope_config.prompt_rope_key`)."""
+
+    cache_salt: str = ""
+    lora_name: str = ""
+    num_prompt_tokens: int = 0
 
 
 def root_hash(

@@ -50,6 +50,7 @@ async def serve(config: GatewayConfig) -> None:
         async with host.running(config.host, config.port, log, grace=5.0):
             metrics = start_metrics_server(config.host, config.metrics_port)
             servicer.set_model(await schedulers.wait_models(config.scheduler_ready_timeout_s))
+            schedulers.start()
             freeze_startup_heap()
             await host.set_serving(True)
             # The gateway can serve only while a scheduler can: NOT_SERVING also when

@@ -90,6 +90,13 @@ class GatewayConfig(ServiceConfig):
         "several schedulers: prompt block hashes remembered per scheduler (an LRU)",
         env="TANDEM_ROUTER_MAX_TRACKED_BLOCKS",
     )
+    router_kv_events: bool = setting(
+        True,
+        "several schedulers: route by what each scheduler's KV events say it caches (its "
+        "KvEvents stream); off, or while a scheduler's stream is down, by the prompt blocks "
+        "remembered as sent there",
+        env="TANDEM_ROUTER_KV_EVENTS",
+    )
     default_max_tokens: int = setting(
         4096,
         "max_tokens when a request leaves it unset (further capped by the context)",
@@ -163,6 +170,7 @@ class GatewayConfig(ServiceConfig):
             balance_abs_threshold=self.router_balance_abs_threshold,
             balance_rel_threshold=self.router_balance_rel_threshold,
             max_tracked_blocks=self.router_max_tracked_blocks,
+            kv_events=self.router_kv_events,
         )
 
     @property

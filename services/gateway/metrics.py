@@ -2,8 +2,9 @@
 
 Tokens and finishes (vLLM's prompt/generation token counters and `request_success_total`),
 time to first token, inter-token latency and end-to-end latency as the client sees them
-(measured where `Timings` are), refused calls by reason, and the requests open on each
-scheduler. One observation per message (ITL) or per request (the rest): nothing per token.
+(measured where `Timings` are), refused calls by reason, the requests open on each
+scheduler, and how the router follows each scheduler's KV events. One observation per
+message (ITL) or per request (the rest): nothing per token.
 """
 
 from __future__ import annotations
@@ -55,6 +56,23 @@ SCHEDULER_REQUESTS = Gauge(
     ["scheduler"],
 )
 
+ROUTER_KV_SYNCED = Gauge(
+    name("router_kv_events_synced"),
+    "1 while routing to the scheduler follows its KV events (0: its memory of what it sent)",
+    ["scheduler"],
+)
+ROUTER_KV_BLOCKS = Gauge(
+    name("router_kv_blocks"),
+    "prompt blocks the scheduler caches, as its KV events say (0 when not followed)",
+    ["scheduler"],
+)
+ROUTER_KV_LOST = Counter(
+    name("router_kv_events_lost"),
+    "KV event streams lost (then subscribed again), by reason: gap, ended, bad_message or "
+    "the gRPC status in lower case",
+    ["scheduler", "reason"],
+)
+
 FINISH_LABELS = {
     generate_pb2.FINISH_REASON_STOP: "stop",
     generate_pb2.FINISH_REASON_LENGTH: "length",
@@ -104,3 +122,14 @@ def rejected(code_name: str) -> None:
 def watch_scheduler(address: str, open_requests: Callable[[], int]) -> None:
     """Report `open_requests()` as the scheduler's `scheduler_requests_open`."""
     SCHEDULER_REQUESTS.labels(address).set_function(open_requests)
+
+
+def watch_kv_events(address: str, index_of: Callable[[], object | None]) -> None:
+    """Report whether the router follows the scheduler's KV events (`index_of()`: its index
+    or None) and how many blocks that index holds."""
+    ROUTER_KV_SYNCED.labels(address).set_function(lambda: float(index_of() is not None))
+    ROUTER_KV_BLOCKS.labels(address).set_function(lambda: getattr(index_of(), "num_blocks", 0))
+
+
+def kv_events_lost(address: str, reason: str) -> None:
+    ROUTER_KV_LOST.labels(address, reason).inc()

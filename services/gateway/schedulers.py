@@ -5,7 +5,9 @@ With one scheduler everything is today's path: it takes every request, no prompt
 hashed, and the gateway's health mirrors that scheduler's. With several, each has its own
 session (and its own reconnects) and health watcher; a request goes where
 `scheduler_router.py` says among the healthy ones that serve its adapter, and the gateway
-is SERVING while any scheduler is. A scheduler whose session breaks is taken out at once
+is SERVING while any scheduler is; the router follows each scheduler's KV events
+(`kv_follower.py`, one task per scheduler from `start`). A scheduler whose session breaks is
+taken out at once
 (its requests fail there, see `server.py` for the retry) and comes back when its health
 says SERVING again and it still serves the same model with the same block size (a
 different model keeps it out). Every scheduler must answer `GetModelInfo` at start and
@@ -27,6 +29,7 @@ from common.lifecycle import StartupError
 from common.log import get_logger
 from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
 from common.tls import TlsSettings
+from services.gateway.kv_follower import KvEventsFollower
 from services.gateway.metrics import watch_scheduler
 from services.gateway.scheduler_router import RouterConfig, SchedulerRouter, prompt_block_hashes
 from services.gateway.scheduler_session import SchedulerError, SchedulerSession
@@ -101,6 +104,20 @@ class Schedulers:
             self.backends.append(backend)
         self.router = SchedulerRouter(router) if len(self.backends) > 1 else None
         self._identity: tuple | None = None
+        self.followers = (
+            [
+                KvEventsFollower(b.address, b.stub, self.router, router.kv_events_retry_s)
+                for b in self.backends
+            ]
+            if self.router is not None and router.kv_events
+            else []
+        )
+        self._following: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        """Follow every scheduler's KV events (several schedulers; once their models
+        are known)."""
+        self._following = [asyncio.ensure_future(f.run()) for f in self.followers]
 
     @property
     def single(self) -> bool:
@@ -186,7 +203,9 @@ class Schedulers:
             submit.lora_name,
         )
         route = self.router.choose(
-            hashes, {address: b.session.num_open for address, b in candidates.items()}
+            hashes,
+            {address: b.session.num_open for address, b in candidates.items()},
+            submit.request_id,
         )
         if route is None:
             return None
@@ -195,8 +214,14 @@ class Schedulers:
             scheduler=route.scheduler,
             overlap_blocks=route.overlap_blocks,
             overridden=route.overridden,
+            from_events=route.from_events,
         )
         return candidates[route.scheduler]
+
+    def finished(self, request_id: str) -> None:
+        """The request picked for (by `pick`) is over, wherever it ran."""
+        if self.router is not None:
+            self.router.finished(request_id)
 
     # Fan-out calls.
 
@@ -256,6 +281,9 @@ class Schedulers:
         self._set_healthy(backend, ok)
 
     async def close(self) -> None:
+        for task in self._following:
+            task.cancel()
+        await asyncio.gather(*self._following, return_exceptions=True)
         for backend in self.backends:
             await backend.session.close()
             await backend.channel.close()

@@ -227,8 +227,10 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
         model = await self._ready(context)
         trace = GenerateTrace(context, request, model.name)
         self.num_open += 1
+        # Server-made, opaque: never taken from the client, never parsed.
+        request_id = uuid.uuid4().hex
         try:
-            async for message in self._generate(request, context, arrival, trace):
+            async for message in self._generate(request, context, arrival, trace, request_id):
                 yield message
         except BaseException as exc:  # an abort, a client that went away
             trace.end(error=_ended_by(exc, context))
@@ -237,10 +239,11 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
             trace.end()
         finally:
             self.num_open -= 1
+            self.schedulers.finished(request_id)  # its prompt is no longer in flight
 
-    async def _generate(self, request, context, arrival: float, trace: GenerateTrace):
-        # Server-made, opaque: never taken from the client, never parsed.
-        request_id = uuid.uuid4().hex
+    async def _generate(
+        self, request, context, arrival: float, trace: GenerateTrace, request_id: str
+    ):
         with bind_request(request_id, span_trace_id(trace.span)):
             try:
                 prepared = await self._prepare(request, request_id, trace)

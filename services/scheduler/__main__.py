@@ -11,7 +11,8 @@ from common.metrics import REGISTRY, LoopCollector, start_metrics_server
 from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler import bootstrap
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.metrics import RequestTimes, pool_families
+from services.scheduler.kv_event_hub import KvEventHub
+from services.scheduler.metrics import RequestTimes, kv_event_families, pool_families
 from services.scheduler.server import SchedulerServicer
 
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
@@ -37,11 +38,19 @@ async def serve(config: SchedulerConfig) -> None:
         engine, model = await bootstrap.connect(config, on_serving_change)
         servicer.engine, servicer.model = engine, model
         engine.on_finish = RequestTimes(model.name).observe
-        collector = LoopCollector(
-            asyncio.get_running_loop(), lambda: pool_families(engine, model.name)
-        )
+        hub = None
+        if config.enable_kv_cache_events:
+            hub = servicer.kv_events = KvEventHub(lambda: engine.pools, model.prompt_rope_key)
+
+        def families():
+            yield from pool_families(engine, model.name)
+            if hub is not None:
+                yield from kv_event_families(hub, model.name)
+
+        collector = LoopCollector(asyncio.get_running_loop(), families)
         REGISTRY.register(collector)
         engine.start()
+        publishing = None if hub is None else asyncio.ensure_future(hub.run())
         freeze_startup_heap()
         try:
             await host.set_serving(True)
@@ -59,6 +68,8 @@ async def serve(config: SchedulerConfig) -> None:
             drained = await engine.drain(config.drain_timeout_s)
             log.info("drained" if drained else "drain_timed_out", requests=engine.num_requests)
         finally:
+            if publishing is not None:
+                publishing.cancel()
             if metrics is not None:
                 metrics.close()
             REGISTRY.unregister(collector)

@@ -11,6 +11,9 @@ The scheduler owns which physical block holds what; the worker only stores bytes
   block). Everything here that counts "blocks" of a table counts entries.
 - Prefix caching: a full, computed block is offered to the pool's cache under its chained
   hash (see `prefix_hash`), and group g's under (hash, g) in a hybrid pool.
+- KV events (`kv_events=True`): what the cache gains and loses, in vLLM's format, for its
+  owner to take (`take_kv_events`) and publish; `kv_snapshot` is what it holds now
+  (`block_events.py`: which group speaks for a hybrid pool, and how).
 - Copy-on-write: before a request writes into a block it shares (ref count > 1, e.g. after
   `fork` for parallel sampling), the block is replaced by a fresh copy; the copies to make
   are returned for the worker to run before the step.
@@ -31,8 +34,16 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from common.prefix_hash import BlockHash
-from services.scheduler.block_pool import NULL_BLOCK, BlockPool, NoFreeBlocksError
+from common.kv_events import AllBlocksCleared, KvCacheEvent
+from common.prefix_hash import BlockHash, ChainOrigin
+from services.scheduler.block_events import (
+    BlockEvents,
+    BlockLink,
+    RopeKeyOf,
+    event_group,
+    no_rope_key,
+)
+from services.scheduler.block_pool import LOST, NULL_BLOCK, BlockPool, NoFreeBlocksError
 
 __all__ = ["NULL_BLOCK", "BlockManager", "BlockPool", "NoFreeBlocksError"]
 
@@ -49,6 +60,7 @@ class BlockManager:
         enable_caching: bool = True,
         window: int | None = None,
         group_windows: Sequence[int | None] | None = None,
+        kv_events: bool = False,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -59,7 +71,10 @@ class BlockManager:
         self.group_windows = windows
         self.num_groups = len(windows)
         windowed = any(w is not None for w in windows)
-        self.pool = BlockPool(num_blocks, enable_caching, reserve_null=windowed)
+        self.pool = BlockPool(
+            num_blocks, enable_caching, reserve_null=windowed, record_events=kv_events
+        )
+        self.events = BlockEvents(block_size, self.num_groups, event_group(windows))
         self._tables: dict[str, list[int]] = {}
         # Leading logical blocks of each table already offered to the cache.
         self._num_cached: dict[str, int] = {}
@@ -183,24 +198,42 @@ class BlockManager:
         block_hashes: Sequence[BlockHash],
         token_ids: Sequence[int],
         num_computed_tokens: int,
+        origin: ChainOrigin | None = None,
     ) -> list[tuple[int, Hashable, Sequence[int]]]:
         """Offer the request's blocks that are full and computed to the prefix cache;
-        returns those it took, as (block, key, tokens)."""
+        returns those it took, as (block, key, tokens). `origin`: what the request's hash
+        root mixes (its first block's KV event carries it)."""
         table = self._tables.get(request_id)
         if table is None or not self.pool.enable_caching:
             return []
         bs, n = self.block_size, self.num_groups
         end = min(len(block_hashes), num_computed_tokens // bs, len(table) // n)
         taken = []
+        linked = self.pool.records_events
         for index in range(self._num_cached.get(request_id, 0), end):
             tokens = token_ids[index * bs : (index + 1) * bs]
+            link = None
+            if linked:
+                link = BlockLink(block_hashes[index - 1] if index else None, origin)
             for group in range(n):
                 block = table[index * n + group]
                 key = self._key(block_hashes[index], group)
-                if not self.is_null(block) and self.pool.cache(block, key, tokens):
+                if not self.is_null(block) and self.pool.cache(block, key, tokens, link):
                     taken.append((block, key, tokens))
         self._num_cached[request_id] = max(self._num_cached.get(request_id, 0), end)
         return taken
+
+    def take_kv_events(self, rope_key_of: RopeKeyOf = no_rope_key) -> list[KvCacheEvent]:
+        """The KV events since the last take (`rope_key_of`: a prompt's length -> its RoPE
+        key, for a first block's extension)."""
+        events = self.pool.take_events()
+        if events and events[0] is LOST:  # untaken too long: start over from the cache
+            return [AllBlocksCleared(self.events.medium), *self.kv_snapshot(rope_key_of)]
+        return self.events.convert(events, rope_key_of)
+
+    def kv_snapshot(self, rope_key_of: RopeKeyOf = no_rope_key) -> list[KvCacheEvent]:
+        """What the cache holds now, as `BlockStored` events (parents first)."""
+        return self.events.snapshot(self.pool.cached(), rope_key_of)
 
     # -- allocation --------------------------------------------------------------------------
     def _shared_in_range(self, request_id: str, start: int, end: int) -> list[int]:

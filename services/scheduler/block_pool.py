@@ -10,12 +10,19 @@ prefix-cache index (`block_manager` keeps the tables over it).
   queue hands it out again. Every hit compares token ids, so a hash collision can never
   return the wrong KV.
 - The null block (block 0, reserved in a windowed pool) is never allocated, cached, shared
-  or freed. Pure Python.
+  or freed.
+- Events: a pool made with `record_events` lists what its index gains and loses (`Cached`,
+  `Uncached`, `CLEARED` when a reset empties it) until its owner takes them
+  (`take_events`); a cached block keeps the `link` its owner gave it, for a snapshot
+  (`cached`). The pool never calls out. Untaken, the list stops at `max_events` (a few
+  times the blocks): it is then dropped, and the next take is `[LOST]` (read the cache
+  itself instead). Pure Python.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 NULL_BLOCK = 0  # in a windowed pool: the stand-in for blocks out of every query's window
 
@@ -24,14 +31,44 @@ class NoFreeBlocksError(RuntimeError):
     """Raised when an allocation asks for more blocks than are free."""
 
 
+@dataclass(frozen=True, slots=True)
+class Cached:
+    """A block joined the hash index under `key`, with the `link` its owner gave it."""
+
+    key: Hashable
+    token_ids: tuple[int, ...]
+    link: object
+
+
+@dataclass(frozen=True, slots=True)
+class Uncached:
+    """The block under `key` left the index (evicted or reset)."""
+
+    key: Hashable
+
+
+class Cleared:
+    """A reset emptied the index."""
+
+
+class Lost:
+    """Events were dropped, never taken: only the index itself says what it holds."""
+
+
+CLEARED = Cleared()
+LOST = Lost()
+PoolEvent = Cached | Uncached | Cleared | Lost
+
+
 class Block:
-    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids", "prev", "next")
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids", "link", "prev", "next")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.block_hash: Hashable | None = None
         self.token_ids: tuple[int, ...] = ()
+        self.link: object = None  # the owner's, while cached
         self.prev: Block | None = None
         self.next: Block | None = None
 
@@ -81,7 +118,11 @@ class BlockPool:
     """Physical blocks 0..num_blocks-1: ref counts, the LRU free queue, the hash index."""
 
     def __init__(
-        self, num_blocks: int, enable_caching: bool = True, reserve_null: bool = False
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        reserve_null: bool = False,
+        record_events: bool = False,
     ) -> None:
         if num_blocks <= int(reserve_null):
             raise ValueError(f"num_blocks must be more than {int(reserve_null)}, got {num_blocks}")
@@ -94,6 +135,8 @@ class BlockPool:
         self._free = FreeBlockQueue(b for b in self.blocks if b.ref_count == 0)
         self._cached: dict[Hashable, Block] = {}
         self.num_evictions = 0
+        self._events: list[PoolEvent] | None = [] if record_events else None
+        self.max_events = 8 * num_blocks + 1024
 
     @property
     def num_free(self) -> int:
@@ -154,15 +197,20 @@ class BlockPool:
             if block.ref_count == 0:
                 self._free.append(block)
 
-    def cache(self, block_id: int, block_hash: Hashable, token_ids: Sequence[int]) -> bool:
-        """Register a full, computed block; False if caching is off or the hash is taken."""
+    def cache(
+        self, block_id: int, block_hash: Hashable, token_ids: Sequence[int], link: object = None
+    ) -> bool:
+        """Register a full, computed block (`link`: the owner's, kept while it is cached);
+        False if caching is off or the hash is taken."""
         block = self.blocks[block_id]
         if not self.enable_caching or block.block_hash is not None or self.is_null(block_id):
             return False
         if block_hash in self._cached:
             return False  # another block already holds this prefix; this one stays private
-        block.block_hash, block.token_ids = block_hash, tuple(token_ids)
+        block.block_hash, block.token_ids, block.link = block_hash, tuple(token_ids), link
         self._cached[block_hash] = block
+        if self._events is not None:
+            self._record(Cached(block_hash, block.token_ids, link))
         return True
 
     def lookup(self, block_hash: Hashable, token_ids: Sequence[int]) -> int | None:
@@ -172,16 +220,46 @@ class BlockPool:
             return None
         return block.block_id
 
-    def _uncache(self, block: Block) -> None:
+    def _uncache(self, block: Block, record: bool = True) -> None:
         del self._cached[block.block_hash]
-        block.block_hash, block.token_ids = None, ()
+        if record and self._events is not None:
+            self._record(Uncached(block.block_hash))
+        block.block_hash, block.token_ids, block.link = None, (), None
 
     def reset_cache(self) -> int:
-        """Forget every cached block that is free (e.g. the worker lost its KV)."""
+        """Forget every cached block that is free (e.g. the worker lost its KV): one
+        `CLEARED` event when that empties the index, an `Uncached` per block otherwise."""
         dropped = [b for b in self._cached.values() if b.ref_count == 0]
+        everything = len(dropped) == len(self._cached)
         for block in dropped:
-            self._uncache(block)
+            self._uncache(block, record=not everything)
+        if everything and self._events is not None:
+            self._record(CLEARED)
         return len(dropped)
+
+    @property
+    def records_events(self) -> bool:
+        return self._events is not None
+
+    def _record(self, event: PoolEvent) -> None:
+        events = self._events
+        if events and events[0] is LOST:
+            return
+        events.append(event)
+        if len(events) > self.max_events:  # nobody takes them
+            events[:] = [LOST]
+
+    def take_events(self) -> list[PoolEvent]:
+        """The events since the last take, oldest first (none unless `record_events`)."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    def cached(self) -> Iterator[Cached]:
+        """Every cached block now, as the `Cached` event that would announce it."""
+        for key, block in self._cached.items():
+            yield Cached(key, block.token_ids, block.link)
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless queue, ref counts and hash index agree exactly."""

@@ -126,6 +126,7 @@ def pool_scheduler(config: SchedulerConfig, info: WorkerInfo) -> PoolScheduler:
             info.block_size,
             config.enable_prefix_caching,
             group_windows=info.model.group_windows,
+            kv_events=config.enable_kv_cache_events,
         ),
         config.max_num_batched_tokens,
         config.max_num_seqs,

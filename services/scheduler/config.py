@@ -85,6 +85,12 @@ class SchedulerConfig(ServiceConfig):
         "reuse the KV of prompt prefixes already in a pool (automatic prefix caching)",
         env="TANDEM_ENABLE_PREFIX_CACHING",
     )
+    enable_kv_cache_events: bool = setting(
+        True,
+        "publish what the prefix caches gain and lose, as vLLM's KV events, on the KvEvents "
+        "stream (a gateway fronting several schedulers routes by them) and the metrics",
+        env="TANDEM_ENABLE_KV_CACHE_EVENTS",
+    )
     max_waiting_requests: int = setting(
         1024,
         "requests that may wait for a worker; more get RESOURCE_EXHAUSTED",

@@ -381,6 +381,7 @@ class KvHandoff:
             request.block_hashes,
             request.all_token_ids,
             request.num_computed_tokens,
+            request.chain_origin,
         )
         handle.arrive(dst)
         if not request.is_finished:  # a finished one that keeps its KV parks here

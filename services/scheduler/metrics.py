@@ -2,7 +2,8 @@
 
 Per pool (labels `model_name`, `worker_id`, `role`) and per engine, computed at scrape time
 on the engine's loop from the numbers `GetPoolStats` reports (`pool_families`: nothing on
-the serving path); per request, the time histograms (`RequestTimes.observe`, once when a
+the serving path); per pool and medium, the KV events published (`kv_event_families`, from
+the hub's tallies); per request, the time histograms (`RequestTimes.observe`, once when a
 request finishes). Names and meanings follow vLLM's (`vllm:` becomes `tandem:`).
 """
 
@@ -16,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from common.metrics import REQUEST_LATENCY_BUCKETS, name
+from services.scheduler.kv_event_hub import KvEventHub
 from services.scheduler.request import Request
 
 POOL_LABELS = ("model_name", "worker_id", "role")
@@ -162,3 +164,30 @@ def lora_info(engine, model_name: str) -> Metric:
         time.time(),
     )
     return family
+
+
+def kv_event_families(hub: KvEventHub, model_name: str) -> Iterable[Metric]:
+    """The KV events published so far, per pool and medium, and their subscribers."""
+    labels = [*POOL_LABELS, "medium"]
+    g, c = GaugeMetricFamily, CounterMetricFamily
+    events = c(name("kv_events"), "KV events published, by kind", labels=[*labels, "event"])
+    stored = c(name("kv_blocks_stored"), "blocks the KV events reported cached", labels=labels)
+    removed = c(name("kv_blocks_removed"), "blocks the KV events reported dropped", labels=labels)
+    held = g(name("kv_blocks_held"), "cached blocks, as the KV events tell", labels=labels)
+    for (worker_id, role), tally in hub.tallies.items():
+        pool = [model_name, worker_id, role]
+        for (medium, kind), count in tally.events.items():
+            events.add_metric([*pool, medium, kind], count)
+        for medium in tally.stored.keys() | tally.removed.keys() | tally.held.keys():
+            stored.add_metric([*pool, medium], tally.stored[medium])
+            removed.add_metric([*pool, medium], tally.removed[medium])
+            held.add_metric([*pool, medium], tally.held[medium])
+    subscribers = g(name("kv_event_subscribers"), "open KvEvents streams", labels=["model_name"])
+    subscribers.add_metric([model_name], hub.num_subscribers)
+    dropped = c(
+        name("kv_event_batches_dropped"),
+        "KV event batches dropped for a subscriber that fell behind (it subscribes again)",
+        labels=["model_name"],
+    )
+    dropped.add_metric([model_name], hub.num_dropped)
+    yield from (events, stored, removed, held, subscribers, dropped)

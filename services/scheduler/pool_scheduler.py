@@ -507,7 +507,11 @@ class PoolScheduler:
         self.batch.join(rid)
         request.update_block_hashes(self.blocks.block_size)
         cached = self.blocks.cache_full_blocks(
-            rid, request.block_hashes, request.all_token_ids, request.num_computed_tokens
+            rid,
+            request.block_hashes,
+            request.all_token_ids,
+            request.num_computed_tokens,
+            request.chain_origin,
         )
         if self.offload is not None and cached:  # saved after this step's forward pass
             plan.offload_out.extend(self.offload.saves(cached))

@@ -11,7 +11,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from common.prefix_hash import BlockHash, extend_block_hashes
+from common.prefix_hash import BlockHash, ChainOrigin, extend_block_hashes
 from common.sampling import Logprob, SamplingParams
 from common.structured_output import Constraint
 from common.tracing import trace_id_of
@@ -118,6 +118,12 @@ class Request:
         if len(self.output_token_ids) + 1 >= self.max_tokens:
             return True
         return self.max_model_len is not None and self.num_known_tokens + 1 >= self.max_model_len
+
+    @property
+    def chain_origin(self) -> ChainOrigin:
+        """What its hash root mixes besides the deployment salt (published with the KV
+        events of its first block)."""
+        return ChainOrigin(self.cache_salt, self.lora_name, len(self.prompt_token_ids))
 
     def update_block_hashes(self, block_size: int) -> list[BlockHash]:
         """Hashes of every full block of the known tokens (computed incrementally)."""

@@ -8,6 +8,7 @@ import dataclasses
 
 import grpc
 
+from common.kv_events_pb import batch_to_pb
 from common.log import bind_request, get_logger
 from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from common.pb.tandem.v1 import generate_pb2
@@ -17,6 +18,7 @@ from common.structured_output import constraint_from_pb
 from services.scheduler.beam_driver import EARLY_STOPPING, BeamDriver
 from services.scheduler.beam_search import BeamParams, BeamSearch
 from services.scheduler.engine import Engine, InvalidRequestError, OverloadedError
+from services.scheduler.kv_event_hub import KvEventHub
 from services.scheduler.lora_admin import LoraAdmin
 from services.scheduler.lora_registry import LoraConflictError, LoraEntry, LoraNotFoundError
 from services.scheduler.pool import Pool
@@ -39,6 +41,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.model: ModelShape | None = None
         # Set on SIGTERM: running requests finish, new ones get UNAVAILABLE.
         self.draining = False
+        self.kv_events: KvEventHub | None = None  # None: --enable-kv-cache-events off
 
     async def _ready(self, context) -> Engine:
         if self.engine is None:
@@ -159,6 +162,28 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         return scheduler_pb2.ListLoraAdaptersResponse(
             adapters=[lora_to_pb(e) for e in engine.loras.entries]
         )
+
+    async def KvEvents(self, request, context):
+        await self._ready(context)
+        hub = self.kv_events
+        if hub is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "KV events are off (--enable-kv-cache-events false)",
+            )
+        subscription = hub.subscribe()
+        try:
+            while True:
+                batch = await subscription.next()
+                yield scheduler_pb2.KvEventsResponse(batch=batch_to_pb(batch))
+        finally:
+            hub.unsubscribe(subscription)
+
+    async def ResetPrefixCache(self, request, context):
+        engine = await self._ready(context)
+        dropped = sum(p.blocks.pool.reset_cache() for p in engine.pools)
+        log.info("prefix_cache_reset", num_blocks_dropped=dropped)
+        return scheduler_pb2.ResetPrefixCacheResponse(num_blocks_dropped=dropped)
 
     async def GetPoolStats(self, request, context):
         engine = await self._ready(context)

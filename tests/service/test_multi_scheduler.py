@@ -1,6 +1,9 @@
 """One gateway in front of two schedulers, each with its own prefill and decode worker
 (every service a real process): answers stay HF-exact, a shared prefix keeps going to the
-scheduler that caches it, distinct prompts spread over both, a LoRA adapter loaded through
+scheduler that caches it — by the schedulers' KV events, also where the gateway's memory
+of what it sent is wrong (the scheduler it sent the prefix to reset its cache, and traffic
+the gateway never saw cached it on the other) — and each scheduler's KV event metrics
+equal what its pools cache, distinct prompts spread over both, a LoRA adapter loaded through
 the gateway is loaded on (and served PEFT-exact by) both, and a scheduler SIGKILLed
 mid-load fails only its own streams (those that had not streamed a token yet are retried
 on the survivor), after which everything goes to the survivor and its pools are clean.
@@ -147,6 +150,79 @@ def test_distinct_prompts_spread_over_both_schedulers(stack, reference):
         assert got.token_ids == reference[prompt][:4]
     assert len(grew(before, computed(stack))) == 2
     wait_all_idle(stack)
+
+
+def submit_directly(address: str, prompt: list[int], max_tokens: int) -> list[int]:
+    """Run a request on one scheduler's own Session, not through the gateway."""
+    submit = scheduler_pb2.SubmitRequest(
+        request_id=f"direct-{time.monotonic_ns()}", prompt_token_ids=prompt, max_tokens=max_tokens
+    )
+    with grpc.insecure_channel(address) as channel:
+        responses = scheduler_pb2_grpc.SchedulerServiceStub(channel).Session(
+            iter([scheduler_pb2.SessionRequest(submit=submit)]), timeout=60
+        )
+        updates = [u for r in responses for u in r.updates]
+    assert updates and not updates[-1].error_code, updates[-1:]
+    return [t for u in updates for t in u.token_ids]
+
+
+def reset_prefix_cache(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return (
+            scheduler_pb2_grpc.SchedulerServiceStub(channel)
+            .ResetPrefixCache(scheduler_pb2.ResetPrefixCacheRequest(), timeout=10)
+            .num_blocks_dropped
+        )
+
+
+def routed_blocks(stack: Stack, address: str) -> float:
+    """The prompt blocks the gateway's router knows `address` caches, from its events."""
+    samples = scrape(stack.process("gateway").metrics)
+    assert total(samples, "tandem:router_kv_events_synced", scheduler=address) == 1
+    return total(samples, "tandem:router_kv_blocks", scheduler=address)
+
+
+def test_a_shared_prefix_follows_the_kv_events_where_the_memory_of_what_was_sent_is_wrong(
+    stack, tiny_llama_dir
+):
+    address = stack.spec.gateway_address
+    prefix = list(range(300, 300 + len(PREFIX)))  # new to both schedulers
+    before = computed(stack)
+    prompt, want = prefix + [7], hf_greedy(tiny_llama_dir, prefix + [7], 6)
+    assert generate(address, greedy_request(prompt, 6)).token_ids == want
+    (home,) = grew(before, computed(stack))
+    (other,) = [a for a in stack.spec.scheduler_addresses if a != home]
+    wait_all_idle(stack)
+    # The scheduler the gateway sent the prefix to forgets its cache (every block is free
+    # once idle); traffic the gateway never sees caches the prefix on the other one.
+    assert reset_prefix_cache(home) >= len(PREFIX) // 16
+    known = routed_blocks(stack, other)
+    submit_directly(other, prefix + [8], 4)
+    wait_for(lambda: routed_blocks(stack, home) == 0, "the gateway saw the reset")
+    wait_for(lambda: routed_blocks(stack, other) >= known + 3, "the gateway saw the prefix")
+    # The gateway's memory of what it sent says `home`; the events say `other`.
+    for tail in ([9], [10, 11]):
+        before = computed(stack)
+        prompt = prefix + tail
+        got = generate(address, greedy_request(prompt, 6))
+        assert got.token_ids == hf_greedy(tiny_llama_dir, prompt, 6)
+        assert got.usage.cached_tokens >= len(prefix)  # served from other's cache
+        assert grew(before, computed(stack)) == [other]
+    wait_all_idle(stack)
+    # Each scheduler's events tell what its pools cache.
+    for scheduler in stack.spec.scheduler_addresses:
+        name = stack.spec.scheduler_name(stack.spec.scheduler_addresses.index(scheduler))
+        metrics = stack.process(name).metrics
+
+        def events_match(scheduler=scheduler, metrics=metrics) -> bool:
+            held = scrape(metrics)
+            return all(
+                total(held, "tandem:kv_blocks_held", worker_id=p.worker_id, medium="GPU")
+                == p.num_cached_blocks
+                for p in pool_stats(stack, scheduler).pools
+            )
+
+        wait_for(events_match, f"{scheduler}'s events match its pools")
 
 
 def gateway_call(stack: Stack, method: str, request):

@@ -235,3 +235,85 @@ class ListLoraAdaptersResponse(_message.Message):
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     adapters: _containers.RepeatedCompositeFieldContainer[_generate_pb2.LoraAdapterInfo]
     def __init__(self, adapters: _Optional[_Iterable[_Union[_generate_pb2.LoraAdapterInfo, _Mapping]]] = ...) -> None: ...
+
+class KvEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KvEventsResponse(_message.Message):
+    __slots__ = ("batch",)
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    batch: KvEventBatch
+    def __init__(self, batch: _Optional[_Union[KvEventBatch, _Mapping]] = ...) -> None: ...
+
+class KvEventBatch(_message.Message):
+    __slots__ = ("seq", "ts", "worker_id", "role", "events", "snapshot", "snapshot_done")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_DONE_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    ts: float
+    worker_id: str
+    role: _types_pb2.WorkerRole
+    events: _containers.RepeatedCompositeFieldContainer[KvCacheEvent]
+    snapshot: bool
+    snapshot_done: bool
+    def __init__(self, seq: _Optional[int] = ..., ts: _Optional[float] = ..., worker_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.WorkerRole, str]] = ..., events: _Optional[_Iterable[_Union[KvCacheEvent, _Mapping]]] = ..., snapshot: _Optional[bool] = ..., snapshot_done: _Optional[bool] = ...) -> None: ...
+
+class KvCacheEvent(_message.Message):
+    __slots__ = ("block_stored", "block_removed", "all_blocks_cleared")
+    BLOCK_STORED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    ALL_BLOCKS_CLEARED_FIELD_NUMBER: _ClassVar[int]
+    block_stored: BlockStored
+    block_removed: BlockRemoved
+    all_blocks_cleared: AllBlocksCleared
+    def __init__(self, block_stored: _Optional[_Union[BlockStored, _Mapping]] = ..., block_removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., all_blocks_cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
+
+class BlockStored(_message.Message):
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_name", "medium", "cache_salt", "rope_key")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    ROPE_KEY_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    parent_block_hash: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    lora_name: str
+    medium: str
+    cache_salt: str
+    rope_key: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ..., medium: _Optional[str] = ..., cache_salt: _Optional[str] = ..., rope_key: _Optional[str] = ...) -> None: ...
+
+class BlockRemoved(_message.Message):
+    __slots__ = ("block_hashes", "medium")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    medium: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., medium: _Optional[str] = ...) -> None: ...
+
+class AllBlocksCleared(_message.Message):
+    __slots__ = ("medium",)
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    medium: str
+    def __init__(self, medium: _Optional[str] = ...) -> None: ...
+
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("num_blocks_dropped",)
+    NUM_BLOCKS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    num_blocks_dropped: int
+    def __init__(self, num_blocks_dropped: _Optional[int] = ...) -> None: ...

@@ -67,6 +67,16 @@ class SchedulerServiceStub:
                 request_serializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.ListLoraAdaptersRequest.SerializeToString,
                 response_deserializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.ListLoraAdaptersResponse.FromString,
                 _registered_method=True)
+        self.KvEvents = channel.unary_stream(
+                '/tandem.internal.v1.SchedulerService/KvEvents',
+                request_serializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.KvEventsRequest.SerializeToString,
+                response_deserializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.KvEventsResponse.FromString,
+                _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/tandem.internal.v1.SchedulerService/ResetPrefixCache',
+                request_serializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServiceServicer:
@@ -127,6 +137,25 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KvEvents(self, request, context):
+        """KvEvents streams what every pool's prefix cache gains and loses, as vLLM's
+        KV events (BlockStored / BlockRemoved / AllBlocksCleared): first a
+        snapshot of what each pool caches now, then the changes, in numbered
+        batches. The scheduler never waits for a subscriber: one that falls
+        behind loses batches, and the gap in `seq` tells it to subscribe again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResetPrefixCache(self, request, context):
+        """ResetPrefixCache forgets every cached block no request holds, in every
+        pool (vLLM's reset_prefix_cache); the KV events report it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -159,6 +188,16 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.ListLoraAdapters,
                     request_deserializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.ListLoraAdaptersRequest.FromString,
                     response_serializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.ListLoraAdaptersResponse.SerializeToString,
+            ),
+            'KvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.KvEvents,
+                    request_deserializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.KvEventsRequest.FromString,
+                    response_serializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.KvEventsResponse.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=tandem_dot_internal_dot_v1_dot_scheduler__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -326,6 +365,60 @@ class SchedulerService:
             '/tandem.internal.v1.SchedulerService/ListLoraAdapters',
             tandem_dot_internal_dot_v1_dot_scheduler__pb2.ListLoraAdaptersRequest.SerializeToString,
             tandem_dot_internal_dot_v1_dot_scheduler__pb2.ListLoraAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.internal.v1.SchedulerService/KvEvents',
+            tandem_dot_internal_dot_v1_dot_scheduler__pb2.KvEventsRequest.SerializeToString,
+            tandem_dot_internal_dot_v1_dot_scheduler__pb2.KvEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.internal.v1.SchedulerService/ResetPrefixCache',
+            tandem_dot_internal_dot_v1_dot_scheduler__pb2.ResetPrefixCacheRequest.SerializeToString,
+            tandem_dot_internal_dot_v1_dot_scheduler__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,
