@@ -1,0 +1,324 @@
+"""The disk tier: one file per full KV block under a folder, LRU by last use, under a
+byte budget (`--kv-offload-dir`, `--kv-offload-disk-bytes`); it survives a restart.
+
+Files (`disk_format`) live in a folder of their own per `TierIdentity` (model, geometry,
+TP rank, PP stage), so workers of different ranks can share `--kv-offload-dir`; two live
+workers of one identity must not (each would manage the other's files against its own
+budget). A write goes to a temporary file renamed into place (`os.replace`): a crash
+leaves a whole file or none under a block's name, and a stray temporary file that the
+next start removes. No fsync: a file torn by a power cut is caught by its length and
+checksum, and is a miss.
+
+At start the tier indexes its folder from names and `stat` alone (no file is read):
+temporaries are deleted, files of the wrong size are dropped, the rest ordered by mtime
+(the tier stamps each write and hit with a strictly increasing mtime, so the LRU order
+survives a restart exactly), and the oldest evicted until the budget holds (not reported:
+what `keys()` lists after construction is what the tier holds). A `get`
+verifies everything (`disk_format.read_block`): any mismatch, truncation or I/O error is
+a miss, logged once, the file deleted and its key dropped from the index (collected for
+`take_dropped`, so the caller can publish BlockRemoved); a bad file is never served.
+
+Every method may run on any thread (reads and writes are slow: the caller runs them off
+its event loop). The index is kept under one lock; file reads and writes, the slow parts,
+run outside it. While writes are in flight the folder may exceed the budget by one block
+per writer (its temporary file).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from common.log import get_logger
+from services.worker.kv_offload.disk_format import (
+    HEADER_BYTES,
+    TEMP_SUFFIX,
+    BadFileError,
+    encode_header,
+    identity_dir_name,
+    parse_name,
+    payload_view,
+    read_block,
+    relative_path,
+)
+from services.worker.kv_offload.keys import BlockKey, Evicted, Medium, TierIdentity, check_root
+from services.worker.kv_offload.views import out_bytes
+
+
+@dataclass(frozen=True, eq=False)  # compared by identity: "is this still the indexed file"
+class _Entry:
+    path: str
+
+
+class DiskTier:
+    def __init__(self, folder: str | os.PathLike, capacity_bytes: int, identity: TierIdentity):
+        """Index `folder`'s files of `identity` (making the folder if needed). A budget
+        below one file (`file_bytes`: header and block) is a disabled tier."""
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be non-negative, got {capacity_bytes}")
+        self.identity = identity
+        self.fingerprint = identity.fingerprint
+        self.block_bytes = identity.block_bytes
+        self.file_bytes = HEADER_BYTES + identity.block_bytes
+        self.capacity_bytes = capacity_bytes
+        self.capacity_blocks = capacity_bytes // self.file_bytes
+        self.folder = Path(folder) / identity_dir_name(self.fingerprint)
+        self._index: OrderedDict[BlockKey, _Entry] = OrderedDict()  # oldest first
+        self._dropped: list[Evicted] = []
+        self._write_errors: set[str] = set()  # kinds of write failure logged already
+        self._clock = 0  # the last mtime stamped, ns
+        self._lock = threading.Lock()
+        if self.enabled:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._scan()
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity_blocks > 0
+
+    @property
+    def bytes_used(self) -> int:
+        """Bytes of the files indexed (headers included)."""
+        with self._lock:
+            return len(self._index) * self.file_bytes
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    def keys(self) -> list[BlockKey]:
+        """Every block indexed, least recently used first."""
+        with self._lock:
+            return list(self._index)
+
+    def contains(self, key: BlockKey) -> bool:
+        """Whether the block has a file (not verified until read; not a use)."""
+        with self._lock:
+            return key in self._index
+
+    def put(self, key: BlockKey, root: bytes, payload: torch.Tensor) -> list[Evicted]:
+        """Write a block (a CPU tensor of exactly `block_bytes`, any dtype) under `root`;
+        returns the blocks evicted to make room, oldest first. A block already on disk is
+        only marked used. A failed write (disk full, ...) stores nothing: logged once per
+        kind of failure. Disabled: stores nothing."""
+        check_root(root)
+        view = payload_view(payload, self.block_bytes)
+        if not self.enabled:
+            return []
+        with self._lock:
+            if key in self._index:
+                self._touch(key)
+                return []
+        path = self.folder / relative_path(key)
+        temp = self._write_temp(path, encode_header(self.fingerprint, key, root, view), view)
+        if temp is None:
+            return []
+        evicted: list[Evicted] = []
+        with self._lock:
+            if key in self._index:  # another thread stored it meanwhile
+                _unlink(temp)
+                self._touch(key)
+                return []
+            while len(self._index) >= self.capacity_blocks:
+                evicted.append(self._evict_oldest("lru"))
+            try:
+                stamp = self._tick()
+                os.utime(temp, ns=(stamp, stamp))
+                os.replace(temp, path)
+            except OSError as error:
+                _unlink(temp)
+                self._log_write_error(error)
+                return evicted
+            self._index[key] = _Entry(str(path))
+        return evicted
+
+    def get(
+        self, key: BlockKey, root: bytes, out: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """The block's bytes, verified: a new uint8 tensor `[block_bytes]`, or `out` (a
+        contiguous CPU tensor of exactly `block_bytes`, e.g. a pinned staging buffer;
+        undefined after a miss). Marks it used. None when absent, or when its file is not
+        this block of this identity under `root`, intact: then the file is deleted, the
+        miss logged once and the key dropped (see `take_dropped`)."""
+        check_root(root)
+        if out is not None and out_bytes(out, self.block_bytes).device.type != "cpu":
+            raise ValueError(f"the disk tier reads into host tensors, not {out.device}")
+        with self._lock:
+            entry = self._index.get(key)
+        if entry is None:
+            return None
+        target = (
+            torch.empty(self.block_bytes, dtype=torch.uint8)
+            if out is None
+            else out_bytes(out, self.block_bytes)
+        )
+        try:
+            with open(entry.path, "rb", buffering=0) as file:
+                size = os.fstat(file.fileno()).st_size
+                read_block(file, size, self.fingerprint, key, root, self.block_bytes, target)
+        except FileNotFoundError:
+            self._drop_if_current(key, entry, "missing: deleted from outside the tier")
+            return None
+        except BadFileError as bad:
+            self._drop_if_current(key, entry, bad.reason)
+            return None
+        except OSError as error:
+            self._drop_if_current(key, entry, f"I/O error: {error}")
+            return None
+        with self._lock:
+            if self._index.get(key) is entry:
+                self._touch(key)
+        return target if out is None else out
+
+    def remove(self, key: BlockKey) -> bool:
+        """Delete a block's file; False when it had none."""
+        with self._lock:
+            entry = self._index.pop(key, None)
+            if entry is None:
+                return False
+            _unlink(entry.path)
+            return True
+
+    def take_dropped(self) -> list[Evicted]:
+        """Blocks dropped by `get` since the last call (their files were bad or gone)."""
+        with self._lock:
+            dropped, self._dropped = self._dropped, []
+            return dropped
+
+    # -- under the lock ---------------------------------------------------------------
+
+    def _tick(self) -> int:
+        """A strictly increasing mtime (ns): file system clocks tick in milliseconds, and
+        two uses in one tick would lose their order at the next start."""
+        self._clock = max(time.time_ns(), self._clock + 1)
+        return self._clock
+
+    def _touch(self, key: BlockKey) -> None:
+        self._index.move_to_end(key)
+        stamp = self._tick()
+        try:
+            os.utime(self._index[key].path, ns=(stamp, stamp))
+        except OSError:
+            pass  # gone or read-only: the next read finds out; the order is only a hint
+
+    def _evict_oldest(self, reason: str) -> Evicted:
+        key, entry = self._index.popitem(last=False)
+        _unlink(entry.path)
+        return Evicted(key, Medium.DISK, None, self.file_bytes, reason)
+
+    def _drop_if_current(self, key: BlockKey, entry: _Entry, reason: str) -> None:
+        """Drop a bad file, unless another thread replaced or removed it meanwhile (then
+        what this thread read was not the indexed file: a plain miss, nothing logged)."""
+        with self._lock:
+            if self._index.get(key) is not entry:
+                return
+            del self._index[key]
+            _unlink(entry.path)
+            self._dropped.append(Evicted(key, Medium.DISK, None, self.file_bytes, reason))
+        _log_bad_file(entry.path, key, reason)
+
+    def _log_write_error(self, error: OSError) -> None:
+        kind = type(error).__name__ + (f"/{error.errno}" if error.errno else "")
+        if kind not in self._write_errors:
+            self._write_errors.add(kind)
+            get_logger(__name__).warning(
+                "kv_offload_disk_write_failed", folder=str(self.folder), error=str(error)
+            )
+
+    # -- without the lock --------------------------------------------------------------
+
+    def _write_temp(self, path: Path, header: bytes, payload: memoryview) -> str | None:
+        """Write a block's file beside `path` under a temporary name; its name, or None
+        when the write failed (nothing is left behind)."""
+        temp = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handle, temp = tempfile.mkstemp(prefix=".", suffix=TEMP_SUFFIX, dir=path.parent)
+            with open(handle, "wb") as file:
+                file.write(header)
+                file.write(payload)
+            return temp
+        except OSError as error:
+            if temp is not None:
+                _unlink(temp)
+            with self._lock:
+                self._log_write_error(error)
+            return None
+
+    def _scan(self) -> None:
+        """Rebuild the index from the folder (construction only: no other thread yet)."""
+        found: list[tuple[int, str, BlockKey]] = []
+        temporaries = strangers = 0
+        for shard in _entries(self.folder):
+            if not shard.is_dir(follow_symlinks=False):
+                strangers += 1
+                continue
+            for item in _entries(shard.path):
+                if item.name.endswith(TEMP_SUFFIX):
+                    temporaries += _unlink(item.path)
+                    continue
+                key = parse_name(shard.name, item.name)
+                if key is None or not item.is_file(follow_symlinks=False):
+                    strangers += 1
+                    continue
+                try:
+                    stat = item.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.st_size != self.file_bytes:
+                    _unlink(item.path)
+                    reason = f"size {stat.st_size}, not {self.file_bytes} (torn or foreign)"
+                    _log_bad_file(item.path, key, reason)
+                    continue
+                found.append((stat.st_mtime_ns, item.path, key))
+        found.sort()
+        for mtime, path, key in found:
+            self._index[key] = _Entry(path)
+            self._clock = max(self._clock, mtime)
+        evicted = 0
+        while len(self._index) > self.capacity_blocks:
+            self._evict_oldest("lru")
+            evicted += 1
+        get_logger(__name__).info(
+            "kv_offload_disk_indexed",
+            folder=str(self.folder),
+            blocks=len(self._index),
+            evicted_over_budget=evicted,
+            temporaries_removed=temporaries,
+            unknown_entries=strangers,
+        )
+
+
+def _entries(folder: str | Path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(folder) as listing:
+            return list(listing)
+    except OSError:
+        return []
+
+
+def _unlink(path: str | os.PathLike) -> int:
+    """Delete a file if it is there; 1 when this call deleted it."""
+    try:
+        os.unlink(path)
+        return 1
+    except OSError:
+        return 0
+
+
+def _log_bad_file(path: str, key: BlockKey, reason: str) -> None:
+    get_logger(__name__).warning(
+        "kv_offload_bad_file",
+        medium=Medium.DISK.value,
+        path=path,
+        block_hash=key.block_hash.hex(),
+        group=key.group,
+        reason=reason,
+    )
