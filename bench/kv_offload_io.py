@@ -1,6 +1,6 @@
 """Throughput of the KV offload's disk tier (`services.worker.kv_offload`), 1 MiB blocks:
-put (header, CRC-32, temporary file, rename) / get (read, verify). Also the checksums the disk format could
-use, on the same blocks (why it uses CRC-32).
+put (header, CRC-32, temporary file, rename) / get (read, verify). Also the checksums the
+disk format could use, on the same blocks (why it uses CRC-32).
 
 The disk numbers are through the page cache (a read follows the write by a moment; the
 box's memory, not its disk, bounds them): what a worker sees while its disk tier's recent

@@ -47,6 +47,16 @@ class CachedRequestData:
 
 
 @dataclass(frozen=True)
+class DiskBlock:
+    """A block of the disk tier (its chained hash, its chain's salted root) and the offload
+    block it moves from or to."""
+
+    block_hash: bytes
+    root: bytes
+    offload_block: int
+
+
+@dataclass(frozen=True)
 class BlockMoves:
     """Whole-block copies a step makes before its forward pass, in field order, and the
     offload tier's saves after it."""
@@ -56,10 +66,18 @@ class BlockMoves:
     offload_in: Sequence[tuple[int, int]] = ()  # (offload block, device block)
     copies: Sequence[tuple[int, int]] = ()  # (shared device block, fresh device block)
     offload_out: Sequence[tuple[int, int]] = ()  # after the forward: (device, offload block)
+    disk_saves: Sequence[DiskBlock] = ()  # after the forward, before offload_out
+    disk_loads: Sequence[DiskBlock] = ()  # into held offload blocks, before the forward
 
     def __bool__(self) -> bool:
         return bool(
-            self.swap_out or self.swap_in or self.offload_in or self.copies or self.offload_out
+            self.swap_out
+            or self.swap_in
+            or self.offload_in
+            or self.copies
+            or self.offload_out
+            or self.disk_saves
+            or self.disk_loads
         )
 
 

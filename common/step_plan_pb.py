@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from common.pb.tandem.internal.v1 import worker_pb2
 from common.sampling_pb import sampling_from_pb, sampling_to_pb
-from common.step_plan import BlockMoves, CachedRequestData, NewRequestData, StepPlan
+from common.step_plan import BlockMoves, CachedRequestData, DiskBlock, NewRequestData, StepPlan
 from common.structured_output import constraint_from_pb, constraint_to_pb
 
 
@@ -15,6 +15,17 @@ def _copies(pairs) -> list[worker_pb2.BlockCopy]:
 
 def _pairs(copies) -> list[tuple[int, int]]:
     return [(c.src, c.dst) for c in copies]
+
+
+def _disk_blocks(blocks) -> list[worker_pb2.DiskBlock]:
+    return [
+        worker_pb2.DiskBlock(block_hash=b.block_hash, root=b.root, offload_block=b.offload_block)
+        for b in blocks
+    ]
+
+
+def _disk_blocks_from(blocks) -> list[DiskBlock]:
+    return [DiskBlock(b.block_hash, b.root, b.offload_block) for b in blocks]
 
 
 def plan_to_pb(plan: StepPlan) -> worker_pb2.StepRequest:
@@ -27,6 +38,8 @@ def plan_to_pb(plan: StepPlan) -> worker_pb2.StepRequest:
         block_copies=_copies(plan.moves.copies),
         offload_in=_copies(plan.moves.offload_in),
         offload_out=_copies(plan.moves.offload_out),
+        disk_saves=_disk_blocks(plan.moves.disk_saves),
+        disk_loads=_disk_blocks(plan.moves.disk_loads),
     )
     for r in plan.new:
         new = message.new_requests.add(
@@ -91,6 +104,8 @@ def plan_from_pb(plan: worker_pb2.StepRequest) -> StepPlan:
             copies=_pairs(plan.block_copies),
             offload_in=_pairs(plan.offload_in),
             offload_out=_pairs(plan.offload_out),
+            disk_saves=_disk_blocks_from(plan.disk_saves),
+            disk_loads=_disk_blocks_from(plan.disk_loads),
         ),
         cancelled_transfer_tags=list(plan.cancelled_transfer_tags),
     )

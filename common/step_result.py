@@ -48,6 +48,11 @@ class StepResult:
     propose_passes: int = 0
     # The worker was draining (SIGTERM) when it sent this result.
     draining: bool = False
+    # The disk tier: this step's disk_loads now in their offload blocks, those that were
+    # not (never served), and blocks it let go since the last result (block hashes).
+    disk_loaded: tuple[bytes, ...] = ()
+    disk_failed: tuple[bytes, ...] = ()
+    disk_removed: tuple[bytes, ...] = ()
 
     @property
     def accepted_tokens(self) -> dict[str, list[int]]:

@@ -48,6 +48,9 @@ def result_to_pb(result: StepResult) -> worker_pb2.StepResponse:
             for request_id, scored in result.prompt_logprobs.items()
         ],
         draining=result.draining,
+        disk_loaded=result.disk_loaded,
+        disk_failed=result.disk_failed,
+        disk_removed=result.disk_removed,
     )
 
 
@@ -84,4 +87,7 @@ def result_from_pb(pb: worker_pb2.StepResponse) -> StepResult:
         propose_seconds=pb.propose_seconds,
         propose_passes=pb.propose_passes,
         draining=pb.draining,
+        disk_loaded=tuple(pb.disk_loaded),
+        disk_failed=tuple(pb.disk_failed),
+        disk_removed=tuple(pb.disk_removed),
     )

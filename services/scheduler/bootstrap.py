@@ -135,7 +135,11 @@ def pool_scheduler(config: SchedulerConfig, info: WorkerInfo) -> PoolScheduler:
         swap_blocks=swap,
         max_loras=info.max_loras,
         offload=(
-            HostOffload(info.num_offload_cpu_blocks, info.block_size)
+            HostOffload(
+                info.num_offload_cpu_blocks,
+                info.block_size,
+                info.offload_disk_hashes if info.num_offload_disk_blocks else None,
+            )
             if info.num_offload_cpu_blocks and config.enable_prefix_caching
             else None
         ),

@@ -94,6 +94,15 @@ def pool_families(engine, model_name: str) -> Iterable[Metric]:
     saved = _pool_family(c, "kv_offload_saved_blocks", "KV blocks saved to the offload tier")
     loaded = _pool_family(c, "kv_offload_loaded_blocks", "KV blocks loaded from the offload tier")
     held = _pool_family(g, "kv_offload_cached_blocks", "offload tier blocks holding a KV block")
+    disk_held = _pool_family(g, "kv_offload_disk_blocks", "KV blocks in the disk tier")
+    disk_io = c(
+        name("kv_offload_disk_blocks_moved"),
+        "KV blocks written to / read from the disk tier",
+        labels=(*POOL_LABELS, "direction"),
+    )
+    disk_failed = _pool_family(
+        c, "kv_offload_disk_read_failures", "disk tier reads not served (bad or missing files)"
+    )
     for pool in engine.pools:
         labels = [model_name, pool.info.worker_id, pool.info.role]
         s, kv = pool.scheduler, pool.blocks
@@ -122,9 +131,16 @@ def pool_families(engine, model_name: str) -> Iterable[Metric]:
             saved.add_metric(labels, tier.num_saved_blocks)
             loaded.add_metric(labels, tier.num_loaded_blocks)
             held.add_metric(labels, tier.num_cached_blocks)
+            disk_held.add_metric(labels, tier.num_disk_blocks)
+            disk_failed.add_metric(labels, tier.num_disk_failed_blocks)
+            for way, count in (
+                ("write", tier.num_disk_saved_blocks),
+                ("read", tier.num_disk_loaded_blocks),
+            ):
+                disk_io.add_metric([*labels, way], count)
     yield from (running, waiting, swapped, usage, blocks, healthy, queries, hits, preemptions)
     yield from (prompt_computed, transfers, blocks_received, drafts, draft_tokens, accepted)
-    yield from (ext_queries, ext_hits, saved, loaded, held)
+    yield from (ext_queries, ext_hits, saved, loaded, held, disk_held, disk_io, disk_failed)
     yield from engine_families(engine, model_name)
 
 

@@ -30,7 +30,8 @@ from collections import deque
 from common.step_result import StepResult
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.cancelled_receives import CancelledReceives
-from services.scheduler.kv_offload import HostOffload
+from services.scheduler.join_rules import awaits_prompt, lora_fits
+from services.scheduler.kv_offload import WAIT, HostOffload
 from services.scheduler.lookahead import Lookahead, SpecDecodeCounters
 from services.scheduler.request import Request
 from services.scheduler.spec_goodput import DraftCost, StepCost, probe_draft, slot_bar, worth
@@ -185,6 +186,8 @@ class PoolScheduler:
         # This step tells the worker; blocks it allocates are written only after that.
         plan.cancelled_transfer_tags = self.receives.take()
         self.batch.drop_departed(self.blocks.has)
+        if self.offload is not None:
+            self.offload.begin_plan()
         if self.migrating:  # nothing new runs; swapped requests come back to leave with KV
             self._swap_in(plan, self.max_num_batched_tokens)
         else:
@@ -216,6 +219,8 @@ class PoolScheduler:
         if not self._in_flight:
             raise ValueError(f"step {result.step_id}: no step of this pool is in flight")
         _, scheduled, slots, num_tokens = self._in_flight.popleft()
+        if self.offload is not None:  # disk reads done (their requests may start now)
+            self.offload.disk_results(result.disk_loaded, result.disk_failed, result.disk_removed)
         if self.lookahead is not None:  # rows the worker ran: tokens, then proposals
             drafts = sum(c.num_draft_tokens for c in result.spec.values())
             rest = result.execute_seconds - result.propose_seconds
@@ -370,7 +375,7 @@ class PoolScheduler:
             num_new = min(self.schedulable_tokens(request), budget)
             if num_new <= 0 or not self.blocks.can_allocate(request.request_id, computed + num_new):
                 break
-            if not self._lora_fits(request):
+            if not lora_fits(request, self.running, self.max_loras):
                 break
             self.swapped.popleft()
             swap_table = self.swap_blocks.table(request.request_id)
@@ -393,18 +398,17 @@ class PoolScheduler:
             if request.num_pending_tokens or self._awaits_prompt(request):
                 skipped.append(request)  # preempted while a token was on the way, or
                 continue  # a sample whose prompt blocks sample 0 is still computing
-            if not self._lora_fits(request):
+            if not lora_fits(request, self.running, self.max_loras):
                 skipped.append(request)  # its adapter waits for a free LoRA slot
                 continue
             if request.grammar_pending:
                 skipped.append(request)  # its grammar is compiling (grammar_gate)
                 continue
             hits = self._prefix_hits(request)
-            loads = (
-                self.offload.hits_for(request, len(hits))
-                if self.offload and not self.blocks.has(request.request_id)
-                else []
-            )
+            loads = self._tier_hits(request, hits, plan)
+            if loads is WAIT:  # blocks on their way from disk
+                skipped.append(request)
+                continue
             start = (
                 self.blocks.tokens_in(len(hits) + len(loads))
                 if hits or loads
@@ -442,25 +446,20 @@ class PoolScheduler:
                 self.offload.loaded(len(loads))
         self.waiting.extendleft(reversed(skipped))
 
-    def _lora_fits(self, request: Request) -> bool:
-        """Running it keeps the running requests within `max_loras` distinct adapters."""
-        if not self.max_loras or not request.lora_name:
-            return True
-        active = {r.lora_name for r in self.running if r.lora_name}
-        return request.lora_name in active or len(active) < self.max_loras
-
     def _awaits_prompt(self, request: Request) -> bool:
-        """True for sample i > 0 of n while sample 0 (`prompt_of`), in this pool, has not
-        yet planned every full prompt block: waiting lets it reuse them all instead of
-        computing them again."""
-        if not request.prompt_of or not self.blocks.pool.enable_caching:
-            return False
-        queues = (self.running, self.waiting, self.swapped)
-        first = next((r for q in queues for r in q if r.request_id == request.prompt_of), None)
-        if first is None:
-            return False
-        shareable = (len(request.prompt_token_ids) - 1) // self.blocks.block_size
-        return first.num_computed_tokens < shareable * self.blocks.block_size
+        caching = self.blocks.pool.enable_caching
+        queued = (r for q in (self.running, self.waiting, self.swapped) for r in q)
+        return caching and awaits_prompt(request, queued, self.blocks.block_size)
+
+    def _tier_hits(self, request: Request, hits: list[int], plan: PoolStepPlan):
+        """Offload blocks holding the request's next blocks after its device `hits`;
+        WAIT while blocks it needs are read from disk (reads planned now or before)."""
+        if self.offload is None or self.blocks.has(request.request_id):
+            return []
+        tiers = self.offload.hits_for(request, len(hits))
+        if tiers is not WAIT:
+            plan.disk_loads.extend(tiers[1])
+        return WAIT if tiers is WAIT or tiers[1] else tiers[0]
 
     def _prefix_hits(self, request: Request) -> list[int]:
         """Cached blocks for a request that starts from scratch here (none otherwise)."""
@@ -514,7 +513,9 @@ class PoolScheduler:
             request.chain_origin,
         )
         if self.offload is not None and cached:  # saved after this step's forward pass
-            plan.offload_out.extend(self.offload.saves(cached))
+            pairs, disk_saves = self.offload.saves(cached, request.hash_root)
+            plan.offload_out.extend(pairs)
+            plan.disk_saves.extend(disk_saves)
         table = self.blocks.table(rid) if is_new or replaced else []  # else not sent
         placed = Placed(table, added, is_new, bool(replaced))
         plan.scheduled.append(scheduled(request, placed, start, num_new, lookahead, samples))

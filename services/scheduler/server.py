@@ -251,6 +251,10 @@ def offload_stats(offload) -> dict[str, int]:
         offload_saved_blocks=offload.num_saved_blocks,
         offload_loaded_blocks=offload.num_loaded_blocks,
         offload_hit_tokens=offload.num_hit_tokens,
+        num_offload_disk_blocks=offload.num_disk_blocks,
+        offload_disk_saved_blocks=offload.num_disk_saved_blocks,
+        offload_disk_loaded_blocks=offload.num_disk_loaded_blocks,
+        offload_disk_failed_blocks=offload.num_disk_failed_blocks,
     )
 
 

@@ -44,6 +44,8 @@ def worker_info_from_pb(address: str, d: worker_pb2.DescribeWorkerResponse) -> W
         ucx_address=d.ucx_address,
         num_swap_blocks=d.kv_cache.num_swap_blocks,
         num_offload_cpu_blocks=d.kv_cache.num_offload_cpu_blocks,
+        num_offload_disk_blocks=d.kv_cache.num_offload_disk_blocks,
+        offload_disk_hashes=tuple(d.kv_cache.offload_disk_hashes),
         shared_memory=(
             shared_memory_from_pb(d.kv_shared_memory) if d.HasField("kv_shared_memory") else None
         ),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from common.step_plan import BlockMoves, CachedRequestData, NewRequestData, StepPlan
+from common.step_plan import BlockMoves, CachedRequestData, DiskBlock, NewRequestData, StepPlan
 from services.scheduler.request import FinishReason, Logprob, Request
 
 
@@ -120,6 +120,10 @@ class PoolStepPlan:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write
     # After the forward pass: full blocks saved to the offload tier (device, offload).
     offload_out: list[tuple[int, int]] = field(default_factory=list)
+    # The disk tier: offload blocks written to it (after the forward pass, before
+    # offload_out), and blocks read from it into held offload blocks (before it).
+    disk_saves: list[DiskBlock] = field(default_factory=list)
+    disk_loads: list[DiskBlock] = field(default_factory=list)
     # Tags of KV receives given up on: from this step on none may write into the pool.
     cancelled_transfer_tags: list[int] = field(default_factory=list)
 
@@ -140,6 +144,8 @@ class PoolStepPlan:
                 offload_in=self.offload_in,
                 copies=self.block_copies,
                 offload_out=self.offload_out,
+                disk_saves=self.disk_saves,
+                disk_loads=self.disk_loads,
             ),
             cancelled_transfer_tags=self.cancelled_transfer_tags,
         )
@@ -151,6 +157,7 @@ class PoolStepPlan:
             or self.dropped_request_ids
             or self.swap_out
             or self.cancelled_transfer_tags
+            or self.disk_loads
         )
 
 

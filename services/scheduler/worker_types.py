@@ -109,6 +109,8 @@ class WorkerInfo:
     rank_ucx_addresses: tuple[bytes, ...] = ()  # ranks 1.. (ucx_address is rank 0's)
     max_loras: int = 0  # distinct LoRA adapters per step (0: LoRA off)
     num_offload_cpu_blocks: int = 0  # the host-memory KV offload tier
+    num_offload_disk_blocks: int = 0  # the disk tier behind it
+    offload_disk_hashes: tuple[bytes, ...] = ()  # what it holds (oldest first)
 
     def can_pull_from(self, source: WorkerInfo) -> bool:
         """This worker can copy KV straight out of `source`'s pool (same host)."""

@@ -18,7 +18,9 @@ def check_moves(
 ) -> None:
     swap_blocks = 0 if swap_cache is None else swap_cache.num_blocks
     offload_blocks = 0 if offload_cache is None else offload_cache.num_blocks
-    if (moves.offload_in or moves.offload_out) and not offload_blocks:
+    if (moves.offload_in or moves.offload_out or moves.disk_saves or moves.disk_loads) and (
+        not offload_blocks
+    ):
         raise PlanError("the plan moves offload blocks but this worker has no offload tier")
     if (moves.swap_out or moves.swap_in) and not swap_blocks:
         raise PlanError("the plan swaps blocks but this worker has no swap space")
@@ -28,6 +30,8 @@ def check_moves(
         ("block_copies", moves.copies, (kv_cache.num_blocks,) * 2),
         ("offload_in", moves.offload_in, (offload_blocks, kv_cache.num_blocks)),
         ("offload_out", moves.offload_out, (kv_cache.num_blocks, offload_blocks)),
+        ("disk_saves", [(b.offload_block, 0) for b in moves.disk_saves], (offload_blocks, 1)),
+        ("disk_loads", [(0, b.offload_block) for b in moves.disk_loads], (1, offload_blocks)),
     ):
         bad = [p for p in pairs if not (0 <= p[0] < src_n and 0 <= p[1] < dst_n)]
         if bad:

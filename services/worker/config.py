@@ -120,6 +120,17 @@ class WorkerConfig(ServiceConfig):
         "prefix the pool evicted is loaded back instead of recomputed",
         env="TANDEM_KV_OFFLOAD_CPU_BYTES",
     )
+    kv_offload_dir: str = setting(
+        "",
+        'folder of the KV offload\'s disk tier, behind the host-memory tier ("": none); '
+        "it survives a restart",
+        env="TANDEM_KV_OFFLOAD_DIR",
+    )
+    kv_offload_disk_bytes: str = setting(
+        "0",
+        "disk budget of the KV offload's disk tier (with --kv-offload-dir)",
+        env="TANDEM_KV_OFFLOAD_DISK_BYTES",
+    )
     gpu_memory_utilization: float = setting(
         0.9, "fraction of GPU memory for weights and KV", env="TANDEM_GPU_MEMORY_UTILIZATION"
     )
@@ -287,6 +298,23 @@ class WorkerConfig(ServiceConfig):
             not self._size("kv_offload_cpu_bytes") or self.role != "decode",
             "kv_offload_cpu_bytes",
             "is not supported on a decode worker yet (prefill and both workers offload)",
+        )
+        disk = self._size("kv_offload_disk_bytes")
+        self._require(disk >= 0, "kv_offload_disk_bytes", "must be >= 0")
+        self._require(
+            bool(disk) == bool(self.kv_offload_dir),
+            "kv_offload_dir",
+            "and --kv-offload-disk-bytes go together (a folder and its budget)",
+        )
+        self._require(
+            not disk or self._size("kv_offload_cpu_bytes") > 0,
+            "kv_offload_disk_bytes",
+            "needs --kv-offload-cpu-bytes (the disk tier is behind the host-memory tier)",
+        )
+        self._require(
+            not disk or self.world_size == 1,
+            "kv_offload_disk_bytes",
+            "is not supported with tensor or pipeline parallelism yet",
         )
         self._require(
             0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]"

@@ -132,6 +132,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 num_offload_cpu_blocks=(
                     0 if worker.offload_cache is None else worker.offload_cache.num_blocks
                 ),
+                num_offload_disk_blocks=(
+                    0 if worker.disk_offload is None else worker.disk_offload.capacity_blocks
+                ),
+                offload_disk_hashes=(
+                    [] if worker.disk_offload is None else worker.disk_offload.hashes()
+                ),
             ),
             ucx_address=worker.transport.address,
             num_active_requests=len(worker.batch),

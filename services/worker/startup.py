@@ -29,7 +29,10 @@ from common.rope_config import max_context_length
 from services.worker.compute_lock import make_compute_lock
 from services.worker.config import WorkerConfig
 from services.worker.cuda_graphs import DecodeGraphs, graph_buckets
+from services.worker.disk_offload import DiskOffload
 from services.worker.kv_cache import KvCache
+from services.worker.kv_offload.disk_tier import DiskTier
+from services.worker.kv_offload.keys import TierIdentity
 from services.worker.kv_shared import SharedPool
 from services.worker.lora.adapter import load_adapter
 from services.worker.lora.manager import LoraManager
@@ -62,6 +65,7 @@ class LoadedWorker:
     lora: LoraManager | None = None  # --enable-lora: the adapters and their slots
     kv_groups: KvGroups | None = None  # which layers share a block table (None: all)
     offload_cache: KvCache | None = None  # the host-memory KV offload tier
+    disk_offload: DiskOffload | None = None  # and the disk tier behind it
 
 
 def resolve_device(name: str) -> torch.device:
@@ -286,6 +290,7 @@ def load_worker(
         else None
     )
     offload_cache = kv_offload_cache(config, groups, geometry, kv_cache.block_bytes)
+    disk_offload = kv_offload_disk(config, model_config.name, kv_cache)
     log.info(
         "worker_loaded",
         worker_id=worker_id,
@@ -307,6 +312,7 @@ def load_worker(
         draft_kv_pool_mib=round(num_blocks * draft_block_bytes / 2**20, 1),
         swap_blocks=num_swap_blocks,
         offload_cpu_blocks=0 if offload_cache is None else offload_cache.num_blocks,
+        offload_disk_blocks=0 if disk_offload is None else disk_offload.capacity_blocks,
         shared_pool=shared_pool is not None,
         max_model_len=max_model_len,
         seconds=round(time.perf_counter() - started, 2),
@@ -314,8 +320,30 @@ def load_worker(
     )
     return LoadedWorker(
         model, model_config, kv_cache, max_model_len, device, swap_cache, graphs, shared_pool,
-        draft, draft_cache, lora, groups, offload_cache,
+        draft, draft_cache, lora, groups, offload_cache, disk_offload,
     )  # fmt: skip
+
+
+def kv_offload_disk(config: WorkerConfig, model_name: str, kv_cache: KvCache):
+    """The disk tier behind the offload pool (`--kv-offload-dir`; None: none). Its files
+    are this model's, this geometry's and this KV dtype's only."""
+    size = parse_size(config.kv_offload_disk_bytes)
+    if not size:
+        return None
+    identity = TierIdentity(
+        model=model_name,
+        num_slots=kv_cache.num_layers,
+        block_size=kv_cache.block_size,
+        block_bytes=kv_cache.block_bytes,
+        dtype=kv_cache.dtype,
+    )
+    tier = DiskTier(config.kv_offload_dir, size, identity)
+    if not tier.enabled:
+        raise ValueError(
+            f"--kv-offload-disk-bytes {config.kv_offload_disk_bytes} holds no block "
+            f"(a block's file is {tier.file_bytes} bytes)"
+        )
+    return DiskOffload(tier)
 
 
 def kv_offload_cache(config: WorkerConfig, groups: KvGroups, geometry, block_bytes: int):

@@ -16,7 +16,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -27,8 +27,8 @@ from common.pb.tandem.internal.v1 import worker_pb2
 from common.step_plan import BlockMoves, CachedRequestData, NewRequestData
 from common.step_result import StepResult
 from common.structured_output import Constraint
-from services.worker.batch import PersistentBatch
-from services.worker.block_moves import run_moves, run_saves
+from services.worker.batch import PersistentBatch, PlanError
+from services.worker.block_moves import check_moves, run_moves, run_saves
 from services.worker.compute_lock import ComputeLock, make_compute_lock
 from services.worker.config import WorkerConfig
 from services.worker.kv_cache import KvCache
@@ -104,6 +104,7 @@ class Worker:
         self.model_config, self.max_model_len = loaded.model_config, loaded.max_model_len
         self.kv_cache, self.swap_cache = loaded.kv_cache, loaded.swap_cache
         self.offload_cache = loaded.offload_cache
+        self.disk_offload = loaded.disk_offload
         self.kv_groups = loaded.kv_groups or loaded.model_config.kv_groups(hybrid=False)
         self.device, self.lora, self.shared_pool = loaded.device, loaded.lora, loaded.shared_pool
         self.speculative = config.speculative
@@ -300,16 +301,31 @@ class Worker:
         work = self.batch.apply(finished_ids, new, cached)
         if self.runner.structured is not None:  # a request that comes back starts afresh
             self.runner.structured.forget(finished_ids)
+        disk = self._disk_loads(moves)  # into offload blocks held for them
         run_moves(moves, self.kv_cache, self.swap_cache, self.offload_cache)
         if self._progress is not None:  # peers stream this step's KV layer by layer
             self._running_step_id = step_id
             self._progress.step_started(step_id)
         output = self.runner.execute(work, step_id)
+        if moves.disk_saves:  # before offload_out may reuse their offload blocks
+            self.disk_offload.save(moves.disk_saves, self.offload_cache)
         run_saves(moves, self.kv_cache, self.offload_cache)
+        if self.disk_offload is not None:
+            output = replace(output, disk_removed=tuple(self.disk_offload.take_removed()), **disk)
         if self._progress is not None:
             self._progress.step_done(step_id)
         self.batch.complete(work, output.sampled, output.accepted_tokens)
         return output
+
+    def _disk_loads(self, moves: BlockMoves) -> dict:
+        """A step's disk tier loads, before its forward pass: the result's fields."""
+        if not moves.disk_loads and not moves.disk_saves:
+            return {}
+        if self.disk_offload is None:
+            raise PlanError("the plan moves disk tier blocks but this worker has none")
+        check_moves(moves, self.kv_cache, self.swap_cache, self.offload_cache)
+        loaded, failed = self.disk_offload.load(moves.disk_loads, self.offload_cache)
+        return {"disk_loaded": tuple(loaded), "disk_failed": tuple(failed)}
 
     def _layer_written(self, layer: int) -> None:
         self._progress.layer_done(self._running_step_id, layer)
@@ -493,6 +509,8 @@ class Worker:
             mapped.close()
         await self.transport.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.disk_offload is not None:
+            self.disk_offload.close()  # every file in flight written
         self.runner.structured.close()
         if self.compute_lock is not None:
             self.compute_lock.close()

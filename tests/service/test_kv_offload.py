@@ -4,10 +4,21 @@ recomputed, token for token as HF `generate`, with no block left held in either 
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
+from common.prefix_hash import extend_block_hashes, root_hash
+from tests.fault_injection import wait_for, wait_healthy_pools
 from tests.hf_reference import hf_greedy
-from tests.stack_client import generate, greedy_request, pool_stats, start_stack, wait_until_idle
+from tests.stack_client import (
+    generate,
+    greedy_request,
+    log_lines_since,
+    pool_stats,
+    start_stack,
+    wait_until_idle,
+)
 
 BLOCK = 16
 
@@ -72,5 +83,74 @@ def test_an_evicted_conversation_prefix_is_loaded_from_the_offload_tier(
         assert all(p.num_free_blocks == p.num_blocks for p in pools)  # nothing leaked
         assert tier(stack).num_offload_cpu_cached_blocks > 0
         assert sum(p.num_offload_cpu_blocks > 0 for p in pool_stats(stack).pools) == 1
+    finally:
+        stack.stop()
+
+
+def test_the_disk_tier_serves_past_the_host_tier_and_a_worker_restart_but_never_a_bad_file(
+    tiny_llama_dir, tmp_path
+):
+    """A host tier of 4 blocks and a disk tier behind it: the first turn's 4 blocks leave
+    the device pool and then the host tier (to disk) under other traffic, and come back
+    from disk. The worker then stops and starts again: its files are still found, except
+    one whose bytes were damaged meanwhile, which is never served (its tokens are
+    computed; the output stays HF-exact)."""
+    disk = tmp_path / "kv"
+    block_bytes = 2 * 2 * BLOCK * 2 * 16 * 4  # tiny llama: layers, K/V, slots, heads, dim
+    pool = ["--max-model-len", "160", "--num-blocks", "10", "--block-size", str(BLOCK)]
+    tiers = [
+        *("--kv-offload-cpu-bytes", str(4 * block_bytes)),
+        *("--kv-offload-dir", str(disk), "--kv-offload-disk-bytes", "4MiB"),
+    ]
+    salt = "disk-tier-test"  # a known deployment salt: the test can name a block's file
+    args = {"both": [*pool, *tiers], "scheduler": ["--prefix-cache-salt", salt]}
+    stack = start_stack(
+        tiny_llama_dir, tmp_path / "run", prefill=0, decode=0, both=1, extra_args=args
+    )
+    try:
+        address = stack.spec.gateway_address
+        first = list(range(5, 69))  # 4 full blocks
+        turn1 = generate(address, salted(first, 8))
+        for start in (300, 500):  # 7 full blocks each: device and host tier both turn over
+            flood = list(range(start, start + 120))
+            generate(address, salted(flood, 4))
+        before = tier(stack)
+        assert before.num_offload_cpu_blocks == 4 and before.offload_disk_saved_blocks >= 4
+        second = first + list(turn1.token_ids) + list(range(80, 90))
+        turn2 = generate(address, salted(second, 8))
+        assert turn2.token_ids == hf_greedy(tiny_llama_dir, second, 8)
+        assert turn2.usage.cached_tokens == 4 * BLOCK  # read back from disk
+        after = tier(stack)
+        assert after.offload_disk_loaded_blocks - before.offload_disk_loaded_blocks == 4
+        assert after.offload_disk_failed_blocks == 0
+
+        # The worker stops (its writes done) and starts again over the same folder; the
+        # file of the first turn's block 1 is damaged meanwhile.
+        (worker,) = [p.name for p in stack.processes if p.name.startswith("both")]
+        root = root_hash(salt.encode(), "offload")
+        block1 = extend_block_hashes([], first, BLOCK, root)[1]
+        (damaged,) = disk.rglob(f"{block1.hex()}-0.kv")
+        failures = pool_stats(stack).worker_failures
+        stack.signal(worker, signal.SIGTERM)
+        stack.wait_exit(worker)
+        # (the scheduler sees it gone before it comes back: a new process, an empty pool)
+        wait_for(lambda: pool_stats(stack).worker_failures > failures, 60, "worker failed")
+        raw = bytearray(damaged.read_bytes())
+        raw[len(raw) // 2] ^= 0x5A
+        damaged.write_bytes(bytes(raw))
+        stack.restart(worker)
+        wait_healthy_pools(stack)
+        assert tier(stack).num_offload_disk_blocks >= 4  # what the restarted worker holds
+        third = first + list(range(90, 100))
+        turn3 = generate(address, salted(third, 8))
+        assert turn3.token_ids == hf_greedy(tiny_llama_dir, third, 8)
+        assert turn3.usage.cached_tokens == BLOCK  # block 0 from disk; block 1 was bad
+        stats = tier(stack)
+        assert stats.offload_disk_loaded_blocks >= 1 and stats.offload_disk_failed_blocks == 1
+        assert not damaged.exists()  # the bad file is gone, never served, logged once
+        bad = [x for x in log_lines_since(stack, 0, worker) if "kv_offload_bad_file" in x]
+        assert len(bad) == 1 and block1.hex() in bad[0] and "checksum" in bad[0]
+        pools = wait_until_idle(stack).pools
+        assert all(p.num_free_blocks == p.num_blocks for p in pools)
     finally:
         stack.stop()

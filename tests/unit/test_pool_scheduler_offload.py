@@ -2,10 +2,12 @@
 blocks saved after the step that fills them, a prefix the device cache evicted loaded
 back from the tier instead of recomputed, the tier's own LRU, and isolation by key."""
 
+from dataclasses import replace
+
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.kv_offload import HostOffload
 from services.scheduler.pool_scheduler import PoolScheduler
-from tests.unit.test_pool_scheduler import make_request, step
+from tests.unit.test_pool_scheduler import make_request, result_for, step
 
 
 def offload_sched(num_blocks=6, offload_blocks=8, block_size=4) -> PoolScheduler:
@@ -108,3 +110,83 @@ def test_another_salt_never_hits_the_tier_and_prompt_logprobs_compute_everything
     s.add(scored)
     plan = step(s)
     assert plan.offload_in == [] and plan.scheduled[0].num_computed_before == 0
+
+
+# -- the disk tier behind the host tier ----------------------------------------------------
+def disk_sched(offload_blocks=2) -> PoolScheduler:
+    return PoolScheduler(
+        BlockManager(40, 4), 32, 8, offload=HostOffload(offload_blocks, 4, disk_hashes=())
+    )
+
+
+def answer(s: PoolScheduler, plan, **disk) -> None:
+    """The worker's result for `plan`, with what its disk tier did."""
+    result = result_for(plan)
+    s.update(replace(result, **disk))
+    s.check_integrity()
+
+
+def test_blocks_the_host_tier_lets_go_are_written_to_disk_and_read_back_on_a_hit():
+    s = disk_sched(offload_blocks=2)
+    a = make_request("a", 9, max_tokens=1, first=100)  # two full blocks
+    s.add(a)
+    step(s)
+    s.add(make_request("b", 9, max_tokens=1, first=200))
+    plan = step(s)  # b's two saves push a's two blocks out of the host tier: to disk
+    assert [d.block_hash for d in plan.disk_saves] == a.block_hashes[:2]
+    assert {d.offload_block for d in plan.disk_saves} == {0, 1}
+    assert all(d.root == a.hash_root for d in plan.disk_saves)
+    s.blocks.pool.reset_cache()  # the device forgets
+    again = make_request("again", 10, max_tokens=1, first=100)
+    s.add(again)
+    plan = s.schedule()  # a's blocks are on disk: read into held offload blocks; it waits
+    assert plan.scheduled == [] and not plan.is_empty
+    assert [d.block_hash for d in plan.disk_loads] == a.block_hashes[:2]
+    twin = make_request("twin", 10, max_tokens=1, first=100)
+    s.add(twin)
+    assert s.schedule().is_empty  # the same blocks are on their way: no second read
+    answer(s, plan, disk_loaded=tuple(a.block_hashes[:2]))
+    plan = step(s)  # both start from the two blocks, now in the host tier
+    assert [(i.request.request_id, i.num_computed_before) for i in plan.scheduled] == [
+        ("again", 8),
+        ("twin", 8),
+    ]
+    # `again` loads them from the tier; `twin`, planned after it, hits them on the device.
+    assert sorted(src for src, _ in plan.offload_in) == [0, 1]
+    assert s.offload.num_disk_loaded_blocks == 2 and s.offload.num_disk_saved_blocks == 2
+
+
+def test_a_block_the_disk_could_not_serve_is_computed_and_leaves_the_index():
+    s = disk_sched(offload_blocks=2)
+    a = make_request("a", 9, max_tokens=1, first=100)
+    s.add(a)
+    step(s)
+    s.add(make_request("b", 9, max_tokens=1, first=200))
+    step(s)
+    s.blocks.pool.reset_cache()
+    again = make_request("again", 10, max_tokens=1, first=100)
+    s.add(again)
+    plan = s.schedule()
+    k0, k1 = a.block_hashes[:2]
+    answer(s, plan, disk_loaded=(k0,), disk_failed=(k1,))  # a corrupt or missing file
+    assert k1 not in s.offload.disk and k0 in s.offload.disk
+    (item,) = step(s).scheduled
+    assert item.num_computed_before == 4  # block 0 from the tier, the rest computed
+    answer_removed = disk_sched()
+    answer_removed.offload.disk[b"x" * 32] = None
+    answer_removed.offload.disk_results((), (), (b"x" * 32,))  # the worker's LRU let it go
+    assert answer_removed.offload.num_disk_blocks == 0
+
+
+def test_one_step_never_writes_an_offload_block_twice_nor_sends_unwritten_bytes_to_disk():
+    s = disk_sched(offload_blocks=1)
+    s.add(make_request("a", 9, max_tokens=1, first=100))  # two blocks, one offload block
+    plan = step(s)
+    assert len(plan.offload_out) == 1 and plan.disk_saves == []
+
+
+def test_a_step_saves_at_most_one_block_into_each_offload_block():
+    s = offload_sched(num_blocks=20, offload_blocks=3)
+    s.add(make_request("long", 21, max_tokens=1))  # five full blocks in one step
+    plan = step(s)
+    assert [dst for _, dst in plan.offload_out] == [0, 1, 2]  # the first three; no reuse

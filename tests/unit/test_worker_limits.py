@@ -138,6 +138,7 @@ def fake_worker(device: str) -> SimpleNamespace:
         kv_groups=SimpleNamespace(windows=(None,)),
         swap_cache=None,
         offload_cache=None,
+        disk_offload=None,
         transport=SimpleNamespace(address=b"ucx"),
         shared_pool=None,
         speculative=None,

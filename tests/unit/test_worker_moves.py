@@ -6,9 +6,10 @@ import asyncio
 import pytest
 import torch
 
-from common.step_plan import BlockMoves
+from common.step_plan import BlockMoves, DiskBlock
 from services.worker.batch import PlanError
 from services.worker.config import WorkerConfig
+from services.worker.disk_offload import DiskOffload
 from services.worker.worker import Worker
 
 
@@ -66,6 +67,47 @@ def test_offload_loads_run_before_the_forward_pass_and_saves_after_it(tiny_llama
         with pytest.raises(PlanError, match="no offload tier"):
             await bare.step(1, [], [], [], BlockMoves(offload_out=[(1, 0)]))
         await bare.close()
+
+    run(scenario())
+
+
+def test_disk_saves_and_loads_move_offload_blocks_through_verified_files(tiny_llama_dir, tmp_path):
+    async def scenario():
+        disk = dict(kv_offload_dir=str(tmp_path), kv_offload_disk_bytes="1MiB")
+        worker = await loaded(tiny_llama_dir, kv_offload_cpu_bytes="512KiB", **disk)
+        tier = worker.offload_cache
+        tier.data.copy_(torch.randn(tier.data.shape))
+        stored = tier.data.clone()
+        root, keys = b"r" * 32, [bytes([i]) * 32 for i in range(3)]
+        saves = [DiskBlock(keys[i], root, i) for i in range(3)]
+        await worker.step(1, [], [], [], BlockMoves(disk_saves=saves))
+        worker.disk_offload.close()  # every write done (a load waits for its own anyway)
+        files = sorted(tmp_path.rglob("*.kv"))
+        assert len(files) == 3
+        raw = bytearray(files[0].read_bytes())  # one file's payload flipped: never served
+        raw[-1] ^= 0xFF
+        files[0].write_bytes(bytes(raw))
+        bad = next(k for k in keys if k.hex() in files[0].name)
+        loads = [DiskBlock(k, root, 5 + i) for i, k in enumerate(keys)]
+        worker.disk_offload = DiskOffload(worker.disk_offload.tier)
+        result = await worker.step(2, [], [], [], BlockMoves(disk_loads=loads))
+        assert result.disk_failed == (bad,) and set(result.disk_loaded) == set(keys) - {bad}
+        assert result.disk_removed == (bad,)  # its file is gone, and the index says so
+        for i, key in enumerate(keys):
+            if key != bad:
+                assert torch.equal(tier.data[5 + i], stored[keys.index(key)])
+        assert len(list(tmp_path.rglob("*.kv"))) == 2
+        foreign = await worker.step(
+            3,
+            [],
+            [],
+            [],
+            BlockMoves(
+                disk_loads=[DiskBlock(keys[1] if bad != keys[1] else keys[2], b"o" * 32, 9)]
+            ),
+        )
+        assert foreign.disk_loaded == () and len(foreign.disk_failed) == 1  # another root
+        await worker.close()
 
     run(scenario())
 

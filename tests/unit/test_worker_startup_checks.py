@@ -60,3 +60,15 @@ def test_the_kv_offload_tier_is_sized_in_blocks_and_refused_where_it_cannot_serv
         )  # fmt: skip
     with pytest.raises(ValueError, match="kv_offload_cpu_bytes.*decode worker"):
         WorkerConfig(model="m", role="decode", kv_offload_cpu_bytes="64KiB")
+
+
+def test_the_disk_tier_needs_its_folder_its_budget_and_the_host_tier_before_it() -> None:
+    WorkerConfig(
+        model="m", kv_offload_cpu_bytes="1MiB", kv_offload_dir="/x", kv_offload_disk_bytes="1GiB"
+    )
+    with pytest.raises(ValueError, match="kv_offload_dir.*go together"):
+        WorkerConfig(model="m", kv_offload_cpu_bytes="1MiB", kv_offload_dir="/x")
+    with pytest.raises(ValueError, match="kv_offload_dir.*go together"):
+        WorkerConfig(model="m", kv_offload_cpu_bytes="1MiB", kv_offload_disk_bytes="1GiB")
+    with pytest.raises(ValueError, match="kv_offload_disk_bytes.*needs --kv-offload-cpu-bytes"):
+        WorkerConfig(model="m", kv_offload_dir="/x", kv_offload_disk_bytes="1GiB")

@@ -133,7 +133,7 @@ class GetPoolStatsResponse(_message.Message):
     def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., num_requests: _Optional[int] = ..., integrity_errors: _Optional[_Iterable[str]] = ..., num_waiting_requests: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., worker_failures: _Optional[int] = ..., restarted_requests: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "num_blocks", "num_free_blocks", "num_requests", "num_cached_blocks", "prefix_hit_tokens", "evictions", "preemptions", "kv_blocks_received", "kv_blocks_reused", "steps", "mean_execute_ms", "mean_step_interval_ms", "num_swap_blocks", "num_free_swap_blocks", "swap_outs", "healthy", "draining", "mean_step_overhead_ms", "kv_migrations_out", "prompt_tokens_computed", "kv_transfers", "kv_source_lag_ms_total", "spec_decode_num_steps", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "num_offload_cpu_blocks", "num_offload_cpu_cached_blocks", "offload_saved_blocks", "offload_loaded_blocks", "offload_hit_tokens")
+    __slots__ = ("worker_id", "role", "address", "num_blocks", "num_free_blocks", "num_requests", "num_cached_blocks", "prefix_hit_tokens", "evictions", "preemptions", "kv_blocks_received", "kv_blocks_reused", "steps", "mean_execute_ms", "mean_step_interval_ms", "num_swap_blocks", "num_free_swap_blocks", "swap_outs", "healthy", "draining", "mean_step_overhead_ms", "kv_migrations_out", "prompt_tokens_computed", "kv_transfers", "kv_source_lag_ms_total", "spec_decode_num_steps", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "num_offload_cpu_blocks", "num_offload_cpu_cached_blocks", "offload_saved_blocks", "offload_loaded_blocks", "offload_hit_tokens", "num_offload_disk_blocks", "offload_disk_saved_blocks", "offload_disk_loaded_blocks", "offload_disk_failed_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,10 @@ class PoolStats(_message.Message):
     OFFLOAD_SAVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     OFFLOAD_LOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     OFFLOAD_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OFFLOAD_DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_DISK_SAVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_DISK_LOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_DISK_FAILED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _types_pb2.WorkerRole
     address: str
@@ -200,7 +204,11 @@ class PoolStats(_message.Message):
     offload_saved_blocks: int
     offload_loaded_blocks: int
     offload_hit_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., kv_blocks_reused: _Optional[int] = ..., steps: _Optional[int] = ..., mean_execute_ms: _Optional[float] = ..., mean_step_interval_ms: _Optional[float] = ..., num_swap_blocks: _Optional[int] = ..., num_free_swap_blocks: _Optional[int] = ..., swap_outs: _Optional[int] = ..., healthy: _Optional[bool] = ..., draining: _Optional[bool] = ..., mean_step_overhead_ms: _Optional[float] = ..., kv_migrations_out: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_source_lag_ms_total: _Optional[float] = ..., spec_decode_num_steps: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., num_offload_cpu_blocks: _Optional[int] = ..., num_offload_cpu_cached_blocks: _Optional[int] = ..., offload_saved_blocks: _Optional[int] = ..., offload_loaded_blocks: _Optional[int] = ..., offload_hit_tokens: _Optional[int] = ...) -> None: ...
+    num_offload_disk_blocks: int
+    offload_disk_saved_blocks: int
+    offload_disk_loaded_blocks: int
+    offload_disk_failed_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_blocks_received: _Optional[int] = ..., kv_blocks_reused: _Optional[int] = ..., steps: _Optional[int] = ..., mean_execute_ms: _Optional[float] = ..., mean_step_interval_ms: _Optional[float] = ..., num_swap_blocks: _Optional[int] = ..., num_free_swap_blocks: _Optional[int] = ..., swap_outs: _Optional[int] = ..., healthy: _Optional[bool] = ..., draining: _Optional[bool] = ..., mean_step_overhead_ms: _Optional[float] = ..., kv_migrations_out: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., kv_transfers: _Optional[int] = ..., kv_source_lag_ms_total: _Optional[float] = ..., spec_decode_num_steps: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., num_offload_cpu_blocks: _Optional[int] = ..., num_offload_cpu_cached_blocks: _Optional[int] = ..., offload_saved_blocks: _Optional[int] = ..., offload_loaded_blocks: _Optional[int] = ..., offload_hit_tokens: _Optional[int] = ..., num_offload_disk_blocks: _Optional[int] = ..., offload_disk_saved_blocks: _Optional[int] = ..., offload_disk_loaded_blocks: _Optional[int] = ..., offload_disk_failed_blocks: _Optional[int] = ...) -> None: ...
 
 class LoadLoraAdapterRequest(_message.Message):
     __slots__ = ("lora_name", "lora_path")

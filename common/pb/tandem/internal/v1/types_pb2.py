@@ -25,19 +25,19 @@ _sym_db = _symbol_database.Default()
 from common.pb.tandem.v1 import generate_pb2 as tandem_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1etandem/internal/v1/types.proto\x12\x12tandem.internal.v1\x1a\x18tandem/v1/generate.proto\"\xb7\x01\n\x08Sampling\x12)\n\x06params\x18\x01 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x03\x12\x15\n\x08logprobs\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x05 \x01(\x05H\x01\x88\x01\x01\x42\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xbe\x02\n\x10ModelDescription\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x03\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nnum_layers\x18\x07 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x08 \x01(\r\x12\x10\n\x08head_dim\x18\t \x01(\r\x12\x15\n\rlora_adapters\x18\n \x03(\t\x12\x11\n\trope_type\x18\x0b \x01(\t\x12\x1d\n\x15rope_length_threshold\x18\x0c \x01(\r\x12\x18\n\x10kv_group_windows\x18\x0e \x03(\rJ\x04\x08\r\x10\x0eR\x10kv_window_tokens\"\x9a\x01\n\x12KvCacheDescription\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x17\n\x0fnum_swap_blocks\x18\x05 \x01(\r\x12\x1e\n\x16num_offload_cpu_blocks\x18\x06 \x01(\r*p\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x14\n\x10WORKER_ROLE_BOTH\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1etandem/internal/v1/types.proto\x12\x12tandem.internal.v1\x1a\x18tandem/v1/generate.proto\"\xb7\x01\n\x08Sampling\x12)\n\x06params\x18\x01 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x03\x12\x15\n\x08logprobs\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x05 \x01(\x05H\x01\x88\x01\x01\x42\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xbe\x02\n\x10ModelDescription\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x03\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nnum_layers\x18\x07 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x08 \x01(\r\x12\x10\n\x08head_dim\x18\t \x01(\r\x12\x15\n\rlora_adapters\x18\n \x03(\t\x12\x11\n\trope_type\x18\x0b \x01(\t\x12\x1d\n\x15rope_length_threshold\x18\x0c \x01(\r\x12\x18\n\x10kv_group_windows\x18\x0e \x03(\rJ\x04\x08\r\x10\x0eR\x10kv_window_tokens\"\xd8\x01\n\x12KvCacheDescription\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x17\n\x0fnum_swap_blocks\x18\x05 \x01(\r\x12\x1e\n\x16num_offload_cpu_blocks\x18\x06 \x01(\r\x12\x1f\n\x17num_offload_disk_blocks\x18\x07 \x01(\r\x12\x1b\n\x13offload_disk_hashes\x18\x08 \x03(\x0c*p\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x14\n\x10WORKER_ROLE_BOTH\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.internal.v1.types_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERROLE']._serialized_start=744
-  _globals['_WORKERROLE']._serialized_end=856
+  _globals['_WORKERROLE']._serialized_start=806
+  _globals['_WORKERROLE']._serialized_end=918
   _globals['_SAMPLING']._serialized_start=81
   _globals['_SAMPLING']._serialized_end=264
   _globals['_MODELDESCRIPTION']._serialized_start=267
   _globals['_MODELDESCRIPTION']._serialized_end=585
   _globals['_KVCACHEDESCRIPTION']._serialized_start=588
-  _globals['_KVCACHEDESCRIPTION']._serialized_end=742
+  _globals['_KVCACHEDESCRIPTION']._serialized_end=804
 # @@protoc_insertion_point(module_scope)

@@ -64,17 +64,21 @@ class ModelDescription(_message.Message):
     def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., rope_type: _Optional[str] = ..., rope_length_threshold: _Optional[int] = ..., kv_group_windows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvCacheDescription(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "block_bytes", "layout", "num_swap_blocks", "num_offload_cpu_blocks")
+    __slots__ = ("num_blocks", "block_size", "block_bytes", "layout", "num_swap_blocks", "num_offload_cpu_blocks", "num_offload_disk_blocks", "offload_disk_hashes")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_SWAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_OFFLOAD_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OFFLOAD_DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_DISK_HASHES_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     block_bytes: int
     layout: str
     num_swap_blocks: int
     num_offload_cpu_blocks: int
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., block_bytes: _Optional[int] = ..., layout: _Optional[str] = ..., num_swap_blocks: _Optional[int] = ..., num_offload_cpu_blocks: _Optional[int] = ...) -> None: ...
+    num_offload_disk_blocks: int
+    offload_disk_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., block_bytes: _Optional[int] = ..., layout: _Optional[str] = ..., num_swap_blocks: _Optional[int] = ..., num_offload_cpu_blocks: _Optional[int] = ..., num_offload_disk_blocks: _Optional[int] = ..., offload_disk_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...

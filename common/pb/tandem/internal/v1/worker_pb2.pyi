@@ -71,7 +71,7 @@ class KvSharedMemory(_message.Message):
     def __init__(self, host_id: _Optional[str] = ..., pid: _Optional[int] = ..., fd: _Optional[int] = ..., num_bytes: _Optional[int] = ..., token: _Optional[bytes] = ..., pool_offset: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "finished_request_ids", "swap_out", "swap_in", "block_copies", "cancelled_transfer_tags", "offload_in", "offload_out")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "finished_request_ids", "swap_out", "swap_in", "block_copies", "cancelled_transfer_tags", "offload_in", "offload_out", "disk_saves", "disk_loads")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,8 @@ class StepRequest(_message.Message):
     CANCELLED_TRANSFER_TAGS_FIELD_NUMBER: _ClassVar[int]
     OFFLOAD_IN_FIELD_NUMBER: _ClassVar[int]
     OFFLOAD_OUT_FIELD_NUMBER: _ClassVar[int]
+    DISK_SAVES_FIELD_NUMBER: _ClassVar[int]
+    DISK_LOADS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
@@ -92,7 +94,19 @@ class StepRequest(_message.Message):
     cancelled_transfer_tags: _containers.RepeatedScalarFieldContainer[int]
     offload_in: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     offload_out: _containers.RepeatedCompositeFieldContainer[BlockCopy]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., cancelled_transfer_tags: _Optional[_Iterable[int]] = ..., offload_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., offload_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+    disk_saves: _containers.RepeatedCompositeFieldContainer[DiskBlock]
+    disk_loads: _containers.RepeatedCompositeFieldContainer[DiskBlock]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., cancelled_transfer_tags: _Optional[_Iterable[int]] = ..., offload_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., offload_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., disk_saves: _Optional[_Iterable[_Union[DiskBlock, _Mapping]]] = ..., disk_loads: _Optional[_Iterable[_Union[DiskBlock, _Mapping]]] = ...) -> None: ...
+
+class DiskBlock(_message.Message):
+    __slots__ = ("block_hash", "root", "offload_block")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    block_hash: bytes
+    root: bytes
+    offload_block: int
+    def __init__(self, block_hash: _Optional[bytes] = ..., root: _Optional[bytes] = ..., offload_block: _Optional[int] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("src", "dst")
@@ -145,7 +159,7 @@ class CachedRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., num_lookahead_tokens: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "sampled_tokens", "execute_seconds", "prompt_logprobs", "spec_decode", "draining", "propose_seconds", "propose_passes")
+    __slots__ = ("step_id", "sampled_tokens", "execute_seconds", "prompt_logprobs", "spec_decode", "draining", "propose_seconds", "propose_passes", "disk_loaded", "disk_failed", "disk_removed")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +168,9 @@ class StepResponse(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_PASSES_FIELD_NUMBER: _ClassVar[int]
+    DISK_LOADED_FIELD_NUMBER: _ClassVar[int]
+    DISK_FAILED_FIELD_NUMBER: _ClassVar[int]
+    DISK_REMOVED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
     execute_seconds: float
@@ -162,7 +179,10 @@ class StepResponse(_message.Message):
     draining: bool
     propose_seconds: float
     propose_passes: int
-    def __init__(self, step_id: _Optional[int] = ..., sampled_tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_seconds: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., spec_decode: _Optional[_Iterable[_Union[SpecDecodeCounts, _Mapping]]] = ..., draining: _Optional[bool] = ..., propose_seconds: _Optional[float] = ..., propose_passes: _Optional[int] = ...) -> None: ...
+    disk_loaded: _containers.RepeatedScalarFieldContainer[bytes]
+    disk_failed: _containers.RepeatedScalarFieldContainer[bytes]
+    disk_removed: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, step_id: _Optional[int] = ..., sampled_tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_seconds: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., spec_decode: _Optional[_Iterable[_Union[SpecDecodeCounts, _Mapping]]] = ..., draining: _Optional[bool] = ..., propose_seconds: _Optional[float] = ..., propose_passes: _Optional[int] = ..., disk_loaded: _Optional[_Iterable[bytes]] = ..., disk_failed: _Optional[_Iterable[bytes]] = ..., disk_removed: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SpecDecodeCounts(_message.Message):
     __slots__ = ("request_id", "num_draft_tokens", "num_accepted_tokens")
