@@ -106,6 +106,10 @@ class FreeBlockQueue:
         self.remove(block)
         return block
 
+    def first(self) -> Block | None:
+        """The block `popleft` would take (None: empty)."""
+        return self._head.next if self._len else None
+
     def remove(self, block: Block) -> None:
         if block.prev is None or block.next is None:
             raise ValueError(f"block {block.block_id} is not in the free queue")
@@ -162,6 +166,13 @@ class BlockPool:
             block.ref_count = 1
             out.append(block.block_id)
         return out
+
+    def next_evicted(self) -> Cached | None:
+        """What the next `allocate(1)` evicts from the index (None: nothing)."""
+        block = self._free.first()
+        if block is None or block.block_hash is None:
+            return None
+        return Cached(block.block_hash, block.token_ids, block.link)
 
     def is_null(self, block_id: int) -> bool:
         return self.reserve_null and block_id == NULL_BLOCK

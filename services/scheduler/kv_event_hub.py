@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from common.kv_events import (
+    MEDIUM_GPU,
+    MEDIUMS,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -160,17 +162,37 @@ class KvEventHub:
         if track is None:
             track = self._tracks[pool] = _Track(blocks)
         track.blocks = blocks
+        tiers = pool.scheduler.offload  # its offload tiers (CPU, Disk), if any
         if not pool.healthy:
             blocks.take_kv_events()  # about KV that is gone with the worker
+            if tiers is not None:
+                tiers.take_kv_events()
             if track.live:
                 track.live = False
-                return [AllBlocksCleared(blocks.events.medium)]
+                return [AllBlocksCleared(m) for m in self._mediums(pool)]
             return []
         if fresh or not track.live:
             blocks.take_kv_events()  # the snapshot says it all
+            if tiers is not None:
+                tiers.take_kv_events()
             track.live = True
-            return [AllBlocksCleared(blocks.events.medium), *blocks.kv_snapshot(self._rope_key_of)]
-        return blocks.take_kv_events(self._rope_key_of)
+            return [
+                *(AllBlocksCleared(m) for m in self._mediums(pool)),
+                *self._snapshot(pool, blocks),
+            ]
+        events = blocks.take_kv_events(self._rope_key_of)
+        return events if tiers is None else events + tiers.take_kv_events(self._rope_key_of)
+
+    @staticmethod
+    def _mediums(pool: Pool) -> list[str]:
+        tiers = pool.scheduler.offload
+        return [MEDIUM_GPU] if tiers is None else list(MEDIUMS)
+
+    def _snapshot(self, pool: Pool, blocks) -> list[KvCacheEvent]:
+        """What the pool holds now in every medium, as `BlockStored` events."""
+        events = blocks.kv_snapshot(self._rope_key_of)
+        tiers = pool.scheduler.offload
+        return events if tiers is None else events + tiers.kv_snapshot(self._rope_key_of)
 
     def _publish(self, pool: Pool, events: list[KvCacheEvent], now: float) -> None:
         self.seq += 1
@@ -190,7 +212,7 @@ class KvEventHub:
         for pool, track in self._tracks.items():
             if not track.live:
                 continue
-            snapshot = track.blocks.kv_snapshot(self._rope_key_of)
+            snapshot = self._snapshot(pool, track.blocks)
             for chunk in chunk_events(snapshot, self.config.max_blocks_per_batch):
                 batches.append(
                     KvEventBatch(

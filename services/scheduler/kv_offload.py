@@ -31,10 +31,14 @@ Pure Python.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
 
+from common.kv_events import KvCacheEvent
 from common.step_plan import DiskBlock
-from services.scheduler.block_pool import BlockPool, Uncached
+from services.scheduler.block_events import BlockLink, RopeKeyOf, no_rope_key
+from services.scheduler.block_pool import BlockPool, Cached
+from services.scheduler.kv_offload_events import TierEvents
 from services.scheduler.request import Request
 
 WAIT = None  # `hits_for`: the request waits for blocks being read from disk
@@ -47,10 +51,14 @@ class HostOffload:
         """`disk_hashes`: the blocks the worker's disk tier holds (None: it has none)."""
         self.pool = BlockPool(num_blocks, enable_caching=True, record_events=True)
         self.block_size = block_size
-        self.disk: dict[bytes, None] | None = (
+        # The disk tier's blocks: hash -> what it held in the host tier (None: reported by
+        # the worker at start, its place in a chain unknown).
+        self.disk: dict[bytes, Cached | None] | None = (
             None if disk_hashes is None else dict.fromkeys(disk_hashes)
         )
         self._roots: dict[int, bytes] = {}  # offload block -> its chain's salted root
+        self._held: dict[str, list[int]] = {}  # request -> its offload blocks, chain order
+        self.events = TierEvents(block_size)
         self._saved_now: set[int] = set()  # offload blocks this plan writes into
         # Disk reads under way: block hash -> (offload block held for it, its tokens).
         self._loading: dict[bytes, tuple[int, tuple[int, ...]]] = {}
@@ -79,26 +87,34 @@ class HostOffload:
 
     # -- saving ------------------------------------------------------------------------------
     def saves(
-        self, cached: Sequence[tuple[int, Hashable, Sequence[int]]], root: bytes
+        self,
+        cached: Sequence[tuple[int, Hashable, Sequence[int]]],
+        root: bytes,
+        device: BlockPool,
+        request_id: str,
     ) -> tuple[list[tuple[int, int]], list[DiskBlock]]:
-        """(device block, offload block) copies for blocks newly cached on the device
-        (`(block, key, tokens)` of a chain from `root`), and the disk writes of the blocks
-        they push out of the host tier; a block the tier holds already is only refreshed."""
+        """(device block, offload block) copies for blocks newly cached on the device pool
+        `device` (`(block, key, tokens)` of request `request_id`'s chain from `root`; each
+        keeps its link), and the disk writes of the blocks they push out of the host tier;
+        a block the tier holds already is only held for the request."""
         pairs, disk_saves = [], []
         for device_block, key, tokens in cached:
-            held = self.pool.lookup(key, tokens)
-            if held is not None:
-                self._refresh(held)
+            found = self.pool.lookup(key, tokens)
+            if found is not None:
+                self._hold(request_id, [found])
                 continue
-            if len(self._saved_now) >= self.pool.num_free:
-                break  # every block not held for a disk read is written by this step
-            self.pool.take_events()
+            if not self.pool.num_free:
+                break  # every offload block is held (by requests, or for disk reads)
+            evicted = self.pool.next_evicted()
             (block,) = self.pool.allocate(1)  # evicts the LRU one
-            demoted = self._demote(block, self.pool.take_events())
+            if block in self._saved_now:  # written by this step (its request left since)
+                self.pool.decref([block])
+                break
+            demoted = self._demote(block, evicted)
             if demoted is not None:
                 disk_saves.append(demoted)
-            self.pool.cache(block, key, tokens)
-            self.pool.decref([block])  # free again, at the tail: the newest
+            self.pool.cache(block, key, tokens, device.blocks[device_block].link)
+            self._held.setdefault(request_id, []).append(block)  # (allocated: held once)
             self._roots[block] = root
             self._saved_now.add(block)
             pairs.append((device_block, block))
@@ -106,16 +122,16 @@ class HostOffload:
         self.num_disk_saved_blocks += len(disk_saves)
         return pairs, disk_saves
 
-    def _demote(self, block: int, events) -> DiskBlock | None:
+    def _demote(self, block: int, evicted: Cached | None) -> DiskBlock | None:
         """The disk write of what `block` held, when the host tier just let it go."""
-        evicted = next((e.key for e in events if isinstance(e, Uncached)), None)
         root = self._roots.pop(block, None)
         if evicted is None or self.disk is None or root is None:
             return None
-        if block in self._saved_now or evicted in self.disk:
+        if block in self._saved_now or evicted.key in self.disk:
             return None  # its bytes land only after this step's forward pass / on disk
-        self.disk[evicted] = None
-        return DiskBlock(evicted, root, block)
+        self.disk[evicted.key] = evicted
+        self.events.disk_stored(evicted)
+        return DiskBlock(evicted.key, root, block)
 
     # -- hits ---------------------------------------------------------------------------------
     def hits_for(
@@ -138,8 +154,7 @@ class HostOffload:
                 break
             found.append(block)
             index += 1
-        for block in found:
-            self._refresh(block)
+        self._hold(request.request_id, found)
         reads = []
         while index < end and self.disk is not None:
             key = keys[index]
@@ -150,8 +165,9 @@ class HostOffload:
             # Held until the read is done. What it held is not written to disk: the read
             # lands before this step's disk writes would run.
             (block,) = self.pool.allocate(1)
-            self.pool.take_events()
-            self._loading[key] = (block, tuple(tokens[index * bs : (index + 1) * bs]))
+            link = BlockLink(keys[index - 1] if index else None, request.chain_origin)
+            entry = Cached(key, tuple(tokens[index * bs : (index + 1) * bs]), link)
+            self._loading[key] = (block, entry)
             self._roots[block] = request.hash_root
             reads.append(DiskBlock(key, request.hash_root, block))
             index += 1
@@ -168,26 +184,50 @@ class HostOffload:
         """A step's disk reads are done (loaded blocks join the host tier, newest first
         out last; failed ones leave the disk index), and blocks the disk tier let go."""
         for key in loaded:
-            block, tokens = self._loading.pop(key)
-            self.pool.cache(block, key, tokens)
+            block, entry = self._loading.pop(key)
+            self.pool.cache(block, key, entry.token_ids, entry.link)
             self.pool.decref([block])
             self.num_disk_loaded_blocks += 1
         for key in failed:
             block, _ = self._loading.pop(key)
             self._roots.pop(block, None)
             self.pool.decref([block])
-            self.disk.pop(key, None)
+            self._forget_on_disk(key)
             self.num_disk_failed_blocks += 1
         for key in removed:
-            if self.disk is not None and key not in self._loading:
-                self.disk.pop(key, None)
-        self.pool.take_events()
+            if key not in self._loading:
+                self._forget_on_disk(key)
 
-    def _refresh(self, block: int) -> None:
-        self.pool.touch([block])
-        self.pool.decref([block])
+    def _forget_on_disk(self, key: bytes) -> None:
+        if self.disk is not None and key in self.disk:
+            del self.disk[key]
+            self.events.disk_removed(key)
+
+    def take_kv_events(self, rope_key_of: RopeKeyOf = no_rope_key) -> list[KvCacheEvent]:
+        """The tiers' KV events since the last take (medium CPU and Disk)."""
+        return self.events.take(self.pool, self.disk, rope_key_of)
+
+    def kv_snapshot(self, rope_key_of: RopeKeyOf = no_rope_key) -> list[KvCacheEvent]:
+        """What the tiers hold now, as `BlockStored` events."""
+        return self.events.snapshot(self.pool, self.disk, rope_key_of)
+
+    def _hold(self, request_id: str, blocks: Sequence[int]) -> None:
+        """The request holds these offload blocks (once each) until `release`."""
+        held = self._held.setdefault(request_id, [])
+        fresh = [b for b in blocks if b not in held]
+        self.pool.touch(fresh)
+        held.extend(fresh)
+
+    def release(self, request_id: str) -> None:
+        """The request left the pool (finished, preempted, handed on): its offload blocks
+        go back to the LRU queue tail first, so its chain's head is evicted last (a chain
+        is useless past its first missing block)."""
+        self.pool.decref(reversed(self._held.pop(request_id, [])))
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
-        if self.pool.num_free != self.pool.num_blocks - len(self._loading):
-            raise AssertionError("an offload block is held outside a disk read")
+        refs = Counter(b for blocks in self._held.values() for b in blocks)
+        refs.update(block for block, _ in self._loading.values())
+        for block in range(self.pool.num_blocks):
+            if self.pool.ref_count(block) != refs[block]:
+                raise AssertionError(f"offload block {block} is held outside a request or read")

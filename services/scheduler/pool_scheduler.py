@@ -112,6 +112,8 @@ class PoolScheduler:
                 queue.remove(request)
                 break
         self.batch.drop(request.request_id)
+        if self.offload is not None:
+            self.offload.release(request.request_id)
 
     def release(self, request: Request) -> int:
         """Detach the request and free its blocks (and swap space); returns blocks freed."""
@@ -513,7 +515,7 @@ class PoolScheduler:
             request.chain_origin,
         )
         if self.offload is not None and cached:  # saved after this step's forward pass
-            pairs, disk_saves = self.offload.saves(cached, request.hash_root)
+            pairs, disk_saves = self.offload.saves(cached, request.hash_root, self.blocks.pool, rid)
             plan.offload_out.extend(pairs)
             plan.disk_saves.extend(disk_saves)
         table = self.blocks.table(rid) if is_new or replaced else []  # else not sent
@@ -524,6 +526,8 @@ class PoolScheduler:
         self.num_preemptions += 1
         victim.num_preemptions += 1
         self.batch.drop(victim.request_id)
+        if self.offload is not None:
+            self.offload.release(victim.request_id)
         computed = victim.num_computed_tokens
         if self._try_swap_out(victim, computed, plan):
             return

@@ -4,6 +4,7 @@ back from the tier instead of recomputed, the tier's own LRU, and isolation by k
 
 from dataclasses import replace
 
+from common.kv_events import MEDIUM_CPU, MEDIUM_DISK, BlockRemoved, BlockStored
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.kv_offload import HostOffload
 from services.scheduler.pool_scheduler import PoolScheduler
@@ -132,8 +133,8 @@ def test_blocks_the_host_tier_lets_go_are_written_to_disk_and_read_back_on_a_hit
     s.add(a)
     step(s)
     s.add(make_request("b", 9, max_tokens=1, first=200))
-    plan = step(s)  # b's two saves push a's two blocks out of the host tier: to disk
-    assert [d.block_hash for d in plan.disk_saves] == a.block_hashes[:2]
+    plan = step(s)  # b's two saves push a's two blocks out of the host tier (tail first)
+    assert [d.block_hash for d in plan.disk_saves] == a.block_hashes[1::-1]
     assert {d.offload_block for d in plan.disk_saves} == {0, 1}
     assert all(d.root == a.hash_root for d in plan.disk_saves)
     s.blocks.pool.reset_cache()  # the device forgets
@@ -190,3 +191,42 @@ def test_a_step_saves_at_most_one_block_into_each_offload_block():
     s.add(make_request("long", 21, max_tokens=1))  # five full blocks in one step
     plan = step(s)
     assert [dst for _, dst in plan.offload_out] == [0, 1, 2]  # the first three; no reuse
+
+
+def test_a_finished_chain_leaves_the_tier_tail_first_so_its_head_stays_longest():
+    """A chain is no use past its first missing block: the tier must evict a finished
+    request's last block first (as the device pool frees tables tail first)."""
+    s = offload_sched(num_blocks=40, offload_blocks=6)
+    long = make_request("long", 25, max_tokens=1, first=100)  # six full blocks
+    s.add(long)
+    step(s)
+    s.add(make_request("other", 13, max_tokens=1, first=500))  # three more: evicts three
+    step(s)
+    s.blocks.pool.reset_cache()
+    again = make_request("again", 26, max_tokens=1, first=100)
+    s.add(again)
+    (item,) = step(s).scheduled
+    assert item.num_computed_before == 12  # blocks 0-2 still in the tier, in a run
+
+
+def test_the_tiers_publish_kv_events_with_their_medium_and_chain():
+    s = PoolScheduler(
+        BlockManager(40, 4, kv_events=True), 32, 8,
+        offload=HostOffload(2, 4, disk_hashes=()),
+    )  # fmt: skip
+    a = make_request("a", 9, max_tokens=1, first=100)
+    s.add(a)
+    step(s)
+    (stored,) = s.offload.take_kv_events()
+    assert isinstance(stored, BlockStored) and stored.medium == MEDIUM_CPU
+    assert stored.block_hashes == tuple(a.block_hashes[:2]) and stored.parent_block_hash is None
+    s.add(make_request("b", 9, max_tokens=1, first=200))
+    step(s)  # a's blocks leave the host tier for the disk
+    events = s.offload.take_kv_events()
+    assert {e.medium for e in events if isinstance(e, BlockRemoved)} == {MEDIUM_CPU}
+    on_disk = [e for e in events if isinstance(e, BlockStored) and e.medium == MEDIUM_DISK]
+    assert {h for e in on_disk for h in e.block_hashes} == set(a.block_hashes[:2])
+    snapshot = s.offload.kv_snapshot()
+    assert {e.medium for e in snapshot} == {MEDIUM_CPU, MEDIUM_DISK}
+    s.offload.disk_results((), (), (a.block_hashes[1],))  # the disk's LRU let one go
+    assert s.offload.take_kv_events() == [BlockRemoved((a.block_hashes[1],), MEDIUM_DISK)]
