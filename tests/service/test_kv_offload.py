@@ -10,8 +10,11 @@ import pytest
 
 from common.prefix_hash import extend_block_hashes, root_hash
 from tests.fault_injection import wait_for, wait_healthy_pools
-from tests.hf_reference import hf_greedy
+from tests.hf_reference import hf_greedy, hf_tokenizer
+from tests.service.test_e2e import run_concurrently
+from tests.service.test_e2e_scheduling import check_against_hf, workload
 from tests.stack_client import (
+    SMALL_POOLS,
     generate,
     greedy_request,
     log_lines_since,
@@ -152,5 +155,29 @@ def test_the_disk_tier_serves_past_the_host_tier_and_a_worker_restart_but_never_
         assert len(bad) == 1 and block1.hex() in bad[0] and "checksum" in bad[0]
         pools = wait_until_idle(stack).pools
         assert all(p.num_free_blocks == p.num_blocks for p in pools)
+    finally:
+        stack.stop()
+
+
+def test_tier_hits_stay_hf_exact_through_chunked_prefill_and_preemption(tiny_llama_dir, tmp_path):
+    """`test_e2e_scheduling`'s workload (shared prefixes, queued together: it preempts on
+    these small pools, prompts chunked by a 24-token budget), twice: the second round finds
+    what the first computed in the offload tier, the device pool having turned over."""
+    args = {
+        "both": [*SMALL_POOLS["decode"], "--kv-offload-cpu-bytes", "64MiB"],
+        "scheduler": SMALL_POOLS["scheduler"],
+    }
+    stack = start_stack(
+        tiny_llama_dir, tmp_path / "run", prefill=0, decode=0, both=1, extra_args=args
+    )
+    try:
+        work = workload(hf_tokenizer(str(tiny_llama_dir)))
+        for _ in range(2):
+            results = run_concurrently(stack.spec.gateway_address, work, held=stack)
+            check_against_hf(tiny_llama_dir, work, results)
+        pool = tier(stack)
+        assert pool.preemptions > 0 and pool.offload_hit_tokens > 0
+        assert pool.num_free_blocks == pool.num_blocks
+        assert sum(r.usage.cached_tokens for r in results) > 0
     finally:
         stack.stop()
