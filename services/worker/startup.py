@@ -289,7 +289,9 @@ def load_worker(
         if num_swap_blocks
         else None
     )
-    offload_cache = kv_offload_cache(config, groups, geometry, kv_cache.block_bytes)
+    offload_cache = kv_offload_cache(
+        config, groups, geometry, kv_cache.block_bytes, pinned=device.type == "cuda"
+    )
     disk_offload = kv_offload_disk(config, model_config.name, kv_cache)
     log.info(
         "worker_loaded",
@@ -346,8 +348,12 @@ def kv_offload_disk(config: WorkerConfig, model_name: str, kv_cache: KvCache):
     return DiskOffload(tier)
 
 
-def kv_offload_cache(config: WorkerConfig, groups: KvGroups, geometry, block_bytes: int):
-    """The host-memory offload tier's blocks (`--kv-offload-cpu-bytes`; None: none)."""
+def kv_offload_cache(
+    config: WorkerConfig, groups: KvGroups, geometry, block_bytes: int, pinned: bool = False
+):
+    """The host-memory offload tier's blocks (`--kv-offload-cpu-bytes`; None: none); in
+    page-locked memory beside a GPU (`pinned`), so its copies to and from the device pool
+    run at the bus's speed."""
     size = parse_size(config.kv_offload_cpu_bytes)
     if not size:
         return None
@@ -361,7 +367,9 @@ def kv_offload_cache(config: WorkerConfig, groups: KvGroups, geometry, block_byt
             f"--kv-offload-cpu-bytes {config.kv_offload_cpu_bytes} holds no block "
             f"(a block is {block_bytes} bytes)"
         )
-    return KvCache(num_blocks=size // block_bytes, device="cpu", zeroed=False, **geometry)
+    num_blocks = size // block_bytes
+    storage = torch.empty(num_blocks * block_bytes, dtype=torch.uint8, pin_memory=pinned)
+    return KvCache(num_blocks=num_blocks, device="cpu", storage=storage, **geometry)
 
 
 def check_features(config: WorkerConfig, model_config: ModelConfig) -> None:
