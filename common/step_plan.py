@@ -66,7 +66,7 @@ class BlockMoves:
     offload_in: Sequence[tuple[int, int]] = ()  # (offload block, device block)
     copies: Sequence[tuple[int, int]] = ()  # (shared device block, fresh device block)
     offload_out: Sequence[tuple[int, int]] = ()  # after the forward: (device, offload block)
-    disk_saves: Sequence[DiskBlock] = ()  # after the forward, before offload_out
+    disk_saves: Sequence[DiskBlock] = ()  # before disk_loads (both before the forward)
     disk_loads: Sequence[DiskBlock] = ()  # into held offload blocks, before the forward
 
     def __bool__(self) -> bool:

@@ -13,8 +13,8 @@ out. The scheduler decides every copy, so it knows what the host tier holds:
   forward pass (`BlockMoves.offload_out`), when the block's KV is complete. Write-through:
   a block is saved while it is surely intact, and never on the path of the allocation
   that would evict it (docs/architecture.md, *KV offload*). A block evicted from the host
-  tier that the disk tier lacks is written there first (`disk_saves`, before the
-  `offload_out` that reuses its offload block in the same step).
+  tier that the disk tier lacks is written there first (`disk_saves`, before the forward
+  pass: before the disk reads and the `offload_out` that reuse its offload block).
 - `hits_for`: the blocks after a request's device prefix hit that the host tier holds, in
   a run; the worker copies them into the request's fresh device blocks before the forward
   pass (`BlockMoves.offload_in`), in the same step that computes the rest of the prompt.
@@ -119,7 +119,6 @@ class HostOffload:
             self._saved_now.add(block)
             pairs.append((device_block, block))
         self.num_saved_blocks += len(pairs)
-        self.num_disk_saved_blocks += len(disk_saves)
         return pairs, disk_saves
 
     def _demote(self, block: int, evicted: Cached | None) -> DiskBlock | None:
@@ -129,6 +128,7 @@ class HostOffload:
             return None
         if block in self._saved_now or evicted.key in self.disk:
             return None  # its bytes land only after this step's forward pass / on disk
+        self.num_disk_saved_blocks += 1
         self.disk[evicted.key] = evicted
         self.events.disk_stored(evicted)
         return DiskBlock(evicted.key, root, block)
@@ -136,14 +136,15 @@ class HostOffload:
     # -- hits ---------------------------------------------------------------------------------
     def hits_for(
         self, request: Request, num_device_hits: int
-    ) -> tuple[list[int], list[DiskBlock]] | None:
+    ) -> tuple[list[int], list[DiskBlock], list[DiskBlock]] | None:
         """For a request that starts from scratch (block hashes current): the offload
         blocks holding its next blocks after its `num_device_hits` device prefix hits,
-        and the disk reads of the blocks after those that the disk tier holds (the
-        request waits for them); WAIT while some are still being read. Nothing for a
+        the disk reads of the blocks after those that the disk tier holds (the request
+        waits for them), and the disk writes of what their offload blocks held; WAIT while
+        some are still being read. Nothing for a
         request that asks for prompt logprobs (every position is computed)."""
         if request.num_computed_tokens or request.sampling.prompt_logprobs is not None:
-            return [], []
+            return [], [], []
         keys, tokens = request.block_hashes, request.all_token_ids
         bs = self.block_size
         end = min(len(keys), (request.num_known_tokens - 1) // bs)
@@ -155,23 +156,27 @@ class HostOffload:
             found.append(block)
             index += 1
         self._hold(request.request_id, found)
-        reads = []
+        reads, writes = [], []
         while index < end and self.disk is not None:
             key = keys[index]
             if key in self._loading:
                 return WAIT
             if key not in self.disk or not self.pool.num_free:
                 break
-            # Held until the read is done. What it held is not written to disk: the read
-            # lands before this step's disk writes would run.
+            # Held until the read is done; what it held goes to disk first (disk writes run
+            # before disk reads, both before the forward pass).
+            evicted = self.pool.next_evicted()
             (block,) = self.pool.allocate(1)
+            demoted = self._demote(block, evicted)
+            if demoted is not None:
+                writes.append(demoted)
             link = BlockLink(keys[index - 1] if index else None, request.chain_origin)
             entry = Cached(key, tuple(tokens[index * bs : (index + 1) * bs]), link)
             self._loading[key] = (block, entry)
             self._roots[block] = request.hash_root
             reads.append(DiskBlock(key, request.hash_root, block))
             index += 1
-        return found, reads
+        return found, reads, writes
 
     def loaded(self, num_blocks: int) -> None:
         """A request admitted with `num_blocks` loaded from the host tier (counters)."""

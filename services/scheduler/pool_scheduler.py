@@ -460,6 +460,7 @@ class PoolScheduler:
             return []
         tiers = self.offload.hits_for(request, len(hits))
         if tiers is not WAIT:
+            plan.disk_saves.extend(tiers[2])
             plan.disk_loads.extend(tiers[1])
         return WAIT if tiers is WAIT or tiers[1] else tiers[0]
 

@@ -120,8 +120,8 @@ class PoolStepPlan:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write
     # After the forward pass: full blocks saved to the offload tier (device, offload).
     offload_out: list[tuple[int, int]] = field(default_factory=list)
-    # The disk tier: offload blocks written to it (after the forward pass, before
-    # offload_out), and blocks read from it into held offload blocks (before it).
+    # The disk tier, before the forward pass: offload blocks written to it, then blocks
+    # read from it into held offload blocks.
     disk_saves: list[DiskBlock] = field(default_factory=list)
     disk_loads: list[DiskBlock] = field(default_factory=list)
     # Tags of KV receives given up on: from this step on none may write into the pool.

@@ -2,9 +2,9 @@
 `--kv-offload-disk-bytes`): it runs a step's `disk_saves` and `disk_loads` between the
 host-memory offload pool and the files of `kv_offload.DiskTier`, and says what happened.
 
-- Saves (after the forward pass, before the step's `offload_out` may reuse the offload
-  blocks): each block is copied out of its offload block at once, and the file written on
-  a thread of its own, so the step does not wait for the disk.
+- Saves (before the forward pass, before the step's disk reads and `offload_out` may
+  reuse the offload blocks): each block is copied out of its offload block at once, and
+  the file written on a thread of its own, so the step does not wait for the disk.
 - Loads (before the forward pass, into offload blocks the scheduler holds for them): a
   load first waits for a write of the same block still under way, then reads and
   verifies the file into the offload block. A missing, truncated, corrupt or foreign file

@@ -301,14 +301,12 @@ class Worker:
         work = self.batch.apply(finished_ids, new, cached)
         if self.runner.structured is not None:  # a request that comes back starts afresh
             self.runner.structured.forget(finished_ids)
-        disk = self._disk_loads(moves)  # into offload blocks held for them
+        disk = self._disk_moves(moves)  # into offload blocks held for them
         run_moves(moves, self.kv_cache, self.swap_cache, self.offload_cache)
         if self._progress is not None:  # peers stream this step's KV layer by layer
             self._running_step_id = step_id
             self._progress.step_started(step_id)
         output = self.runner.execute(work, step_id)
-        if moves.disk_saves:  # before offload_out may reuse their offload blocks
-            self.disk_offload.save(moves.disk_saves, self.offload_cache)
         run_saves(moves, self.kv_cache, self.offload_cache)
         if self.disk_offload is not None:
             output = replace(output, disk_removed=tuple(self.disk_offload.take_removed()), **disk)
@@ -317,13 +315,15 @@ class Worker:
         self.batch.complete(work, output.sampled, output.accepted_tokens)
         return output
 
-    def _disk_loads(self, moves: BlockMoves) -> dict:
-        """A step's disk tier loads, before its forward pass: the result's fields."""
+    def _disk_moves(self, moves: BlockMoves) -> dict:
+        """A step's disk tier writes, then reads, before its forward pass (a write copies
+        its offload block out at once): the result's fields."""
         if not moves.disk_loads and not moves.disk_saves:
             return {}
         if self.disk_offload is None:
             raise PlanError("the plan moves disk tier blocks but this worker has none")
         check_moves(moves, self.kv_cache, self.swap_cache, self.offload_cache)
+        self.disk_offload.save(moves.disk_saves, self.offload_cache)  # reads may reuse them
         loaded, failed = self.disk_offload.load(moves.disk_loads, self.offload_cache)
         return {"disk_loaded": tuple(loaded), "disk_failed": tuple(failed)}
 

@@ -154,7 +154,8 @@ def test_blocks_the_host_tier_lets_go_are_written_to_disk_and_read_back_on_a_hit
     ]
     # `again` loads them from the tier; `twin`, planned after it, hits them on the device.
     assert sorted(src for src, _ in plan.offload_in) == [0, 1]
-    assert s.offload.num_disk_loaded_blocks == 2 and s.offload.num_disk_saved_blocks == 2
+    # a's two blocks went to disk, then b's two (the reads took their offload blocks).
+    assert s.offload.num_disk_loaded_blocks == 2 and s.offload.num_disk_saved_blocks == 4
 
 
 def test_a_block_the_disk_could_not_serve_is_computed_and_leaves_the_index():
@@ -230,3 +231,19 @@ def test_the_tiers_publish_kv_events_with_their_medium_and_chain():
     assert {e.medium for e in snapshot} == {MEDIUM_CPU, MEDIUM_DISK}
     s.offload.disk_results((), (), (a.block_hashes[1],))  # the disk's LRU let one go
     assert s.offload.take_kv_events() == [BlockRemoved((a.block_hashes[1],), MEDIUM_DISK)]
+
+
+def test_a_block_a_disk_read_takes_from_the_host_tier_is_written_to_disk_first():
+    s = disk_sched(offload_blocks=2)
+    a = make_request("a", 9, max_tokens=1, first=100)
+    s.add(a)
+    step(s)
+    b = make_request("b", 9, max_tokens=1, first=200)  # pushes a to disk; b now in the tier
+    s.add(b)
+    step(s)
+    s.blocks.pool.reset_cache()
+    s.add(make_request("again", 10, max_tokens=1, first=100))
+    plan = s.schedule()  # reading a's blocks back takes b's offload blocks: b goes to disk
+    assert {d.block_hash for d in plan.disk_saves} == set(b.block_hashes[:2])
+    assert {d.block_hash for d in plan.disk_loads} == set(a.block_hashes[:2])
+    assert {d.offload_block for d in plan.disk_saves} == {d.offload_block for d in plan.disk_loads}
