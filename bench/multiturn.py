@@ -28,7 +28,7 @@ every Tandem mode answers the same token for token. Prints a table, writes JSON;
 if a Tandem answer differs or a turn failed.
 
     python -m bench.multiturn [--model llama-32m|smollm2-135m|FOLDER]
-        [--workload multiturn|unique|all] [--modes offload_off host host_disk vllm_cpu]
+        [--workload all|multiturn|unique] [--modes offload_off host host_disk vllm_cpu]
         [--conversations 8] [--turns 8] [--user-len 32] [--max-tokens 96]
 """
 
@@ -209,7 +209,7 @@ def run_modes(config: Config, model: Path, vocab, block_bytes: int) -> dict:
         w: {
             "runs": runs[w],
             "comparisons": comparisons(runs[w]),
-            "targets": targets(runs[w]),
+            "targets": targets(runs[w]) if w == "multiturn" else {},  # nothing to reuse
             **tandem_answer_checks(turns[w]),
         }
         for w in workloads
@@ -269,7 +269,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     )
     add = parser.add_argument
     add("--model", default="llama-32m", help=f"{', '.join(BENCH_MODELS)} or a model folder")
-    add("--workload", default="multiturn", choices=("all", *WORKLOADS))
+    add("--workload", default="all", choices=("all", *WORKLOADS))
     add("--modes", nargs="+", default=list(MODES), choices=MODES)
     add("--conversations", type=int, default=8)
     add("--turns", type=int, default=8)

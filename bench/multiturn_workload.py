@@ -30,7 +30,7 @@ class Config:
     """Everything a run depends on; `bench.multiturn.parse_args` builds it."""
 
     model: str = "llama-32m"  # a bench model's name (bench/models.py) or a folder
-    workloads: tuple[str, ...] = ("multiturn",)
+    workloads: tuple[str, ...] = WORKLOADS
     modes: tuple[str, ...] = MODES
     conversations: int = 8
     turns: int = 8

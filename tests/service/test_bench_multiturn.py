@@ -170,7 +170,7 @@ def test_cli():
                          "--modes", "host", "offload_off"])  # fmt: skip
     assert (config.workloads, config.conversations, config.topology) == (("unique",), 3, "pd")
     assert config.modes == ("offload_off", "host")
-    assert parse_args([]).workloads == ("multiturn",) and parse_args([]).modes == MODES
+    assert parse_args([]).workloads == ("multiturn", "unique") and parse_args([]).modes == MODES
 
 
 def test_multiturn_benchmark_end_to_end(tiny_llama_dir: Path, tmp_path: Path, monkeypatch):
@@ -187,6 +187,7 @@ def test_multiturn_benchmark_end_to_end(tiny_llama_dir: Path, tmp_path: Path, mo
     out = tmp_path / "multiturn.json"
     config = Config(
         model=str(tiny_llama_dir),
+        workloads=("multiturn",),
         conversations=3,
         turns=2,
         system_len=16,
