@@ -12,7 +12,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,16 +69,31 @@ def tandem_server(model: str, both: bool, run_dir: Path | None = None) -> Iterat
 
 
 @contextmanager
-def vllm_server(vllm: Path, model: str, name: str, both_cores: bool, log: Path) -> Iterator[str]:
-    """Base URL of `vllm serve` on the model (float32, its own process group)."""
+def vllm_server(
+    vllm: Path,
+    model: str,
+    name: str,
+    both_cores: bool,
+    log: Path,
+    extra_args: Sequence[str] = (),
+    kv_cache_bytes: int | None = None,
+    max_model_len: int = 2048,
+) -> Iterator[str]:
+    """Base URL of `vllm serve` on the model (float32, its own process group). Its KV
+    cache is VLLM_KV_CACHE_GIB, or `kv_cache_bytes` (`--kv-cache-memory-bytes`)."""
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB)}
+    kv = []
+    if kv_cache_bytes is not None:  # the environment variable would override the flag
+        env.pop("VLLM_CPU_KVCACHE_SPACE")
+        kv = ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
     env.pop("VLLM_CPU_NUM_OF_RESERVED_CPU", None)
     if both_cores:
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
     command = [
         str(vllm), "serve", model, "--dtype", "float32", "--host", "127.0.0.1",
-        "--port", str(port), "--served-model-name", name, "--max-model-len", "2048",
+        "--port", str(port), "--served-model-name", name, "--max-model-len", str(max_model_len),
+        *kv, *extra_args,
     ]  # fmt: skip
     with open(log, "w") as log_file:
         process = subprocess.Popen(
