@@ -294,11 +294,6 @@ class WorkerConfig(ServiceConfig):
         self._require(
             self._size("kv_offload_cpu_bytes") >= 0, "kv_offload_cpu_bytes", "must be >= 0"
         )
-        self._require(
-            not self._size("kv_offload_cpu_bytes") or self.role != "decode",
-            "kv_offload_cpu_bytes",
-            "is not supported on a decode worker yet (prefill and both workers offload)",
-        )
         disk = self._size("kv_offload_disk_bytes")
         self._require(disk >= 0, "kv_offload_disk_bytes", "must be >= 0")
         self._require(

@@ -58,8 +58,8 @@ def test_the_kv_offload_tier_is_sized_in_blocks_and_refused_where_it_cannot_serv
             WorkerConfig(model="m", kv_offload_cpu_bytes="1KiB"), kv_groups(None, 2), geometry,
             block_bytes,
         )  # fmt: skip
-    with pytest.raises(ValueError, match="kv_offload_cpu_bytes.*decode worker"):
-        WorkerConfig(model="m", role="decode", kv_offload_cpu_bytes="64KiB")
+    decode = WorkerConfig(model="m", role="decode", kv_offload_cpu_bytes="64KiB")
+    assert kv_offload_cache(decode, kv_groups(None, 2), geometry, block_bytes) is None
 
 
 def test_the_disk_tier_needs_its_folder_its_budget_and_the_host_tier_before_it() -> None:
