@@ -53,6 +53,9 @@ class StepResult:
     disk_loaded: tuple[bytes, ...] = ()
     disk_failed: tuple[bytes, ...] = ()
     disk_removed: tuple[bytes, ...] = ()
+    # Seconds spent loading offload blocks into the pool, and reading the disk tier.
+    offload_load_seconds: float = 0.0
+    disk_read_seconds: float = 0.0
 
     @property
     def accepted_tokens(self) -> dict[str, list[int]]:

@@ -51,6 +51,8 @@ def result_to_pb(result: StepResult) -> worker_pb2.StepResponse:
         disk_loaded=result.disk_loaded,
         disk_failed=result.disk_failed,
         disk_removed=result.disk_removed,
+        offload_load_seconds=result.offload_load_seconds,
+        disk_read_seconds=result.disk_read_seconds,
     )
 
 
@@ -90,4 +92,6 @@ def result_from_pb(pb: worker_pb2.StepResponse) -> StepResult:
         disk_loaded=tuple(pb.disk_loaded),
         disk_failed=tuple(pb.disk_failed),
         disk_removed=tuple(pb.disk_removed),
+        offload_load_seconds=pb.offload_load_seconds,
+        disk_read_seconds=pb.disk_read_seconds,
     )

@@ -36,6 +36,7 @@ from collections.abc import Hashable, Iterable, Sequence
 
 from common.kv_events import KvCacheEvent
 from common.step_plan import DiskBlock
+from common.step_result import StepResult
 from services.scheduler.block_events import BlockLink, RopeKeyOf, no_rope_key
 from services.scheduler.block_pool import BlockPool, Cached
 from services.scheduler.kv_offload_events import TierEvents
@@ -69,6 +70,8 @@ class HostOffload:
         self.num_disk_saved_blocks = 0
         self.num_disk_loaded_blocks = 0
         self.num_disk_failed_blocks = 0
+        self.load_seconds = 0.0  # offload blocks into the pool (the worker's copies)
+        self.disk_read_seconds = 0.0
 
     @property
     def num_blocks(self) -> int:
@@ -182,6 +185,14 @@ class HostOffload:
         """A request admitted with `num_blocks` loaded from the host tier (counters)."""
         self.num_loaded_blocks += num_blocks
         self.num_hit_tokens += num_blocks * self.block_size
+
+    def record(self, result: StepResult) -> None:
+        """What a step's result says of the tiers: disk reads done, blocks the disk let
+        go, and the time loads took."""
+        self.load_seconds += result.offload_load_seconds
+        self.disk_read_seconds += result.disk_read_seconds
+        if result.disk_loaded or result.disk_failed or result.disk_removed:
+            self.disk_results(result.disk_loaded, result.disk_failed, result.disk_removed)
 
     def disk_results(
         self, loaded: Iterable[bytes], failed: Iterable[bytes], removed: Iterable[bytes]

@@ -103,6 +103,13 @@ def pool_families(engine, model_name: str) -> Iterable[Metric]:
     disk_failed = _pool_family(
         c, "kv_offload_disk_read_failures", "disk tier reads not served (bad or missing files)"
     )
+    tier_labels = (*POOL_LABELS, "medium")
+    tier_bytes = g(name("kv_offload_bytes"), "KV bytes held per offload tier", labels=tier_labels)
+    load_s = c(
+        name("kv_offload_load_seconds"),
+        "time spent loading KV back per tier (CPU: into the pool; Disk: reading files)",
+        labels=tier_labels,
+    )
     for pool in engine.pools:
         labels = [model_name, pool.info.worker_id, pool.info.role]
         s, kv = pool.scheduler, pool.blocks
@@ -138,9 +145,15 @@ def pool_families(engine, model_name: str) -> Iterable[Metric]:
                 ("read", tier.num_disk_loaded_blocks),
             ):
                 disk_io.add_metric([*labels, way], count)
+            block_bytes = pool.info.block_bytes
+            tier_bytes.add_metric([*labels, "CPU"], tier.num_cached_blocks * block_bytes)
+            tier_bytes.add_metric([*labels, "Disk"], tier.num_disk_blocks * block_bytes)
+            load_s.add_metric([*labels, "CPU"], tier.load_seconds)
+            load_s.add_metric([*labels, "Disk"], tier.disk_read_seconds)
     yield from (running, waiting, swapped, usage, blocks, healthy, queries, hits, preemptions)
     yield from (prompt_computed, transfers, blocks_received, drafts, draft_tokens, accepted)
     yield from (ext_queries, ext_hits, saved, loaded, held, disk_held, disk_io, disk_failed)
+    yield from (tier_bytes, load_s)
     yield from engine_families(engine, model_name)
 
 

@@ -222,7 +222,7 @@ class PoolScheduler:
             raise ValueError(f"step {result.step_id}: no step of this pool is in flight")
         _, scheduled, slots, num_tokens = self._in_flight.popleft()
         if self.offload is not None:  # disk reads done (their requests may start now)
-            self.offload.disk_results(result.disk_loaded, result.disk_failed, result.disk_removed)
+            self.offload.record(result)
         if self.lookahead is not None:  # rows the worker ran: tokens, then proposals
             drafts = sum(c.num_draft_tokens for c in result.spec.values())
             rest = result.execute_seconds - result.propose_seconds

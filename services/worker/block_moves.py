@@ -5,6 +5,8 @@ the peer ranks of a tensor-parallel worker (each on its own slice)."""
 
 from __future__ import annotations
 
+import time
+
 from common.step_plan import BlockMoves
 from services.worker.batch import PlanError
 from services.worker.kv_cache import KvCache
@@ -43,19 +45,23 @@ def run_moves(
     kv_cache: KvCache,
     swap_cache: KvCache | None,
     offload_cache: KvCache | None = None,
-) -> None:
+) -> float:
     """Check, then copy what comes before the forward pass (nothing when the step moves
-    no block)."""
+    no block); returns the seconds its offload loads took."""
     if not moves:
-        return
+        return 0.0
     check_moves(moves, kv_cache, swap_cache, offload_cache)
     if moves.swap_out:
         swap_cache.copy_blocks(moves.swap_out, source=kv_cache)
     if moves.swap_in:
         kv_cache.copy_blocks(moves.swap_in, source=swap_cache)
+    offload_s = 0.0
     if moves.offload_in:
+        started = time.perf_counter()
         kv_cache.copy_blocks(moves.offload_in, source=offload_cache)
+        offload_s = time.perf_counter() - started
     kv_cache.copy_blocks(moves.copies)
+    return offload_s
 
 
 def run_saves(moves: BlockMoves, kv_cache: KvCache, offload_cache: KvCache | None) -> None:

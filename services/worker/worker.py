@@ -302,14 +302,16 @@ class Worker:
         if self.runner.structured is not None:  # a request that comes back starts afresh
             self.runner.structured.forget(finished_ids)
         disk = self._disk_moves(moves)  # into offload blocks held for them
-        run_moves(moves, self.kv_cache, self.swap_cache, self.offload_cache)
+        offload_s = run_moves(moves, self.kv_cache, self.swap_cache, self.offload_cache)
         if self._progress is not None:  # peers stream this step's KV layer by layer
             self._running_step_id = step_id
             self._progress.step_started(step_id)
         output = self.runner.execute(work, step_id)
         run_saves(moves, self.kv_cache, self.offload_cache)
         if self.disk_offload is not None:
-            output = replace(output, disk_removed=tuple(self.disk_offload.take_removed()), **disk)
+            disk["disk_removed"] = tuple(self.disk_offload.take_removed())
+        if offload_s or disk:
+            output = replace(output, offload_load_seconds=offload_s, **disk)
         if self._progress is not None:
             self._progress.step_done(step_id)
         self.batch.complete(work, output.sampled, output.accepted_tokens)
@@ -324,8 +326,13 @@ class Worker:
             raise PlanError("the plan moves disk tier blocks but this worker has none")
         check_moves(moves, self.kv_cache, self.swap_cache, self.offload_cache)
         self.disk_offload.save(moves.disk_saves, self.offload_cache)  # reads may reuse them
+        started = time.perf_counter()
         loaded, failed = self.disk_offload.load(moves.disk_loads, self.offload_cache)
-        return {"disk_loaded": tuple(loaded), "disk_failed": tuple(failed)}
+        return {
+            "disk_loaded": tuple(loaded),
+            "disk_failed": tuple(failed),
+            "disk_read_seconds": time.perf_counter() - started if moves.disk_loads else 0.0,
+        }
 
     def _layer_written(self, layer: int) -> None:
         self._progress.layer_done(self._running_step_id, layer)

@@ -19,7 +19,9 @@ from tests.stack_client import (
     greedy_request,
     log_lines_since,
     pool_stats,
+    scrape,
     start_stack,
+    total,
     wait_until_idle,
 )
 
@@ -108,8 +110,9 @@ def test_the_disk_tier_serves_past_the_host_tier_and_a_worker_restart_but_never_
     salt = "disk-tier-test"  # a known deployment salt: the test can name a block's file
     args = {"both": [*pool, *tiers], "scheduler": ["--prefix-cache-salt", salt]}
     stack = start_stack(
-        tiny_llama_dir, tmp_path / "run", prefill=0, decode=0, both=1, extra_args=args
-    )
+        tiny_llama_dir, tmp_path / "run", prefill=0, decode=0, both=1, extra_args=args,
+        metrics=True,
+    )  # fmt: skip
     try:
         address = stack.spec.gateway_address
         first = list(range(5, 69))  # 4 full blocks
@@ -126,6 +129,12 @@ def test_the_disk_tier_serves_past_the_host_tier_and_a_worker_restart_but_never_
         after = tier(stack)
         assert after.offload_disk_loaded_blocks - before.offload_disk_loaded_blocks == 4
         assert after.offload_disk_failed_blocks == 0
+        (scheduler,) = [p for p in stack.processes if p.name == "scheduler"]
+        samples = scrape(scheduler.metrics)
+        for medium in ("CPU", "Disk"):  # bytes held, and time spent loading, per tier
+            assert total(samples, "tandem:kv_offload_bytes", medium=medium) > 0
+            assert total(samples, "tandem:kv_offload_load_seconds_total", medium=medium) > 0
+        assert total(samples, "tandem:external_prefix_cache_hits_total") >= 4 * BLOCK
 
         # The worker stops (its writes done) and starts again over the same folder; the
         # file of the first turn's block 1 is damaged meanwhile.

@@ -159,7 +159,7 @@ class CachedRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., num_lookahead_tokens: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "sampled_tokens", "execute_seconds", "prompt_logprobs", "spec_decode", "draining", "propose_seconds", "propose_passes", "disk_loaded", "disk_failed", "disk_removed")
+    __slots__ = ("step_id", "sampled_tokens", "execute_seconds", "prompt_logprobs", "spec_decode", "draining", "propose_seconds", "propose_passes", "disk_loaded", "disk_failed", "disk_removed", "offload_load_seconds", "disk_read_seconds")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,8 @@ class StepResponse(_message.Message):
     DISK_LOADED_FIELD_NUMBER: _ClassVar[int]
     DISK_FAILED_FIELD_NUMBER: _ClassVar[int]
     DISK_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DISK_READ_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
     execute_seconds: float
@@ -182,7 +184,9 @@ class StepResponse(_message.Message):
     disk_loaded: _containers.RepeatedScalarFieldContainer[bytes]
     disk_failed: _containers.RepeatedScalarFieldContainer[bytes]
     disk_removed: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, step_id: _Optional[int] = ..., sampled_tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_seconds: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., spec_decode: _Optional[_Iterable[_Union[SpecDecodeCounts, _Mapping]]] = ..., draining: _Optional[bool] = ..., propose_seconds: _Optional[float] = ..., propose_passes: _Optional[int] = ..., disk_loaded: _Optional[_Iterable[bytes]] = ..., disk_failed: _Optional[_Iterable[bytes]] = ..., disk_removed: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    offload_load_seconds: float
+    disk_read_seconds: float
+    def __init__(self, step_id: _Optional[int] = ..., sampled_tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_seconds: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., spec_decode: _Optional[_Iterable[_Union[SpecDecodeCounts, _Mapping]]] = ..., draining: _Optional[bool] = ..., propose_seconds: _Optional[float] = ..., propose_passes: _Optional[int] = ..., disk_loaded: _Optional[_Iterable[bytes]] = ..., disk_failed: _Optional[_Iterable[bytes]] = ..., disk_removed: _Optional[_Iterable[bytes]] = ..., offload_load_seconds: _Optional[float] = ..., disk_read_seconds: _Optional[float] = ...) -> None: ...
 
 class SpecDecodeCounts(_message.Message):
     __slots__ = ("request_id", "num_draft_tokens", "num_accepted_tokens")
