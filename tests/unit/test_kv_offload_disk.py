@@ -15,7 +15,6 @@ import torch
 from services.worker.kv_offload import disk_tier as disk_tier_module
 from services.worker.kv_offload.disk_format import HEADER_BYTES
 from services.worker.kv_offload.disk_tier import DiskTier
-from services.worker.kv_offload.keys import Medium
 from tests.kv_offload_blocks import BLOCK_BYTES, OTHER_ROOT, ROOT, block, identity, key
 
 FILE_BYTES = HEADER_BYTES + BLOCK_BYTES
@@ -40,9 +39,7 @@ def test_put_beyond_budget_evicts_least_recently_used_and_get_refreshes(tmp_path
         assert disk.put(key(i), ROOT, block(i)) == []
     assert torch.equal(disk.get(key(0), ROOT), block(0))  # 0 is now the most recent
     evicted = disk.put(key(3), ROOT, block(3))
-    assert [(e.key, e.medium, e.root, e.nbytes, e.reason) for e in evicted] == [
-        (key(1), Medium.DISK, None, FILE_BYTES, "lru")
-    ]
+    assert [(e.key, e.nbytes, e.reason) for e in evicted] == [(key(1), FILE_BYTES, "lru")]
     assert disk.keys() == [key(2), key(0), key(3)]
     assert disk.bytes_used == 3 * FILE_BYTES == sum(p.stat().st_size for p in block_files(disk))
     assert not disk.contains(key(1)) and disk.get(key(1), ROOT) is None
@@ -201,7 +198,7 @@ def test_a_damaged_file_is_a_miss_logged_once_deleted_and_never_served(tmp_path,
     assert logged["path"] == str(damaged) and logged["log_level"] == "warning"
     assert reason in logged["reason"]
     assert not damaged.exists() and disk.keys() == [key(1)]
-    assert [(e.key, e.medium) for e in disk.take_dropped()] == [(key(0), Medium.DISK)]
+    assert [e.key for e in disk.take_dropped()] == [key(0)]
     assert torch.equal(disk.get(key(1), ROOT), block(1))  # its neighbour is unharmed
     assert disk.bytes_used == FILE_BYTES
 

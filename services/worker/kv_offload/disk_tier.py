@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from common.kv_events import MEDIUM_DISK
 from common.log import get_logger
 from services.worker.kv_offload.disk_format import (
     HEADER_BYTES,
@@ -48,7 +49,7 @@ from services.worker.kv_offload.disk_format import (
     read_block,
     relative_path,
 )
-from services.worker.kv_offload.keys import BlockKey, Evicted, Medium, TierIdentity, check_root
+from services.worker.kv_offload.keys import BlockKey, Evicted, TierIdentity, check_root
 from services.worker.kv_offload.views import out_bytes
 
 
@@ -211,7 +212,7 @@ class DiskTier:
     def _evict_oldest(self, reason: str) -> Evicted:
         key, entry = self._index.popitem(last=False)
         _unlink(entry.path)
-        return Evicted(key, Medium.DISK, None, self.file_bytes, reason)
+        return Evicted(key, self.file_bytes, reason)
 
     def _drop_if_current(self, key: BlockKey, entry: _Entry, reason: str) -> None:
         """Drop a bad file, unless another thread replaced or removed it meanwhile (then
@@ -221,7 +222,7 @@ class DiskTier:
                 return
             del self._index[key]
             _unlink(entry.path)
-            self._dropped.append(Evicted(key, Medium.DISK, None, self.file_bytes, reason))
+            self._dropped.append(Evicted(key, self.file_bytes, reason))
         _log_bad_file(entry.path, key, reason)
 
     def _log_write_error(self, error: OSError) -> None:
@@ -316,7 +317,7 @@ def _unlink(path: str | os.PathLike) -> int:
 def _log_bad_file(path: str, key: BlockKey, reason: str) -> None:
     get_logger(__name__).warning(
         "kv_offload_bad_file",
-        medium=Medium.DISK.value,
+        medium=MEDIUM_DISK,
         path=path,
         block_hash=key.block_hash.hex(),
         group=key.group,

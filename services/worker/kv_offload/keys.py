@@ -7,29 +7,20 @@ tier reports when a block leaves it.
   block, block size, bytes per block, dtype, this worker's TP rank/size and PP stage). Its
   `fingerprint` goes into every disk file's header: a file of another geometry, model or
   rank is foreign, a miss.
-- `Evicted`: a block that left a tier (LRU eviction, or dropped as corrupt or foreign),
-  with its salted root (host tier) so the caller can demote it to disk, and publish a
-  BlockRemoved event.
+- `Evicted`: a block that left the disk tier (LRU eviction, or dropped as corrupt or
+  foreign), so the caller can tell the scheduler's index (and its KV events).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
-from enum import StrEnum
+from dataclasses import asdict, dataclass
 
 import torch
 
 HASH_BYTES = 32  # SHA-256, as common.prefix_hash makes them
 MAX_GROUP = 2**32 - 1  # the disk header keeps the group in 4 bytes
-
-
-class Medium(StrEnum):
-    """Where a block lives (vLLM's KV event `medium` names)."""
-
-    CPU = "CPU"
-    DISK = "DISK"
 
 
 @dataclass(frozen=True, order=True)
@@ -99,15 +90,10 @@ class TierIdentity:
 
 @dataclass(frozen=True)
 class Evicted:
-    """A block that left a tier. `reason`: "lru" (pushed out by a put, or by the budget at
-    start), else why it was dropped ("foreign", "checksum mismatch", "truncated", ...).
-    `nbytes`: what it freed in its tier (on disk, its header too). `payload`: a
-    copy of its bytes, for the host tier's LRU victims when it keeps them (to demote to
-    disk); None otherwise."""
+    """A block that left the disk tier. `reason`: "lru" (pushed out by a put, or by the
+    budget at start), else why it was dropped ("foreign", "checksum mismatch",
+    "truncated", ...). `nbytes`: what it freed (its file: header and block)."""
 
     key: BlockKey
-    medium: Medium
-    root: bytes | None  # None from the disk tier: its index keeps no roots (none follows it)
     nbytes: int
     reason: str = "lru"
-    payload: torch.Tensor | None = field(default=None, compare=False, repr=False)
