@@ -58,7 +58,8 @@ class HostOffload:
             None if disk_hashes is None else dict.fromkeys(disk_hashes)
         )
         self._roots: dict[int, bytes] = {}  # offload block -> its chain's salted root
-        self._held: dict[str, list[int]] = {}  # request -> its offload blocks, chain order
+        # request -> its offload blocks, in chain order (a dict: a set that keeps order)
+        self._held: dict[str, dict[int, None]] = {}
         self.events = TierEvents(block_size)
         self._saved_now: set[int] = set()  # offload blocks this plan writes into
         # Disk reads under way: block hash -> (offload block held for it, its tokens).
@@ -117,7 +118,7 @@ class HostOffload:
             if demoted is not None:
                 disk_saves.append(demoted)
             self.pool.cache(block, key, tokens, device.blocks[device_block].link)
-            self._held.setdefault(request_id, []).append(block)  # (allocated: held once)
+            self._held.setdefault(request_id, {})[block] = None  # (allocated: held once)
             self._roots[block] = root
             self._saved_now.add(block)
             pairs.append((device_block, block))
@@ -229,16 +230,16 @@ class HostOffload:
 
     def _hold(self, request_id: str, blocks: Sequence[int]) -> None:
         """The request holds these offload blocks (once each) until `release`."""
-        held = self._held.setdefault(request_id, [])
+        held = self._held.setdefault(request_id, {})
         fresh = [b for b in blocks if b not in held]
         self.pool.touch(fresh)
-        held.extend(fresh)
+        held.update(dict.fromkeys(fresh))
 
     def release(self, request_id: str) -> None:
         """The request left the pool (finished, preempted, handed on): its offload blocks
         go back to the LRU queue tail first, so its chain's head is evicted last (a chain
         is useless past its first missing block)."""
-        self.pool.decref(reversed(self._held.pop(request_id, [])))
+        self.pool.decref(reversed(self._held.pop(request_id, {})))
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
