@@ -27,14 +27,17 @@ async def main(model: str, dtype: str, error_handling: bool) -> None:
     worker = await Worker.load(config, "kv-peer")
     print(
         json.dumps(
-            {"address": worker.transport.address.hex(), "block_bytes": worker.kv_cache.block_bytes}
+            {
+                "address": worker.peer_kv.transport.address.hex(),
+                "block_bytes": worker.kv_cache.block_bytes,
+            }
         ),
         flush=True,
     )
     loop = asyncio.get_running_loop()
     while line := await loop.run_in_executor(None, sys.stdin.readline):
         command = json.loads(line)
-        result = await worker.receive_kv(command["tag"], command["blocks"])
+        result = await worker.peer_kv.receive(command["tag"], command["blocks"])
         data = worker.kv_cache.gather_blocks(command["blocks"]).numpy().tobytes()
         with open(command["out"], "wb") as f:
             f.write(data)

@@ -1,11 +1,10 @@
-"""A step's whole-block copies (swap out, swap in, offload loads, copy-on-write) on a
-worker's pools: checked against the pools' sizes, then run in that order before the
-forward pass; the offload tier's saves run after it (`run_saves`). Shared by rank 0 and
-the peer ranks of a tensor-parallel worker (each on its own slice)."""
+"""A step's whole-block copies within a worker (swap out, swap in, copy-on-write), checked
+with every other move of the plan against the pools' sizes (`check_moves`). The offload
+tier's loads and saves are its connector's (`kv_offload_connector`), run between the swaps
+and the copies. Shared by rank 0 and the peer ranks of a parallel worker (each on its own
+slice)."""
 
 from __future__ import annotations
-
-import time
 
 from common.step_plan import BlockMoves
 from services.worker.batch import PlanError
@@ -40,32 +39,17 @@ def check_moves(
             raise PlanError(f"{name} pairs {bad[:4]} are outside the pools")
 
 
-def run_moves(
-    moves: BlockMoves,
-    kv_cache: KvCache,
-    swap_cache: KvCache | None,
-    offload_cache: KvCache | None = None,
-) -> float:
-    """Check, then copy what comes before the forward pass (nothing when the step moves
-    no block); returns the seconds its offload loads took."""
-    if not moves:
-        return 0.0
-    check_moves(moves, kv_cache, swap_cache, offload_cache)
+def run_swaps(moves: BlockMoves, kv_cache: KvCache, swap_cache: KvCache | None) -> None:
+    """Before the forward pass, first: preempted requests' blocks out to the swap space,
+    resumed ones' back in (checked by `check_moves`)."""
     if moves.swap_out:
         swap_cache.copy_blocks(moves.swap_out, source=kv_cache)
     if moves.swap_in:
         kv_cache.copy_blocks(moves.swap_in, source=swap_cache)
-    offload_s = 0.0
-    if moves.offload_in:
-        started = time.perf_counter()
-        kv_cache.copy_blocks(moves.offload_in, source=offload_cache)
-        offload_s = time.perf_counter() - started
-    kv_cache.copy_blocks(moves.copies)
-    return offload_s
 
 
-def run_saves(moves: BlockMoves, kv_cache: KvCache, offload_cache: KvCache | None) -> None:
-    """After the forward pass: save the blocks it filled into the offload tier (checked
-    with the rest by `run_moves`)."""
-    if moves.offload_out:
-        offload_cache.copy_blocks(moves.offload_out, source=kv_cache)
+def run_copies(moves: BlockMoves, kv_cache: KvCache) -> None:
+    """Before the forward pass, last (after the connectors' loads, which may fill a copy's
+    source): copy-on-write copies."""
+    if moves.copies:
+        kv_cache.copy_blocks(moves.copies)

@@ -69,7 +69,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if self._metrics is None:
             w = self.worker
             self._metrics = WorkerMetrics(
-                w.model_config.name, w.worker_id, w.role, w.transport.held_bytes
+                w.model_config.name, w.worker_id, w.role, w.peer_kv.transport.held_bytes
             )
         return self._metrics
 
@@ -139,7 +139,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     [] if worker.disk_offload is None else worker.disk_offload.hashes()
                 ),
             ),
-            ucx_address=worker.transport.address,
+            ucx_address=worker.peer_kv.transport.address,
             num_active_requests=len(worker.batch),
             device=str(worker.device),
             kv_shared_memory=(
@@ -231,7 +231,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     return
                 step = plan_from_pb(plan)
                 spans.plan(step)
-                worker.cancel_transfers(step.cancelled_transfer_tags)
+                worker.peer_kv.cancel(step.cancelled_transfer_tags)
                 future = worker.submit_step(
                     step.finished_ids, step.new, step.cached, step.moves, step.step_id, wire=plan
                 )
@@ -250,7 +250,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 max(1, request.peer_tensor_parallel_size),
                 max(1, request.peer_pipeline_parallel_size),
             )
-            result = await worker.send_kv(
+            result = await worker.peer_kv.send(
                 request.transfer_tag,
                 request.peer_worker_id,
                 request.peer_ucx_address,
@@ -278,7 +278,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         direction = "pull" if request.HasField("source") else "receive"
         try:
             if request.HasField("source"):
-                result = await worker.pull_kv(
+                result = await worker.peer_kv.pull(
                     request.transfer_tag,
                     kv_source_from_pb(request.source),
                     list(request.block_ids),
@@ -294,7 +294,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 max(1, request.sender_tensor_parallel_size),
                 max(1, request.sender_pipeline_parallel_size),
             )
-            result = await worker.receive_kv(
+            result = await worker.peer_kv.receive(
                 request.transfer_tag,
                 list(request.block_ids),
                 request.after_step_id,

@@ -1,4 +1,5 @@
-"""A loaded worker: model, KV pool, persistent batch, runner and UCX transport.
+"""A loaded worker: model, KV pool, persistent batch, runner, and its KV connectors (KV
+between workers, the offload tiers: `kv_connector`), called at fixed points of each step.
 
 All tensor work (loading, forward passes, block gathers and scatters) runs on one executor
 thread, so KV transfers and steps never touch the pool at the same time and the event loop
@@ -12,9 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import time
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -22,31 +21,24 @@ import torch
 
 from common.kv_shared_memory import SharedMemoryInfo
 from common.log import get_logger
-from common.parallel_plan import Layout
 from common.pb.tandem.internal.v1 import worker_pb2
 from common.step_plan import BlockMoves, CachedRequestData, NewRequestData
 from common.step_result import StepResult
 from common.structured_output import Constraint
-from services.worker.batch import PersistentBatch, PlanError
-from services.worker.block_moves import check_moves, run_moves, run_saves
+from services.worker.batch import PersistentBatch
+from services.worker.block_moves import check_moves, run_copies, run_swaps
 from services.worker.compute_lock import ComputeLock, make_compute_lock
 from services.worker.config import WorkerConfig
 from services.worker.kv_cache import KvCache
-from services.worker.kv_layout_transfer import LayoutTransfers
-from services.worker.kv_pull import KvPuller, KvSource, PullResult
+from services.worker.kv_connector import KvConnector, KvConnectors
+from services.worker.kv_offload_connector import OffloadConnector
+from services.worker.kv_peer_connector import PeerKvConnector
 from services.worker.kv_shared import PeerPool
-from services.worker.kv_transfer import (
-    KvTransferCancelled,
-    KvTransferError,
-    TransferDeadline,
-    UcxTransport,
-)
 from services.worker.parallel.kv_ranks import KvGeometry, RankPools
 from services.worker.parallel.peer_ranks import PeerRanks, start_peer_ranks
 from services.worker.parallel.rank_context import RankContext
 from services.worker.runner import ModelRunner
 from services.worker.spec_decode.proposers import make_proposer
-from services.worker.staging import StagingBuffers
 from services.worker.startup import LoadedWorker, load_worker
 from services.worker.structured.state import StructuredOutputs
 
@@ -54,9 +46,6 @@ log = get_logger(__name__)
 
 KV_LAYOUT = "block,layer,kv,slot,head,dim"
 NO_MOVES = BlockMoves()
-ONE_PROCESS = Layout()
-# Cancelled transfer tags remembered (a cancel may arrive before its receive does).
-MAX_CANCELLED_TAGS = 65536
 
 
 def tensor_executor() -> ThreadPoolExecutor:
@@ -66,12 +55,6 @@ def tensor_executor() -> ThreadPoolExecutor:
 
 class LoraDisabledError(RuntimeError):
     """A LoRA call reached a worker started without --enable-lora."""
-
-
-@dataclass(frozen=True)
-class TransferResult:
-    num_bytes: int
-    seconds: float
 
 
 @dataclass(frozen=True)
@@ -118,8 +101,14 @@ class Worker:
         )
         self.executed_step_id = 0
         self._step_done = asyncio.Condition()
-        self._report_progress()
-        self._start_kv_movement(parts)
+        self.peer_kv = self._peer_connector(parts)
+        connectors: list[KvConnector] = [self.peer_kv]
+        if self.offload_cache is not None:
+            offload = OffloadConnector(self.kv_cache, self.offload_cache, self.disk_offload)
+            connectors.append(offload)
+        self.kv_connectors = KvConnectors(connectors)
+        if self.kv_connectors.saves_layers:
+            self.kv_cache.on_layer_written = self.kv_connectors.save_kv_layer
 
     def _make_runner(self, parts: WorkerParts) -> ModelRunner:
         """The model runner: the model, its pool, CUDA graphs, the speculative proposer, the
@@ -143,41 +132,18 @@ class Worker:
             ),
         )
 
-    def _report_progress(self) -> None:
-        """Only a prefill worker's prompts are streamed while they compute: only it reports
-        its progress in its shared pool's header (a peer pulling from any other worker's
-        pool copies final blocks)."""
-        self._progress = self.shared_pool if self.role == "prefill" else None
-        self._running_step_id = 0
-        if self._progress is not None:
-            self.kv_cache.on_layer_written = self._layer_written
-
-    def _start_kv_movement(self, parts: WorkerParts) -> None:
-        """The three ways KV moves: UCX (`transport`), the same-host pull (`puller`) and the
-        transfers between workers of different layouts (`layout_transfers`)."""
-        config = parts.config
+    def _peer_connector(self, parts: WorkerParts) -> PeerKvConnector:
+        """KV between workers (`kv_peer_connector`). Only a prefill worker's prompts are
+        streamed while they compute: only it reports its progress in its shared pool's
+        header (a peer pulling from any other worker's pool copies final blocks)."""
         if self.device.type == "cuda":  # UCX's CUDA transports need a current context here
             torch.cuda.set_device(self.device)
-        self.transport = UcxTransport(
-            timeout_s=config.kv_transfer_timeout_s,
-            error_handling=config.kv_transfer_error_handling,
-            deadline=TransferDeadline.from_config(config),
-        )
-        self.staging = StagingBuffers(device=self.device)
-        self._cancelled_tags: OrderedDict[int, None] = OrderedDict()
-        self._receives: dict[int, asyncio.Task] = {}
-        self.puller = KvPuller(
-            self.kv_cache,
-            self._copy_on_tensor_thread,
-            lambda tag: tag in self._cancelled_tags,
-            config.kv_transfer_timeout_s,
-            config.kv_transfer_stream_min_copy_bytes,
-            self._rank_pools(parts.loaded) if parts.ranks is not None else None,
-            self.kv_groups,
-        )
-        self.layout_transfers = LayoutTransfers(
-            self._geometry(), self.layout, self.kv_cache.data, self.transport, self.peers,
-            self._on_tensor_thread,
+        return PeerKvConnector(
+            parts.config, self.kv_cache, self._geometry(), self._on_tensor_thread,
+            self._copy_on_tensor_thread, self.wait_for_step,
+            progress=self.shared_pool if self.role == "prefill" else None,
+            peers=self.peers,
+            rank_pools=self._rank_pools(parts.loaded) if parts.ranks is not None else None,
         )  # fmt: skip
 
     def _geometry(self) -> KvGeometry:
@@ -301,41 +267,18 @@ class Worker:
         work = self.batch.apply(finished_ids, new, cached)
         if self.runner.structured is not None:  # a request that comes back starts afresh
             self.runner.structured.forget(finished_ids)
-        disk = self._disk_moves(moves)  # into offload blocks held for them
-        offload_s = run_moves(moves, self.kv_cache, self.swap_cache, self.offload_cache)
-        if self._progress is not None:  # peers stream this step's KV layer by layer
-            self._running_step_id = step_id
-            self._progress.step_started(step_id)
+        if moves:
+            check_moves(moves, self.kv_cache, self.swap_cache, self.offload_cache)
+            run_swaps(moves, self.kv_cache, self.swap_cache)
+        self.kv_connectors.start_load_kv(moves, step_id)
+        run_copies(moves, self.kv_cache)
         output = self.runner.execute(work, step_id)
-        run_saves(moves, self.kv_cache, self.offload_cache)
-        if self.disk_offload is not None:
-            disk["disk_removed"] = tuple(self.disk_offload.take_removed())
-        if offload_s or disk:
-            output = replace(output, offload_load_seconds=offload_s, **disk)
-        if self._progress is not None:
-            self._progress.step_done(step_id)
+        self.kv_connectors.wait_for_save(moves, step_id)
+        finished = self.kv_connectors.get_finished()
+        if finished:
+            output = replace(output, **finished)
         self.batch.complete(work, output.sampled, output.accepted_tokens)
         return output
-
-    def _disk_moves(self, moves: BlockMoves) -> dict:
-        """A step's disk tier writes, then reads, before its forward pass (a write copies
-        its offload block out at once): the result's fields."""
-        if not moves.disk_loads and not moves.disk_saves:
-            return {}
-        if self.disk_offload is None:
-            raise PlanError("the plan moves disk tier blocks but this worker has none")
-        check_moves(moves, self.kv_cache, self.swap_cache, self.offload_cache)
-        self.disk_offload.save(moves.disk_saves, self.offload_cache)  # reads may reuse them
-        started = time.perf_counter()
-        loaded, failed = self.disk_offload.load(moves.disk_loads, self.offload_cache)
-        return {
-            "disk_loaded": tuple(loaded),
-            "disk_failed": tuple(failed),
-            "disk_read_seconds": time.perf_counter() - started if moves.disk_loads else 0.0,
-        }
-
-    def _layer_written(self, layer: int) -> None:
-        self._progress.layer_done(self._running_step_id, layer)
 
     async def step(
         self,
@@ -361,7 +304,7 @@ class Worker:
     @property
     def is_idle(self) -> bool:
         """No request in the batch and no KV receive under way."""
-        return not len(self.batch) and not self._receives
+        return not len(self.batch) and not self.peer_kv.receiving
 
     def reset(self) -> None:
         """Forget every request (its scheduler went away or a new one took over); step ids
@@ -369,7 +312,7 @@ class Worker:
         tensor thread, after any step still queued there."""
         self._executor.submit(self._clear)
         self.executed_step_id = 0
-        self.cancel_transfers(list(self._receives))
+        self.peer_kv.cancel_all()
 
     def _clear(self) -> None:
         self.batch.clear()
@@ -377,147 +320,17 @@ class Worker:
             self.runner.structured.reset()
         if self.peers is not None:
             self.peers.reset()
-        if self._progress is not None:
-            self._progress.reset()
-
-    def cancel_transfers(self, tags: Iterable[int]) -> None:
-        """The scheduler gave up on these receives: none of them may write into the pool
-        from now on (their blocks may already belong to another request)."""
-        for tag in tags:
-            self._cancelled_tags[tag] = None
-            self._cancelled_tags.move_to_end(tag)
-            task = self._receives.get(tag)
-            if task is not None:
-                task.cancel()
-        while len(self._cancelled_tags) > MAX_CANCELLED_TAGS:
-            self._cancelled_tags.popitem(last=False)
+        self.kv_connectors.reset()
 
     async def wait_for_step(self, step_id: int) -> None:
         """Return once step `step_id` (or a later one) has executed."""
         async with self._step_done:
             await self._step_done.wait_for(lambda: self.executed_step_id >= step_id)
 
-    async def send_kv(
-        self,
-        tag: int,
-        peer_id: str,
-        peer_address: bytes,
-        block_ids: Sequence[int],
-        peer_layout: Layout = ONE_PROCESS,
-        peer_rank_addresses: Sequence[bytes] = (),
-    ) -> TransferResult:
-        """Gather the blocks into a staging buffer where the pool is (host or device memory)
-        and send it: UCX reads device memory itself. Where either worker is parallel,
-        every rank sends its own messages (`kv_layout_transfer`)."""
-        started = time.perf_counter()
-        self._check_blocks(block_ids)
-        if self.layout != Layout() or peer_layout != Layout():
-            nbytes = await self.layout_transfers.send(
-                tag, peer_id, peer_layout, (peer_address, *peer_rank_addresses), block_ids
-            )
-            return TransferResult(nbytes, time.perf_counter() - started)
-        nbytes = len(block_ids) * self.kv_cache.block_bytes
-        # A failed transfer's buffer is not reused: UCX may still hold it.
-        buffer = self.staging.acquire(nbytes)
-        await self._on_tensor_thread(self._gather, list(block_ids), buffer)
-        await self.transport.send(peer_id, peer_address, tag, buffer)
-        self.staging.release(buffer)
-        return TransferResult(nbytes, time.perf_counter() - started)
-
-    def _gather(self, block_ids: list[int], buffer) -> None:
-        """On the tensor thread: the blocks into `buffer`, complete before UCX reads it (a
-        device gather is waited for: UCX copies on its own streams)."""
-        staged = buffer if isinstance(buffer, torch.Tensor) else torch.from_numpy(buffer)
-        self.kv_cache.gather_blocks(block_ids, staged.view(len(block_ids), -1))
-        if staged.device.type == "cuda":
-            torch.cuda.current_stream(staged.device).synchronize()
-
-    async def receive_kv(
-        self,
-        tag: int,
-        block_ids: Sequence[int],
-        after_step_id: int = 0,
-        sender_layout: Layout = ONE_PROCESS,
-    ) -> TransferResult:
-        """Receive into a staging buffer where the pool is (host or device memory), then
-        scatter it into the blocks. Not straight into the pool: a UCX receive cannot be
-        cancelled, and a late message must never land in blocks given to someone else.
-        Where either worker is parallel, every rank receives its own messages."""
-        started = time.perf_counter()
-        self._check_blocks(block_ids)
-        if tag in self._cancelled_tags:
-            raise KvTransferCancelled(f"transfer {tag:#x} was cancelled")
-        if self.layout != Layout() or sender_layout != Layout():
-            self._receives[tag] = asyncio.current_task()
-            try:
-                nbytes = await self.layout_transfers.receive(
-                    tag, sender_layout, block_ids, lambda: self.wait_for_step(after_step_id),
-                    lambda t: t in self._cancelled_tags,
-                )  # fmt: skip
-            finally:
-                self._receives.pop(tag, None)
-            return TransferResult(nbytes, time.perf_counter() - started)
-        nbytes = len(block_ids) * self.kv_cache.block_bytes
-        self._receives[tag] = asyncio.current_task()
-        try:
-            # A cancelled or failed receive's buffer is not reused: UCX may still write it.
-            buffer = self.staging.acquire(nbytes)
-            await self.transport.receive(tag, nbytes, out=buffer)
-            await self.wait_for_step(after_step_id)
-        finally:
-            self._receives.pop(tag, None)
-        # Checked and queued in one go (no await between): a cancel that reaches this
-        # worker later comes with a step queued behind this scatter on the tensor thread.
-        if tag in self._cancelled_tags:
-            raise KvTransferCancelled(f"transfer {tag:#x} was cancelled")
-        await self._on_tensor_thread(self._scatter, list(block_ids), buffer)
-        self.staging.release(buffer)
-        return TransferResult(nbytes, time.perf_counter() - started)
-
-    def _scatter(self, block_ids: list[int], buffer) -> None:
-        """On the tensor thread: `buffer` into the blocks, done before the buffer is reused
-        (a device scatter is waited for)."""
-        staged = buffer if isinstance(buffer, torch.Tensor) else torch.from_numpy(buffer)
-        self.kv_cache.scatter_blocks(block_ids, staged.view(len(block_ids), -1))
-        if staged.device.type == "cuda":
-            torch.cuda.current_stream(staged.device).synchronize()
-
-    async def pull_kv(
-        self, tag: int, source: KvSource, block_ids: Sequence[int], after_step_id: int = 0
-    ) -> PullResult:
-        """Copy blocks out of a same-host peer's shared pool (see kv_pull)."""
-        if self.peers is not None and self.puller.ranks is None:
-            raise KvTransferError("a parallel worker without shared pools cannot pull KV")
-        self._check_blocks(block_ids)
-        if tag in self._cancelled_tags:
-            raise KvTransferCancelled(f"transfer {tag:#x} was cancelled")
-        self._receives[tag] = asyncio.current_task()
-        try:
-            return await self.puller.pull(
-                tag, source, block_ids, lambda: self.wait_for_step(after_step_id)
-            )
-        finally:
-            self._receives.pop(tag, None)
-
-    def _check_blocks(self, block_ids: Sequence[int]) -> None:
-        if not block_ids:
-            raise KvTransferError("a transfer needs at least one block")
-        bad = [b for b in block_ids if not 0 <= b < self.kv_cache.num_blocks]
-        if bad:
-            raise KvTransferError(
-                f"block ids {bad[:4]} outside the pool of {self.kv_cache.num_blocks}"
-            )
-
     async def close(self) -> None:
         if self.peers is not None:
             self.peers.close()
-        self.puller.close()
         for mapped in self._rank_maps:
             mapped.close()
-        await self.transport.close()
+        await self.kv_connectors.close()  # disk tier: every file in flight written
         self._executor.shutdown(wait=False, cancel_futures=True)
-        if self.disk_offload is not None:
-            self.disk_offload.close()  # every file in flight written
-        self.runner.structured.close()
-        if self.compute_lock is not None:
-            self.compute_lock.close()

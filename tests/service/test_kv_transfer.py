@@ -74,7 +74,7 @@ async def _send_and_compare(model, dtype, error_handling, peer, hello, tmp_path)
         out = tmp_path / f"recv{n}.bin"
         peer.stdin.write(json.dumps({"tag": 1000 + n, "blocks": dst, "out": str(out)}) + "\n")
         peer.stdin.flush()
-        sent = await sender.send_kv(1000 + n, "kv-peer", address, src)
+        sent = await sender.peer_kv.send(1000 + n, "kv-peer", address, src)
         done = json.loads(await asyncio.to_thread(peer.stdout.readline))
         assert done["num_bytes"] == sent.num_bytes == len(src) * sender.kv_cache.block_bytes
         expected = sender.kv_cache.gather_blocks(src).numpy().tobytes()

@@ -20,8 +20,9 @@ from common.model_config import ModelConfig
 from common.pb.tandem.internal.v1 import worker_pb2
 from common.step_plan_pb import plan_from_pb
 from services.worker.batch import PersistentBatch, PlanError
-from services.worker.block_moves import run_moves, run_saves
+from services.worker.block_moves import check_moves, run_copies, run_swaps
 from services.worker.config import WorkerConfig
+from services.worker.kv_offload_connector import OffloadConnector
 from services.worker.kv_transfer import TransferDeadline
 from services.worker.parallel.kv_ranks import KvGeometry
 from services.worker.parallel.peer_kv import KV_KINDS, PeerKvTransfers
@@ -50,6 +51,9 @@ def serve_steps(
     kv: PeerKvTransfers | None,
     log,
 ) -> None:
+    offload = None  # the host tier's loads and saves on this rank's slice (no disk tier)
+    if loaded.offload_cache is not None:
+        offload = OffloadConnector(loaded.kv_cache, loaded.offload_cache)
     for kind, payload in read_messages(step_fd):
         if kind == RESET:
             batch.clear()
@@ -64,12 +68,18 @@ def serve_steps(
         plan = plan_from_pb(worker_pb2.StepRequest.FromString(payload))
         try:
             work = batch.apply(plan.finished_ids, plan.new, plan.cached)
-            run_moves(plan.moves, loaded.kv_cache, loaded.swap_cache, loaded.offload_cache)
+            if plan.moves:
+                check_moves(plan.moves, loaded.kv_cache, loaded.swap_cache, loaded.offload_cache)
         except PlanError as exc:  # rank 0 refuses the same plan and reports it
             log.warning("bad_step_plan", step_id=plan.step_id, error=str(exc))
             continue
+        run_swaps(plan.moves, loaded.kv_cache, loaded.swap_cache)
+        if offload is not None:
+            offload.start_load_kv(plan.moves, plan.step_id)
+        run_copies(plan.moves, loaded.kv_cache)
         output = runner.execute(work)
-        run_saves(plan.moves, loaded.kv_cache, loaded.offload_cache)
+        if offload is not None:
+            offload.wait_for_save(plan.moves, plan.step_id)
         batch.complete(work, output.sampled, output.accepted_tokens)
 
 
