@@ -139,7 +139,7 @@ def fake_worker(device: str) -> SimpleNamespace:
         swap_cache=None,
         offload_cache=None,
         disk_offload=None,
-        transport=SimpleNamespace(address=b"ucx"),
+        peer_kv=SimpleNamespace(transport=SimpleNamespace(address=b"ucx")),
         shared_pool=None,
         speculative=None,
         layout=Layout(),
