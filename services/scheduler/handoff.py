@@ -157,6 +157,8 @@ class KvHandoff:
         if free_source:
             transfer.src.blocks.free(rid)
         transfer.dst.scheduler.receives.cancel(transfer.tag, rid)
+        if transfer.dst.scheduler.offload is not None:  # its tier loads, if any
+            transfer.dst.scheduler.offload.handoff.drop(rid)
         transfer.src.wakeup.set()
         transfer.dst.wakeup.set()
 
@@ -168,12 +170,12 @@ class KvHandoff:
             choice = self._choose(handle.request, handle.request.num_computed_tokens, handle.pool)
             if choice is None:
                 return  # wait until a decode pool frees blocks
-            dst, hits = choice
+            dst, hits, tier = choice
             if dst is not pool:
                 dst.wakeup.set()
                 return
             self.queue.popleft()
-            self._start(handle, pool, hits)
+            self._start(handle, pool, hits, tier)
 
     def stream(self, handle: RequestHandle, step_id: int, last: bool) -> None:
         """Step `step_id`, just sent to the handle's prefill pool, computes a chunk of its
@@ -194,11 +196,11 @@ class KvHandoff:
             choice = self._choose(request, request.num_known_tokens, handle.pool)
             if choice is None:
                 return
-            dst, hits = choice
+            dst, hits, tier = choice
             whole = dst.blocks.blocks_for_tokens(request.num_known_tokens)
-            if not self._can_pull(src, dst) or len(hits) >= whole:
+            if not self._can_pull(src, dst) or len(hits) + len(tier) >= whole:
                 return
-            transfer = self._start(handle, dst, hits, streamed=True)
+            transfer = self._start(handle, dst, hits, tier, streamed=True)
         computed = handle.request.num_computed_tokens
         table = src.blocks.table(handle.request.request_id)
         transfer.add_part(table, src.blocks.full_blocks(computed), step_id, last)
@@ -207,9 +209,12 @@ class KvHandoff:
         pair = (src.info.worker_id, dst.info.worker_id)
         return dst.info.can_pull_from(src.info) and pair not in self._no_pull
 
-    def _choose(self, request, computed: int, src: Pool) -> tuple[Pool, list[int]] | None:
+    def _choose(
+        self, request, computed: int, src: Pool
+    ) -> tuple[Pool, list[int], list[int]] | None:
         """The decode pool placement picks for the request's first `computed` tokens now
-        (held in `src`), and its cached blocks. Links from `src` that just failed a
+        (held in `src`), its cached blocks, and its offload tier's blocks after those
+        (`handoff_tier`: loaded there, not moved). Links from `src` that just failed a
         transfer are left out while another is usable."""
         healthy = [p for p in self.decode_pools if p.accepting]  # draining ones: no
         if not healthy:
@@ -220,27 +225,38 @@ class KvHandoff:
             p.blocks.cached_prefix(request.block_hashes, request.all_token_ids, computed)
             for p in healthy
         ]
+        tiers = [
+            [] if p.scheduler.offload is None
+            else p.scheduler.offload.handoff.hits(request, len(h), computed)
+            for p, h in zip(healthy, hits, strict=True)
+        ]  # fmt: skip
         needed = healthy[0].blocks.blocks_for_tokens(computed)
         choice = choose_decode(
             [
                 DecodeCandidate(
-                    transfer_blocks=needed - len(h),
+                    transfer_blocks=needed - len(h) - len(t),
                     consumed_blocks=p.blocks.blocks_needed(
                         request.request_id, computed, hits=h, next_position=max(0, computed - 1)
                     ),
                     free_blocks=p.blocks.num_free_blocks,
                 )
-                for p, h in zip(healthy, hits, strict=True)
+                for p, h, t in zip(healthy, hits, tiers, strict=True)
             ]
         )
-        return None if choice is None else (healthy[choice], hits[choice])
+        return None if choice is None else (healthy[choice], hits[choice], tiers[choice])
 
     def _start(
-        self, handle: RequestHandle, dst: Pool, hits: list[int], streamed: bool = False
+        self,
+        handle: RequestHandle,
+        dst: Pool,
+        hits: list[int],
+        tier: list[int],
+        streamed: bool = False,
     ) -> Transfer | None:
-        """Allocate the request's blocks in `dst` and start moving them. Streamed, the
-        prompt still runs: its parts are added chunk by chunk (`stream`), and `enqueue`
-        moves it on. Otherwise everything moves at once."""
+        """Allocate the request's blocks in `dst`, load the first from its offload tier
+        (`tier`) and start moving the rest. Streamed, the prompt still runs: its parts are
+        added chunk by chunk (`stream`), and `enqueue` moves it on. Otherwise everything
+        moves at once."""
         request, src = handle.request, handle.pool
         rid = request.request_id
         num_tokens = request.num_known_tokens if streamed else request.num_computed_tokens
@@ -249,6 +265,9 @@ class KvHandoff:
             rid, num_tokens, hits=hits, next_position=max(0, num_tokens - 1)
         )
         dst.counters.kv_blocks_reused += len(hits)
+        if tier:  # loaded from the decode pool's tier with its next step, not moved
+            dst.scheduler.offload.handoff.hold(rid, tier, dst_blocks[: len(tier)])
+            dst_blocks, hits = dst_blocks[len(tier) :], hits + tier
         if not dst_blocks:  # the decode pool already holds every block
             handle.start_transfer(None)
             self._arrive(handle, src, dst)
@@ -374,15 +393,18 @@ class KvHandoff:
 
     def _arrive(self, handle: RequestHandle, src: Pool, dst: Pool) -> None:
         request = handle.request
+        rid = request.request_id
         src.blocks.free(request.request_id)
         src.wakeup.set()
-        dst.blocks.cache_full_blocks(
+        cached = dst.blocks.cache_full_blocks(
             request.request_id,
             request.block_hashes,
             request.all_token_ids,
             request.num_computed_tokens,
             request.chain_origin,
         )
+        if dst.scheduler.offload is not None:  # kept in its tier too (`handoff_tier`)
+            dst.scheduler.offload.handoff.save_arrival(rid, cached, request.hash_root)
         handle.arrive(dst)
         if not request.is_finished:  # a finished one that keeps its KV parks here
             dst.scheduler.add(request)

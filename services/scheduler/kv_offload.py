@@ -39,6 +39,7 @@ from common.step_plan import DiskBlock
 from common.step_result import StepResult
 from services.scheduler.block_events import BlockLink, RopeKeyOf, no_rope_key
 from services.scheduler.block_pool import BlockPool, Cached
+from services.scheduler.handoff_tier import HandoffTier
 from services.scheduler.kv_offload_events import TierEvents
 from services.scheduler.request import Request
 
@@ -73,6 +74,7 @@ class HostOffload:
         self.num_disk_failed_blocks = 0
         self.load_seconds = 0.0  # offload blocks into the pool (the worker's copies)
         self.disk_read_seconds = 0.0
+        self.handoff = HandoffTier(self)  # a decode pool's loads and saves at hand-offs
 
     @property
     def num_blocks(self) -> int:
@@ -182,10 +184,12 @@ class HostOffload:
             index += 1
         return found, reads, writes
 
-    def loaded(self, num_blocks: int) -> None:
-        """A request admitted with `num_blocks` loaded from the host tier (counters)."""
+    def loaded(self, num_blocks: int, hit_tokens: bool = True) -> None:
+        """A request admitted with `num_blocks` loaded from the host tier (counters; a
+        decode pool's loads at a hand-off are no prefix-cache query's hits)."""
         self.num_loaded_blocks += num_blocks
-        self.num_hit_tokens += num_blocks * self.block_size
+        if hit_tokens:
+            self.num_hit_tokens += num_blocks * self.block_size
 
     def record(self, result: StepResult) -> None:
         """What a step's result says of the tiers: disk reads done, blocks the disk let
@@ -234,6 +238,10 @@ class HostOffload:
         fresh = [b for b in blocks if b not in held]
         self.pool.touch(fresh)
         held.update(dict.fromkeys(fresh))
+
+    def hold(self, request_id: str, blocks: Sequence[int]) -> None:
+        """The request holds these offload blocks until `release` (a hand-off's loads)."""
+        self._hold(request_id, blocks)
 
     def release(self, request_id: str) -> None:
         """The request left the pool (finished, preempted, handed on): its offload blocks

@@ -188,8 +188,9 @@ class PoolScheduler:
         # This step tells the worker; blocks it allocates are written only after that.
         plan.cancelled_transfer_tags = self.receives.take()
         self.batch.drop_departed(self.blocks.has)
-        if self.offload is not None:
+        if self.offload is not None:  # (and a hand-off's loads and saves, on a decode pool)
             self.offload.begin_plan()
+            self.offload.handoff.take(plan, self.blocks.pool)
         if self.migrating:  # nothing new runs; swapped requests come back to leave with KV
             self._swap_in(plan, self.max_num_batched_tokens)
         else:

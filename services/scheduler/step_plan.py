@@ -158,6 +158,8 @@ class PoolStepPlan:
             or self.swap_out
             or self.cancelled_transfer_tags
             or self.disk_loads
+            or self.offload_in  # a decode pool's loads at a hand-off
+            or self.offload_out
         )
 
 

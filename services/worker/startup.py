@@ -330,6 +330,8 @@ def kv_offload_disk(config: WorkerConfig, model_name: str, kv_cache: KvCache):
     """The disk tier behind the offload pool (`--kv-offload-dir`; None: none). Its files
     are this model's, this geometry's and this KV dtype's only."""
     size = parse_size(config.kv_offload_disk_bytes)
+    if size and config.role == "decode":  # (one setting for a whole stack)
+        log.warning("kv_offload_disk_ignored", reason="a decode worker keeps no disk tier yet")
     if not size or config.role == "decode":
         return None
     identity = TierIdentity(
@@ -356,9 +358,6 @@ def kv_offload_cache(
     run at the bus's speed."""
     size = parse_size(config.kv_offload_cpu_bytes)
     if not size:
-        return None
-    if config.role == "decode":  # (one setting for a whole stack: prefill workers use it)
-        log.warning("kv_offload_ignored", reason="a decode worker keeps no offload tier yet")
         return None
     if groups.num_groups > 1 or any(w is not None for w in groups.windows):
         raise ValueError(

@@ -8,6 +8,7 @@ import signal
 
 import pytest
 
+from common.pb.tandem.internal.v1.types_pb2 import WorkerRole
 from common.prefix_hash import extend_block_hashes, root_hash
 from tests.fault_injection import wait_for, wait_healthy_pools
 from tests.hf_reference import hf_greedy, hf_tokenizer
@@ -88,6 +89,45 @@ def test_an_evicted_conversation_prefix_is_loaded_from_the_offload_tier(
         assert all(p.num_free_blocks == p.num_blocks for p in pools)  # nothing leaked
         assert tier(stack).num_offload_cpu_cached_blocks > 0
         assert sum(p.num_offload_cpu_blocks > 0 for p in pool_stats(stack).pools) == 1
+    finally:
+        stack.stop()
+
+
+def test_a_decode_worker_keeps_a_conversation_for_its_next_turn(tiny_llama_dir, tmp_path):
+    """The tier on the decode worker (`handoff_tier`): the blocks a hand-off brought are
+    saved there; once its pool evicted them, the next turn's hand-off loads them from the
+    tier instead of moving them from the prefill worker, streamed or not."""
+    pool = ["--max-model-len", "160", "--num-blocks", "10", "--block-size", str(BLOCK)]
+    args = {"prefill": pool, "decode": [*pool, "--kv-offload-cpu-bytes", "64MiB"]}
+    stack = start_stack(tiny_llama_dir, tmp_path / "run", extra_args=args, prefill=1, decode=1)
+    try:
+        address = stack.spec.gateway_address
+        first = list(range(5, 69))  # 4 full blocks
+        turn1 = generate(address, salted(first, 8))
+        assert turn1.token_ids == hf_greedy(tiny_llama_dir, first, 8)
+        before = tier(stack)
+        assert before.role == WorkerRole.WORKER_ROLE_DECODE
+        assert before.offload_saved_blocks == 4  # the prompt's blocks, as they arrived
+        for start in (300, 500):  # evict every block of the first turn from both pools
+            flood = list(range(start, start + 120))
+            assert generate(address, salted(flood, 4)).token_ids == hf_greedy(
+                tiny_llama_dir, flood, 4
+            )
+        flooded = tier(stack)
+        assert flooded.evictions - before.evictions >= 4
+        second = first + list(turn1.token_ids) + list(range(80, 90))  # 82 tokens: 6 blocks
+        turn2 = generate(address, salted(second, 8))
+        assert turn2.token_ids == hf_greedy(tiny_llama_dir, second, 8)
+        after = tier(stack)
+        assert after.offload_loaded_blocks - flooded.offload_loaded_blocks == 4
+        assert after.kv_blocks_received - flooded.kv_blocks_received == 2  # only the rest
+        assert after.offload_hit_tokens == flooded.offload_hit_tokens  # no prefix query's
+        # Another cache_salt shares nothing: every block moves.
+        other = generate(address, salted(second, 8, salt="tenant-b"))
+        assert other.token_ids == turn2.token_ids
+        assert tier(stack).kv_blocks_received - after.kv_blocks_received == 6
+        pools = wait_until_idle(stack).pools
+        assert all(p.num_free_blocks == p.num_blocks for p in pools)  # nothing leaked
     finally:
         stack.stop()
 
