@@ -4,11 +4,10 @@ the rest of the request's KV, and hand the request to the decode pool.
 A request whose prompt is done waits here, holding its prefill blocks, until a decode pool
 pulls it: each decode pool calls `pull` when it plans a step (as vLLM's scheduler admits
 requests waiting for remote KV inside `schedule()`), and takes the waiting hand-offs that
-choose it, in order. Its full blocks are looked up in each decode pool's prefix cache first;
-only the blocks that pool lacks are allocated and moved. Between workers on one host the
-decode worker copies them out of the prefill worker's shared pool (`ReceiveKv` with a
-source: no `SendKv`); otherwise `ReceiveKv` on the decode worker and `SendKv` on the
-prefill worker, same UCX tag, issued together. The received blocks are written only after
+choose it, in order. Its full blocks are looked up in each decode pool's prefix cache first,
+then in its offload tier (`handoff_tier`: loaded there); only the blocks that pool lacks are
+allocated and moved, by the peers' connector (`kv_peer_connector`: pulled out of the
+prefill worker's shared pool on one host, else over UCX). The received blocks are written only after
 the decode worker has run every step planned before they were allocated
 (`after_step_id`), so a step still in flight can never write into freshly received KV.
 
@@ -45,11 +44,11 @@ from dataclasses import dataclass
 
 from common.log import bind_request, get_logger
 from services.scheduler.handle import RequestHandle, Stage, Transfer, TransferPart
+from services.scheduler.kv_peer_connector import PeerKvConnector
 from services.scheduler.link_breaker import LinkBreaker
 from services.scheduler.placement import DecodeCandidate, choose_decode
 from services.scheduler.pool import Pool
 from services.scheduler.request_trace import transfer_span
-from services.scheduler.worker_types import KvPullRefusedError, KvPullSource, KvTransferResult
 
 log = get_logger(__name__)
 
@@ -96,13 +95,11 @@ class KvHandoff:
     ) -> None:
         """`spawn(coro, name)` runs a transfer's task."""
         self.decode_pools = list(decode_pools)
-        self.timeout_s = timeout_s
+        self.peers = PeerKvConnector(timeout_s)  # how the blocks move
         self.streaming = streaming
         self._spawn = spawn
         self.events: asyncio.Queue[HandoffEvent] = asyncio.Queue()
         self.queue: deque[RequestHandle] = deque()
-        # (source, receiver) worker ids whose receiver could not map the source's pool.
-        self._no_pull: set[tuple[str, str]] = set()
         # (source, receiver) links whose last transfer failed with both workers alive.
         self.links = links or LinkBreaker()
         self._tag_base = secrets.randbits(31) << 32
@@ -198,16 +195,12 @@ class KvHandoff:
                 return
             dst, hits, tier = choice
             whole = dst.blocks.blocks_for_tokens(request.num_known_tokens)
-            if not self._can_pull(src, dst) or len(hits) + len(tier) >= whole:
+            if not self.peers.can_pull(src, dst) or len(hits) + len(tier) >= whole:
                 return
             transfer = self._start(handle, dst, hits, tier, streamed=True)
         computed = handle.request.num_computed_tokens
         table = src.blocks.table(handle.request.request_id)
         transfer.add_part(table, src.blocks.full_blocks(computed), step_id, last)
-
-    def _can_pull(self, src: Pool, dst: Pool) -> bool:
-        pair = (src.info.worker_id, dst.info.worker_id)
-        return dst.info.can_pull_from(src.info) and pair not in self._no_pull
 
     def _choose(
         self, request, computed: int, src: Pool
@@ -307,7 +300,7 @@ class KvHandoff:
                 while True:
                     part = await parts.get()
                     if part.dst_blocks:
-                        result = await self._move(src, dst, tag, part, after_step)
+                        result = await self.peers.move(src, dst, tag, part, after_step)
                         num_blocks += len(part.dst_blocks)
                         num_bytes += result.num_bytes
                         lag_s = result.source_lag_seconds
@@ -320,9 +313,7 @@ class KvHandoff:
         except asyncio.CancelledError:
             raise
         except Exception as error:
-            if isinstance(error, KvPullRefusedError):  # from now on these two use UCX
-                self._no_pull.add((src.info.worker_id, dst.info.worker_id))
-                log.warning("kv_pull_refused", src=src.info.worker_id, dst=dst.info.worker_id)
+            self.peers.failed(src, dst, error)
             if handle.stage is Stage.PREFILL:
                 # Streamed while the prompt still runs: drop the decode side; the finished
                 # prompt is handed off as usual (a dead worker is found by its step stream).
@@ -358,38 +349,6 @@ class KvHandoff:
             handle.transfer.done = True
             return
         self._arrive(handle, src, dst)
-
-    async def _move(
-        self, src: Pool, dst: Pool, tag: int, part: TransferPart, after_step: int
-    ) -> KvTransferResult:
-        """One part: pulled by the decode worker on one host, else received and sent
-        together over UCX; the first failure stops the other call and is raised."""
-        if self._can_pull(src, dst):  # same host: the decode worker copies them
-            source = KvPullSource(src.info, part.src_blocks, part.ready_step_id)
-            receive = dst.client.receive_kv(
-                tag, part.dst_blocks, self.timeout_s, after_step, source
-            )
-            calls = [asyncio.ensure_future(receive)]
-        else:
-            calls = [
-                asyncio.ensure_future(
-                    dst.client.receive_kv(
-                        tag, part.dst_blocks, self.timeout_s, after_step, sender=src.info
-                    )
-                ),
-                asyncio.ensure_future(
-                    src.client.send_kv(tag, dst.info, part.src_blocks, self.timeout_s)
-                ),
-            ]
-        try:
-            done, _ = await asyncio.wait(calls, return_when=asyncio.FIRST_EXCEPTION)
-        finally:
-            for call in calls:
-                call.cancel()
-        error = next((c.exception() for c in done if c.exception() is not None), None)
-        if error is not None:
-            raise error
-        return calls[0].result()
 
     def _arrive(self, handle: RequestHandle, src: Pool, dst: Pool) -> None:
         request = handle.request
