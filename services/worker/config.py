@@ -307,11 +307,6 @@ class WorkerConfig(ServiceConfig):
             "needs --kv-offload-cpu-bytes (the disk tier is behind the host-memory tier)",
         )
         self._require(
-            not disk or self.world_size == 1,
-            "kv_offload_disk_bytes",
-            "is not supported with tensor or pipeline parallelism yet",
-        )
-        self._require(
             0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]"
         )
         self._require(

@@ -10,13 +10,15 @@ connector points (`kv_connector`).
 - `get_finished`: what the disk tier read, failed to read and let go, and the seconds the
   loads took (the scheduler's tier index and metrics follow them).
 
-A parallel worker's other ranks run the same connector on their slices, without a disk
-tier (the disk tier is refused with TP/PP at start).
+A parallel worker's ranks each run the connector on their slices, the disk tier in files
+of their own; a disk read counts as loaded only where it loaded on every rank (`agree`:
+a MIN over the ranks), so a file missing or bad on one rank is a miss for all.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from common.step_plan import BlockMoves
 from services.worker.batch import PlanError
@@ -27,9 +29,15 @@ from services.worker.kv_connector import KvConnector
 
 class OffloadConnector(KvConnector):
     def __init__(
-        self, kv_cache: KvCache, offload_cache: KvCache, disk: DiskOffload | None = None
+        self,
+        kv_cache: KvCache,
+        offload_cache: KvCache,
+        disk: DiskOffload | None = None,
+        agree: Callable[[list[int]], list[int]] | None = None,
     ) -> None:
+        """`agree`: a parallel worker's MIN over its ranks (None: one process)."""
         self.kv_cache, self.offload_cache, self.disk = kv_cache, offload_cache, disk
+        self._agree = agree
         self._finished: dict = {}
 
     def start_load_kv(self, moves: BlockMoves, step_id: int) -> None:
@@ -40,6 +48,12 @@ class OffloadConnector(KvConnector):
             self.disk.save(moves.disk_saves, self.offload_cache)  # reads may reuse them
             started = time.perf_counter()
             loaded, failed = self.disk.load(moves.disk_loads, self.offload_cache)
+            if self._agree is not None and moves.disk_loads:
+                here = set(loaded)
+                everywhere = self._agree([int(b.block_hash in here) for b in moves.disk_loads])
+                pairs = list(zip(moves.disk_loads, everywhere, strict=True))
+                loaded = [b.block_hash for b, ok in pairs if ok]
+                failed = [b.block_hash for b, ok in pairs if not ok]
             finished["disk_loaded"] = tuple(loaded)
             finished["disk_failed"] = tuple(failed)
             if moves.disk_loads:

@@ -292,7 +292,7 @@ def load_worker(
     offload_cache = kv_offload_cache(
         config, groups, geometry, kv_cache.block_bytes, pinned=device.type == "cuda"
     )
-    disk_offload = kv_offload_disk(config, model_config.name, kv_cache)
+    disk_offload = kv_offload_disk(config, model_config.name, kv_cache, ranks)
     log.info(
         "worker_loaded",
         worker_id=worker_id,
@@ -326,9 +326,12 @@ def load_worker(
     )  # fmt: skip
 
 
-def kv_offload_disk(config: WorkerConfig, model_name: str, kv_cache: KvCache):
+def kv_offload_disk(
+    config: WorkerConfig, model_name: str, kv_cache: KvCache, ranks: RankSlice | None = None
+):
     """The disk tier behind the offload pool (`--kv-offload-dir`; None: none). Its files
-    are this model's, this geometry's and this KV dtype's only."""
+    are this model's, this geometry's, this KV dtype's and this rank's only (each rank of a
+    parallel worker keeps its slice of every block in files of its own)."""
     size = parse_size(config.kv_offload_disk_bytes)
     if size and config.role == "decode":  # (one setting for a whole stack)
         log.warning("kv_offload_disk_ignored", reason="a decode worker keeps no disk tier yet")
@@ -340,7 +343,11 @@ def kv_offload_disk(config: WorkerConfig, model_name: str, kv_cache: KvCache):
         block_size=kv_cache.block_size,
         block_bytes=kv_cache.block_bytes,
         dtype=kv_cache.dtype,
-    )
+        **({} if ranks is None else dict(
+            tp_rank=ranks.tp.rank, tp_size=ranks.tp.size,
+            pp_rank=ranks.stage.stage, pp_size=ranks.stage.size,
+        )),
+    )  # fmt: skip
     tier = DiskTier(config.kv_offload_dir, size, identity)
     if not tier.enabled:
         raise ValueError(

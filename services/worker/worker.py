@@ -104,7 +104,10 @@ class Worker:
         self.peer_kv = self._peer_connector(parts)
         connectors: list[KvConnector] = [self.peer_kv]
         if self.offload_cache is not None:
-            offload = OffloadConnector(self.kv_cache, self.offload_cache, self.disk_offload)
+            offload = OffloadConnector(
+                self.kv_cache, self.offload_cache, self.disk_offload,
+                agree=None if parts.ranks is None else parts.ranks.all_min,
+            )  # fmt: skip
             connectors.append(offload)
         self.kv_connectors = KvConnectors(connectors)
         if self.kv_connectors.saves_layers:

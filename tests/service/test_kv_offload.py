@@ -8,8 +8,11 @@ import signal
 
 import pytest
 
+from common.model_config import ModelConfig
 from common.pb.tandem.internal.v1.types_pb2 import WorkerRole
 from common.prefix_hash import extend_block_hashes, root_hash
+from services.worker.kv_offload.disk_format import identity_dir_name
+from services.worker.kv_offload.keys import TierIdentity
 from tests.fault_injection import wait_for, wait_healthy_pools
 from tests.hf_reference import hf_greedy, hf_tokenizer
 from tests.service.test_e2e import run_concurrently
@@ -202,6 +205,74 @@ def test_the_disk_tier_serves_past_the_host_tier_and_a_worker_restart_but_never_
         assert not damaged.exists()  # the bad file is gone, never served, logged once
         bad = [x for x in log_lines_since(stack, 0, worker) if "kv_offload_bad_file" in x]
         assert len(bad) == 1 and block1.hex() in bad[0] and "checksum" in bad[0]
+        pools = wait_until_idle(stack).pools
+        assert all(p.num_free_blocks == p.num_blocks for p in pools)
+    finally:
+        stack.stop()
+
+
+def test_each_tensor_parallel_rank_keeps_its_slice_on_disk_and_a_bad_one_is_a_miss_for_all(
+    tiny_llama_dir, tmp_path
+):
+    """A `both` worker of two tensor-parallel ranks with the disk tier: each rank writes
+    its heads' slice of a block to files of its own, a read counts only where it loaded
+    on every rank; so a file damaged on rank 1 alone is a miss (computed, HF-exact)."""
+    disk = tmp_path / "kv"
+    rank_block_bytes = 2 * 2 * BLOCK * 1 * 16 * 4  # one of the two KV heads per rank
+    pool = ["--max-model-len", "160", "--num-blocks", "10", "--block-size", str(BLOCK)]
+    tiers = [
+        *("--kv-offload-cpu-bytes", str(4 * rank_block_bytes)),
+        *("--kv-offload-dir", str(disk), "--kv-offload-disk-bytes", "4MiB"),
+    ]
+    salt = "disk-tier-tp-test"
+    args = {
+        "both": [*pool, *tiers, "--tensor-parallel-size", "2"],
+        "scheduler": ["--prefix-cache-salt", salt],
+    }
+    stack = start_stack(
+        tiny_llama_dir, tmp_path / "run", prefill=0, decode=0, both=1, extra_args=args
+    )
+    try:
+        address = stack.spec.gateway_address
+        first = list(range(5, 69))  # 4 full blocks
+        turn1 = generate(address, salted(first, 8))
+        for start in (300, 500):  # the device pool and the host tier both turn over
+            generate(address, salted(list(range(start, start + 120)), 4))
+        before = tier(stack)
+        assert before.num_offload_cpu_blocks == 4 and before.offload_disk_saved_blocks >= 4
+        second = first + list(turn1.token_ids) + list(range(80, 90))
+        turn2 = generate(address, salted(second, 8))
+        assert turn2.token_ids == hf_greedy(tiny_llama_dir, second, 8)
+        assert turn2.usage.cached_tokens == 4 * BLOCK  # both ranks' slices from disk
+        after = tier(stack)
+        assert after.offload_disk_loaded_blocks - before.offload_disk_loaded_blocks == 4
+        # Damage rank 1's file of the first turn's block 2, then make the tiers let the
+        # blocks go again so that the next turn reads them from disk.
+        root = root_hash(salt.encode(), "offload")
+        block2 = extend_block_hashes([], first, BLOCK, root)[2]
+        rank1 = TierIdentity(
+            model=ModelConfig.from_folder(tiny_llama_dir).name, num_slots=2,
+            block_size=BLOCK, block_bytes=rank_block_bytes, dtype="torch.float32",
+            tp_rank=1, tp_size=2,
+        )  # fmt: skip
+        files = sorted(disk.rglob(f"{block2.hex()}-0.kv"))
+        assert len(files) == 2  # one per rank
+        (damaged,) = [
+            f for f in files if f.parent.parent.name == identity_dir_name(rank1.fingerprint)
+        ]
+        raw = bytearray(damaged.read_bytes())
+        raw[len(raw) // 2] ^= 0x5A
+        damaged.write_bytes(bytes(raw))
+        for start in (700, 900):
+            generate(address, salted(list(range(start, start + 120)), 4))
+        flooded = tier(stack)
+        third = first + list(range(90, 100))
+        turn3 = generate(address, salted(third, 8))
+        assert turn3.token_ids == hf_greedy(tiny_llama_dir, third, 8)
+        assert turn3.usage.cached_tokens == 2 * BLOCK  # blocks 0-1; block 2 bad on rank 1
+        stats = tier(stack)
+        assert stats.offload_disk_failed_blocks - flooded.offload_disk_failed_blocks == 1
+        assert not damaged.exists()
         pools = wait_until_idle(stack).pools
         assert all(p.num_free_blocks == p.num_blocks for p in pools)
     finally:

@@ -50,10 +50,13 @@ def serve_steps(
     loaded,
     kv: PeerKvTransfers | None,
     log,
+    agree=None,
 ) -> None:
-    offload = None  # the host tier's loads and saves on this rank's slice (no disk tier)
+    offload = None  # the offload tiers' loads and saves on this rank's slice
     if loaded.offload_cache is not None:
-        offload = OffloadConnector(loaded.kv_cache, loaded.offload_cache)
+        offload = OffloadConnector(
+            loaded.kv_cache, loaded.offload_cache, loaded.disk_offload, agree
+        )
     for kind, payload in read_messages(step_fd):
         if kind == RESET:
             batch.clear()
@@ -80,6 +83,7 @@ def serve_steps(
         output = runner.execute(work)
         if offload is not None:
             offload.wait_for_save(plan.moves, plan.step_id)
+            offload.get_finished()  # rank 0 reports; this rank's finished writes collected
         batch.complete(work, output.sampled, output.accepted_tokens)
 
 
@@ -121,10 +125,12 @@ def main(argv: list[str] | None = None) -> None:
     freeze_startup_heap()
     log.info("rank_ready", num_blocks=loaded.kv_cache.num_blocks)
     try:
-        serve_steps(args.step_fd, runner, batch, loaded, kv, log)
+        serve_steps(args.step_fd, runner, batch, loaded, kv, log, ranks.all_min)
     finally:
         if kv is not None:
             kv.close()
+        if loaded.disk_offload is not None:
+            loaded.disk_offload.close()  # every file in flight written
     log.info("rank_stopping", reason="rank 0 closed the step pipe")
 
 

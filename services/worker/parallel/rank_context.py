@@ -88,6 +88,15 @@ class RankContext:
         dist.all_reduce(out, op=dist.ReduceOp.MIN, group=self.host_group)
         return int(out.item())
 
+    def all_min(self, values: list[int]) -> list[int]:
+        """Each position's smallest value over the ranks (every rank calls it, with as many
+        values): e.g. which disk reads succeeded on every rank."""
+        if not values:
+            return []
+        out = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(out, op=dist.ReduceOp.MIN, group=self.host_group)
+        return out.tolist()
+
 
 def rank_device(name: str, rank: int) -> torch.device:
     """Rank r's device: the r-th GPU after the configured one; the CPU for everyone on CPU."""
