@@ -72,8 +72,8 @@ def test_items_passed_back_and_history_order():
 
 def test_text_format_becomes_structured_output():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    chat = chat_of({"input": "x", "text": {"format": {"type": "json_schema", "name": "n",
-                                                      "schema": schema, "strict": True}}})  # fmt: skip
+    form = {"type": "json_schema", "name": "n", "schema": schema, "strict": True}
+    chat = chat_of({"input": "x", "text": {"format": form}})
     assert chat.request.structured_output.json_schema
     chat = chat_of({"input": "x", "text": {"format": {"type": "json_object"}}})
     assert chat.request.structured_output.json_object
