@@ -175,6 +175,7 @@ def read_fixed(fields: Fields, echo: dict) -> None:
     for key, (allowed, why) in FIXED.items():
         if fields.get(key) not in allowed:
             raise unsupported(key, why)
+    echo["top_logprobs"] = fields.get("top_logprobs")  # None or 0, as given (as vLLM)
     include = fields.list("include")
     if include:
         raise unsupported("include", "no extra output data")
@@ -188,7 +189,6 @@ def read_fixed(fields: Fields, echo: dict) -> None:
         background=False,
         truncation="disabled",
         reasoning=None,
-        top_logprobs=0,
         max_tool_calls=None,
         prompt=None,
         service_tier=service_tier or "auto",

@@ -48,7 +48,7 @@ def message_item(item_id: str, text: str | None, status: str) -> dict:
     """An assistant message item: one `output_text` part (none while `in_progress`)."""
     content = [] if text is None else [output_text(text)]
     return {"id": item_id, "type": "message", "role": "assistant", "status": status,
-            "content": content}  # fmt: skip
+            "content": content, "phase": None}  # fmt: skip
 
 
 def usage_body(usage: UsageSum) -> dict:
