@@ -105,6 +105,21 @@ def test_store_false_is_not_retrievable(client):
     assert info.value.body["code"] == "previous_response_not_found"
 
 
+def test_a_stored_response_belongs_to_the_credentials_that_stored_it(client, api_stack):
+    """The gateway here checks no key; a front that passes each user's key still keeps
+    their stored responses apart."""
+    alice, bob = (client.with_options(api_key=key) for key in ("alice-key", "bob-key"))
+    got = alice.responses.create(model=MODEL, input="Hello", max_output_tokens=2)
+    assert alice.responses.retrieve(got.id).id == got.id
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.retrieve(got.id)
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.create(model=MODEL, input="More", previous_response_id=got.id)
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.delete(got.id)
+    alice.responses.delete(got.id)
+
+
 def test_stream_events_in_order_with_sequence_numbers(client):
     kwargs = dict(model=MODEL, input="Tell me a story", max_output_tokens=12, temperature=0)
     plain = client.responses.create(**kwargs)
