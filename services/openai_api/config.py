@@ -17,7 +17,8 @@ from common.config import (
 @dataclass(frozen=True)
 class OpenAIApiConfig(ServiceConfig):
     """The Tandem OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
-    /v1/models), a translation to the gateway's gRPC API. HTTPS, client certificates and
+    /v1/responses, Anthropic's /v1/messages, /v1/models), a translation to the gateway's
+    gRPC API. HTTPS, client certificates and
     TLS to the gateway follow TANDEM_TLS_* (docs/security.md); the client's Authorization
     header is passed on to the gateway."""
 

@@ -10,6 +10,7 @@ import pytest
 
 from tests.hf_reference import hf_tokenizer
 from tests.service.test_openai_api import chat_prompt_ids, greedy
+from tests.stack_client import http_front
 
 MODEL = "tiny-llama"
 TEXT_EVENTS = [
@@ -118,6 +119,17 @@ def test_a_stored_response_belongs_to_the_credentials_that_stored_it(client, api
     with pytest.raises(openai.NotFoundError):
         bob.responses.delete(got.id)
     alice.responses.delete(got.id)
+
+
+def test_a_front_with_no_store_size_keeps_nothing(api_stack, tmp_path):
+    """`--response-store-size 0`: answers as usual, but nothing to GET or continue."""
+    with http_front(api_stack.spec.gateway_address, tmp_path / "front.log",
+                    "--response-store-size", "0") as (address, _):  # fmt: skip
+        front = openai.OpenAI(base_url=f"http://{address}/v1", api_key="k", max_retries=0)
+        got = front.responses.create(model=MODEL, input="Hello", max_output_tokens=2)
+        assert got.id.startswith("resp_") and 1 <= got.usage.output_tokens <= 2
+        with pytest.raises(openai.NotFoundError):
+            front.responses.retrieve(got.id)
 
 
 def test_stream_events_in_order_with_sequence_numbers(client):
