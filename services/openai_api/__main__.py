@@ -27,6 +27,7 @@ from services.openai_api.app import create_app
 from services.openai_api.config import OpenAIApiConfig
 from services.openai_api.connection_limits import bounded_h11_protocol
 from services.openai_api.gateway_client import GatewayClient
+from services.openai_api.response_store import ResponseStore
 
 log = get_logger("services.openai_api")
 # Seconds a shutdown waits for open connections (as the gateway's grace): an idle HTTPS
@@ -83,7 +84,11 @@ async def serve(config: OpenAIApiConfig) -> None:
     ssl_options = https_options(tls)
     sock = listen(config.host, config.port)
     channel = open_channel(config.gateway, tls)
-    app = create_app(GatewayClient(channel, config.served_model_name), config.max_body_bytes)
+    app = create_app(
+        GatewayClient(channel, config.served_model_name),
+        config.max_body_bytes,
+        ResponseStore(config.response_store_bytes, config.response_store_ttl_s),
+    )
     app.state.body_timeout_s = config.body_timeout_s
     server = _Server(
         uvicorn.Config(

@@ -34,14 +34,19 @@ from services.openai_api.errors import ApiError
 from services.openai_api.gateway_client import GatewayClient, GenerateStreams, Metadata
 from services.openai_api.http_trace import HttpTracing
 from services.openai_api.lora_routes import lora_routes
+from services.openai_api.messages_routes import messages_routes
 from services.openai_api.metrics import HttpMetrics, metrics_endpoint
 from services.openai_api.request_body import credentials, read_json
+from services.openai_api.response_store import ResponseStore
+from services.openai_api.responses_routes import responses_routes
+from services.openai_api.route_kit import RouteKit
 from services.openai_api.sse import EventStreamResponse, chat_chunks, completion_chunks, events
 from services.openai_api.vllm_routes import vllm_routes
 
 log = get_logger("services.openai_api")
 T = TypeVar("T")
 CLIENT_CLOSED = 499  # nginx's code for "the client went away"; nobody receives it
+DEFAULT_STORE_BYTES, DEFAULT_STORE_TTL_S = 256 << 20, 3600.0  # as config.py's defaults
 
 
 class ClientDisconnected(Exception):
@@ -140,8 +145,12 @@ async def _echo(
     return Echo(texts, first, parsed.logprobs or 0, parsed.echo_only)
 
 
-def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
+def create_app(
+    gateway: GatewayClient, max_body_bytes: int, response_store: ResponseStore | None = None
+) -> Starlette:
     started = int(time.time())
+    if response_store is None:
+        response_store = ResponseStore(DEFAULT_STORE_BYTES, DEFAULT_STORE_TTL_S)
 
     async def open_streams(request: Request, requests) -> GenerateStreams:
         # The HTTP span (when traced) goes to the gateway as the calls' traceparent.
@@ -254,6 +263,8 @@ def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
         # Not logged: probes poll this while the stack starts.
         return JSONResponse(ApiError("the gateway is not serving", 503).body(), status_code=503)
 
+    # The Responses and Messages APIs run as chat requests on the same stream handling.
+    kit = RouteKit(gateway, max_body_bytes, open_streams, until_disconnect, while_open)
     return Starlette(
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
@@ -265,6 +276,8 @@ def create_app(gateway: GatewayClient, max_body_bytes: int) -> Starlette:
             Route("/metrics", metrics_endpoint, methods=["GET"]),
             *lora_routes(gateway),
             *vllm_routes(gateway, max_body_bytes),
+            *responses_routes(kit, response_store),
+            *messages_routes(kit),
         ],
         middleware=[Middleware(HttpMetrics)] + ([Middleware(HttpTracing)] if enabled() else []),
         exception_handlers={

@@ -17,7 +17,8 @@ from common.config import (
 @dataclass(frozen=True)
 class OpenAIApiConfig(ServiceConfig):
     """The Tandem OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
-    /v1/models), a translation to the gateway's gRPC API. HTTPS, client certificates and
+    /v1/responses, Anthropic's /v1/messages, /v1/models), a translation to the gateway's
+    gRPC API. HTTPS, client certificates and
     TLS to the gateway follow TANDEM_TLS_* (docs/security.md); the client's Authorization
     header is passed on to the gateway."""
 
@@ -54,6 +55,18 @@ class OpenAIApiConfig(ServiceConfig):
         "most open client connections; past it new ones are closed on accept",
         env="TANDEM_HTTP_MAX_CONNECTIONS",
     )
+    response_store_size: str = setting(
+        "256MiB",
+        "memory the Responses API's store may hold (responses created with store=true, "
+        "for GET/DELETE /v1/responses/{id} and previous_response_id; past it the least "
+        "recently used go first; 0 = store nothing)",
+        env="TANDEM_RESPONSE_STORE_SIZE",
+    )
+    response_store_ttl_s: float = setting(
+        3600.0,
+        "seconds a stored response is kept (then: 404, as an unknown id)",
+        env="TANDEM_RESPONSE_STORE_TTL_S",
+    )
     log_level: str = log_level_setting()
 
     def __post_init__(self) -> None:
@@ -62,7 +75,13 @@ class OpenAIApiConfig(ServiceConfig):
         self._model_names("served_model_name")
         self._require(self._size("max_body_size") >= 1, "max_body_size", "must be at least 1 byte")
         self._positive("header_timeout_s", "body_timeout_s", "max_connections")
+        self._size("response_store_size")
+        self._positive("response_store_ttl_s")
 
     @property
     def max_body_bytes(self) -> int:
         return parse_size(self.max_body_size)
+
+    @property
+    def response_store_bytes(self) -> int:
+        return parse_size(self.response_store_size)

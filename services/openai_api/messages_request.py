@@ -1,0 +1,153 @@
+"""Anthropic's `POST /v1/messages` JSON body -> `MessagesRequest`: the chat-completions
+body it means (`system` as the system message, `messages` with text blocks as text parts,
+`max_tokens`, `stop_sequences` as `stop`, `temperature`, `top_p`, `top_k`), which
+`parse_chat` reads into the same `ChatRequest` as `/v1/chat/completions`. `model` and
+`max_tokens` are required, as Anthropic requires them. A last `assistant` turn is a
+prefill the answer continues (vLLM's `continue_final_message`), as in Anthropic's API.
+Errors name the Messages field. Pure.
+
+Tools seam: `read_tools` refuses non-empty `tools` and a forcing `tool_choice`, and
+`read_block` refuses `tool_use` / `tool_result` blocks, until chat completions take
+`tools`; then they convert to chat `tools` / `tool_choice`, assistant `tool_calls` and
+`tool` messages here. `thinking` (reasoning seam) is accepted only disabled."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.openai_api.errors import ApiError, invalid
+from services.openai_api.fields import Fields, check_str, json_type
+
+ROLES = ("user", "assistant")
+TOOL_BLOCKS = ("tool_use", "tool_result", "server_tool_use", "thinking", "redacted_thinking")
+# vLLM's extras on this endpoint, passed to the chat body under the same name.
+PASSTHROUGH = ("cache_salt", "min_p", "repetition_penalty", "seed")
+
+
+@dataclass(frozen=True)
+class MessagesRequest:
+    model: str
+    stream: bool
+    chat: dict  # the /v1/chat/completions body
+
+
+def unsupported(name: str, why: str) -> ApiError:
+    return ApiError(f"{name} is not supported: {why}", 400, name, "unsupported_parameter")
+
+
+def read_block(value, where: str) -> dict:
+    """A content block -> a chat text part (text blocks only, for now)."""
+    fields = Fields(value, where)
+    kind = check_str(fields.required("type"), fields.name("type"))
+    if kind in TOOL_BLOCKS:  # tools seam
+        raise unsupported(fields.name("type"), f"{kind!r} blocks (no tool calling)")
+    if kind != "text":
+        raise unsupported(fields.name("type"), f"{kind!r} blocks (text only)")
+    text = check_str(fields.required("text"), fields.name("text"))
+    fields.get("cache_control")  # a prompt-caching hint: the prefix cache needs none
+    fields.list("citations")
+    fields.finish()
+    return {"type": "text", "text": text}
+
+
+def read_content(value, where: str) -> str | list[dict]:
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise invalid(where, f"must be a string or an array of content blocks, got "
+                      f"{json_type(value)}", "invalid_type")  # fmt: skip
+    return [read_block(block, f"{where}[{j}]") for j, block in enumerate(value)]
+
+
+def read_message(value, index: int) -> dict:
+    fields = Fields(value, f"messages[{index}]")
+    role = check_str(fields.required("role"), fields.name("role"))
+    if role not in ROLES:
+        raise invalid(fields.name("role"), f'must be "user" or "assistant", got {role!r}')
+    content = read_content(fields.required("content"), fields.name("content"))
+    fields.finish()
+    return {"role": role, "content": content}
+
+
+def read_system(value) -> str | None:
+    """`system`: a string, or text blocks joined as they are (as vLLM joins them)."""
+    if value is None or isinstance(value, str):
+        return value or None
+    parts = read_content(value, "system")
+    return "".join(part["text"] for part in parts) or None
+
+
+def read_tools(fields: Fields) -> dict:
+    """Tools seam: the chat fields for `tools` and `tool_choice` (none yet: only no tools,
+    `tool_choice` of type "auto" or "none")."""
+    if fields.list("tools"):
+        raise unsupported("tools", "no tool calling")
+    choice = fields.get("tool_choice")
+    if choice is not None:
+        spec = Fields(choice, "tool_choice")
+        kind = spec.get("type")
+        if kind not in ("auto", "none"):
+            raise unsupported("tool_choice.type", 'no tool calling; only "auto" and "none"')
+        spec.bool("disable_parallel_tool_use")
+        spec.finish()
+    return {}
+
+
+def read_thinking(fields: Fields) -> None:
+    """Reasoning seam: `thinking` is accepted only as `{"type": "disabled"}`."""
+    value = fields.get("thinking")
+    if value is None:
+        return
+    if Fields(value, "thinking").get("type") != "disabled":
+        raise unsupported("thinking", 'no reasoning parser; only {"type": "disabled"}')
+
+
+def read_metadata(fields: Fields) -> None:
+    value = fields.get("metadata")
+    if value is not None:
+        metadata = Fields(value, "metadata")
+        metadata.str("user_id")  # accepted and ignored, as `user` on the OpenAI endpoints
+        metadata.finish()
+
+
+def parse_messages(body) -> MessagesRequest:
+    fields = Fields(body)
+    model = check_str(fields.required("model"), "model")
+    max_tokens = fields.int("max_tokens")
+    if max_tokens is None:
+        raise ApiError("max_tokens is required", 400, "max_tokens", "missing_required_parameter")
+    if max_tokens < 1:
+        raise invalid("max_tokens", f"must be at least 1, got {max_tokens}")
+    value = fields.required("messages")
+    if not isinstance(value, list) or not value:
+        raise invalid("messages", "must be a non-empty array of {role, content}", "invalid_type")
+    messages = [read_message(m, i) for i, m in enumerate(value)]
+    system = read_system(fields.get("system"))
+    chat: dict = {
+        "messages": ([{"role": "system", "content": system}] if system else []) + messages,
+        "max_completion_tokens": max_tokens,
+    }
+    if messages[-1]["role"] == "assistant":
+        # Anthropic's prefill: the answer continues the last assistant turn.
+        chat.update(add_generation_prompt=False, continue_final_message=True)
+    stops = fields.list("stop_sequences")
+    if stops:
+        chat["stop"] = [check_str(s, f"stop_sequences[{i}]") for i, s in enumerate(stops)]
+    for key in ("temperature", "top_p"):
+        number = fields.number(key)
+        if number is not None:
+            chat[key] = number
+    top_k = fields.int("top_k")
+    if top_k is not None:
+        chat["top_k"] = top_k
+    for key in PASSTHROUGH:
+        if fields.get(key) is not None:
+            chat[key] = fields.get(key)  # parse_chat checks it, under the same name
+    chat.update(read_tools(fields))
+    read_thinking(fields)
+    read_metadata(fields)
+    fields.str("service_tier")  # accepted; one tier here
+    fields.get("cache_control")  # a prompt-caching hint: the prefix cache needs none
+    stream = bool(fields.bool("stream"))
+    fields.finish()
+    return MessagesRequest(model, stream, chat)
