@@ -56,6 +56,7 @@ from services.worker.kv_offload.disk_format import (
     relative_path,
 )
 from services.worker.kv_offload.disk_index import DiskFile, DiskIndex
+from services.worker.kv_offload.fault_hooks import DiskWriteStall
 from services.worker.kv_offload.keys import BlockKey, Evicted, TierIdentity, check_root
 from services.worker.kv_offload.views import out_bytes
 
@@ -86,6 +87,7 @@ class DiskTier:
         self._write_errors: set[str] = set()  # kinds of write failure logged already
         self._last_stamp = 0  # the last mtime stamped, ns
         self._lock = threading.Lock()
+        self._fault = DiskWriteStall.from_env()  # tests only (fault_hooks.py)
         if self.enabled:
             self.folder.mkdir(parents=True, exist_ok=True)
             self._scan()
@@ -139,7 +141,8 @@ class DiskTier:
                 self._extend(key, until)
                 return []
         path = self.folder / relative_path(key, until)
-        temp = self._write_temp(path, encode_header(self.fingerprint, key, root, view), view)
+        header = encode_header(self.fingerprint, key, root, view)
+        temp = self._write_temp(path, header, view, key)
         if temp is None:
             return []
         evicted: list[Evicted] = []
@@ -289,7 +292,9 @@ class DiskTier:
 
     # -- without the lock --------------------------------------------------------------
 
-    def _write_temp(self, path: Path, header: bytes, payload: memoryview) -> str | None:
+    def _write_temp(
+        self, path: Path, header: bytes, payload: memoryview, key: BlockKey
+    ) -> str | None:
         """Write a block's file beside `path` under a temporary name; its name, or None
         when the write failed (nothing is left behind)."""
         temp = None
@@ -298,6 +303,8 @@ class DiskTier:
             handle, temp = tempfile.mkstemp(prefix=".", suffix=TEMP_SUFFIX, dir=path.parent)
             with open(handle, "wb") as file:
                 file.write(header)
+                if self._fault is not None:
+                    self._fault.during_write(file, payload, key.block_hash, temp)
                 file.write(payload)
             return temp
         except OSError as error:
