@@ -3,17 +3,17 @@
 Health is the standard `grpc.health.v1.Health` (so probes and `grpcurl` work); a service
 reports SERVING only once it can actually serve. Every answer carries the process's boot
 id (random per `ServiceHost`) as initial metadata (`BOOT_ID_METADATA`): a peer that sees
-it change knows the service restarted, however quickly it came back. Reflection lists every service. Requests
-that do not parse fail with INVALID_ARGUMENT (`malformed_requests.py`). Ports and channels
-use TLS / mutual TLS when the `TANDEM_TLS_*` environment asks for it (`tls.py`).
+it change knows the service restarted, however quickly it came back. Reflection lists
+every service. Requests that do not parse fail with INVALID_ARGUMENT
+(`malformed_requests.py`). Ports and channels use TLS / mutual TLS when the `TANDEM_TLS_*`
+environment asks for it (`tls.py`).
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-
-import uuid
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
