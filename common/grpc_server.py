@@ -1,13 +1,17 @@
 """The grpc.aio server every Tandem service runs: its servicers plus health and reflection.
 
 Health is the standard `grpc.health.v1.Health` (so probes and `grpcurl` work); a service
-reports SERVING only once it can actually serve. Reflection lists every service. Requests
-that do not parse fail with INVALID_ARGUMENT (`malformed_requests.py`). Ports and channels
-use TLS / mutual TLS when the `TANDEM_TLS_*` environment asks for it (`tls.py`).
+reports SERVING only once it can actually serve. Every answer carries the process's boot
+id (random per `ServiceHost`) as initial metadata (`BOOT_ID_METADATA`): a peer that sees
+it change knows the service restarted, however quickly it came back. Reflection lists
+every service. Requests that do not parse fail with INVALID_ARGUMENT
+(`malformed_requests.py`). Ports and channels use TLS / mutual TLS when the `TANDEM_TLS_*`
+environment asks for it (`tls.py`).
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
@@ -50,6 +54,21 @@ CHANNEL_OPTIONS = (
 )
 
 
+BOOT_ID_METADATA = "tandem-boot-id"
+
+
+class _BootHealth(health.aio.HealthServicer):
+    """grpc.health.v1 whose every Check answer names this process's boot id."""
+
+    def __init__(self, boot_id: str) -> None:
+        super().__init__()
+        self.boot_id = boot_id
+
+    async def Check(self, request, context):
+        await context.send_initial_metadata(((BOOT_ID_METADATA, self.boot_id),))
+        return await super().Check(request, context)
+
+
 class ServiceHost:
     """A grpc.aio server with health and reflection for the named services.
 
@@ -74,7 +93,8 @@ class ServiceHost:
             interceptors=[MalformedRequestInterceptor(), *interceptors],
         )
         self.service_names = tuple(service_names)
-        self.health = health.aio.HealthServicer()
+        self.boot_id = uuid.uuid4().hex  # random per process (made after any fork)
+        self.health = _BootHealth(self.boot_id)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server

@@ -16,7 +16,7 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.grpc_server import open_sync_channel
+from common.grpc_server import BOOT_ID_METADATA, open_sync_channel
 from common.tls import TlsSettings, tls_from_env
 
 
@@ -43,6 +43,21 @@ async def channel_health_status(channel: grpc.aio.Channel, timeout_s: float) -> 
     except grpc.aio.AioRpcError:
         return "UNREACHABLE"
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+async def channel_health(channel: grpc.aio.Channel, timeout_s: float) -> tuple[str, str]:
+    """(status name, the service's boot id) behind an open channel: 'UNREACHABLE' as in
+    `channel_health_status`; the boot id is '' when the service sends none."""
+    try:
+        call = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+        )
+        reply = await call
+        metadata = await call.initial_metadata()
+    except grpc.aio.AioRpcError:
+        return "UNREACHABLE", ""
+    boot_id = next((str(v) for k, v in metadata or () if k == BOOT_ID_METADATA), "")
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status), boot_id
 
 
 def health_status(address: str, timeout_s: float = 1.0, tls: TlsSettings | None = None) -> str:

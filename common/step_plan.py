@@ -49,11 +49,13 @@ class CachedRequestData:
 @dataclass(frozen=True)
 class DiskBlock:
     """A block of the disk tier (its chained hash, its chain's salted root) and the offload
-    block it moves from or to."""
+    block it moves from or to; a save's `retain_until`: the wall-clock deadline the disk
+    keeps it to (0: none; `common.retention`)."""
 
     block_hash: bytes
     root: bytes
     offload_block: int
+    retain_until: float = 0.0
 
 
 @dataclass(frozen=True)

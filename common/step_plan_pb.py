@@ -19,13 +19,18 @@ def _pairs(copies) -> list[tuple[int, int]]:
 
 def _disk_blocks(blocks) -> list[worker_pb2.DiskBlock]:
     return [
-        worker_pb2.DiskBlock(block_hash=b.block_hash, root=b.root, offload_block=b.offload_block)
+        worker_pb2.DiskBlock(
+            block_hash=b.block_hash,
+            root=b.root,
+            offload_block=b.offload_block,
+            retain_until=b.retain_until,
+        )
         for b in blocks
     ]
 
 
 def _disk_blocks_from(blocks) -> list[DiskBlock]:
-    return [DiskBlock(b.block_hash, b.root, b.offload_block) for b in blocks]
+    return [DiskBlock(b.block_hash, b.root, b.offload_block, b.retain_until) for b in blocks]
 
 
 def plan_to_pb(plan: StepPlan) -> worker_pb2.StepRequest:

@@ -37,6 +37,7 @@ What tests read: `steps`, `planned_request_ids`, `batch`, `kv`, `cancelled_tags_
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -105,6 +106,7 @@ def worker_info(
             if speculative_tokens
             else None
         ),
+        boot_id=f"{worker_id}#0",
     )
 
 
@@ -244,10 +246,19 @@ class FakeWorker(FakeStepExecution, FakeKvTransfers):
         await asyncio.sleep(0)
         return "UNREACHABLE" if self._killed or self._closed else self._health
 
+    async def health_boot(self, timeout_s: float) -> tuple[str, str]:
+        status = await self.health(timeout_s)
+        return status, "" if status == "UNREACHABLE" else self.boot_id
+
+    @property
+    def boot_id(self) -> str:
+        """Another one per process: every kill and revive makes a new one."""
+        return f"{self.info.worker_id}#{self._incarnation}" if self.info.boot_id else ""
+
     async def wait_ready(self, timeout_s: float) -> WorkerInfo:
         await asyncio.sleep(0)
         self._check_alive()
-        return self.info
+        return dataclasses.replace(self.info, boot_id=self.boot_id)
 
     async def open_step_stream(self) -> None:
         self._check_alive()

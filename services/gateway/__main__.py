@@ -15,6 +15,7 @@ from common.lifecycle import freeze_startup_heap, run_service, wait_for_shutdown
 from common.log import get_logger, setup_logging
 from common.metrics import start_metrics_server
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
+from common.retention import RetentionLimits
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import rejected
 from services.gateway.schedulers import Schedulers
@@ -41,7 +42,11 @@ async def serve(config: GatewayConfig) -> None:
     )
     schedulers = Schedulers(config.scheduler, host.tls, config.router_config)
     servicer = GenerateServicer(
-        tokenizer, schedulers, config.default_max_tokens, config.allow_runtime_lora_updating
+        tokenizer,
+        schedulers,
+        config.default_max_tokens,
+        config.allow_runtime_lora_updating,
+        RetentionLimits(config.max_kv_retention_s),
     )
     servicer.served_model_names = config.served_model_name
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, host.server)

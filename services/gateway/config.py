@@ -134,10 +134,21 @@ class GatewayConfig(ServiceConfig):
         "folder the caller names (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
         env="TANDEM_ALLOW_RUNTIME_LORA_UPDATING",
     )
+    max_kv_retention_s: float = setting(
+        3600.0,
+        "the longest kv_retention_s a request may ask for (seconds its KV is kept); longer "
+        "is INVALID_ARGUMENT here, before the scheduler's own check (--max-kv-retention-s)",
+        env="TANDEM_MAX_KV_RETENTION_S",
+    )
     log_level: str = log_level_setting()
 
     def __post_init__(self) -> None:
         self._check_service()
+        self._require(
+            0 <= self.max_kv_retention_s < float("inf"),
+            "max_kv_retention_s",
+            "must be finite and >= 0",
+        )
         if not self.model:
             raise ValueError("model is required: --model FOLDER or TANDEM_MODEL")
         if not self.scheduler:

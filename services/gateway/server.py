@@ -24,6 +24,7 @@ from common.lifecycle import wait_until
 from common.log import bind_request, get_logger
 from common.pb.tandem.internal.v1 import scheduler_pb2, types_pb2
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
+from common.retention import RetentionLimits
 from common.sampling import MAX_LOGPROBS, MAX_SAMPLES, SamplingParams
 from common.sampling_pb import ROLE_FROM_PB, sampling_to_pb
 from common.tracing import end_span, span_trace_id
@@ -50,6 +51,7 @@ from services.gateway.validation import (
     validate_count,
     validate_lora_name,
     validate_prompt_ids,
+    validate_retention,
     validate_sampling,
     validate_stopping,
     validate_text,
@@ -84,12 +86,14 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
         schedulers: Schedulers,
         default_max_tokens: int,
         allow_runtime_lora_updating: bool = False,
+        retention: RetentionLimits = RetentionLimits(),  # noqa: B008 (frozen)
     ) -> None:
         self.allow_runtime_lora_updating = allow_runtime_lora_updating
         self.tokenizer = tokenizer
         self.prompts = PromptTokenizer(tokenizer)
         self.schedulers = schedulers
         self.default_max_tokens = default_max_tokens
+        self.retention = retention  # kv_retention_s's limit
         self.model: types_pb2.ModelDescription | None = None
         self.limits: ModelLimits | None = None
         # Set on SIGTERM: new requests get UNAVAILABLE, open streams run to the end.
@@ -164,6 +168,7 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
         logprobs = validate_count(request, "logprobs", 0, MAX_LOGPROBS, None)
         prompt_logprobs = validate_count(request, "prompt_logprobs", 0, MAX_LOGPROBS, None)
         cache_salt = validate_cache_salt(request.cache_salt)
+        kv_retention_s = validate_retention(request, self.retention)
         if request.HasField("structured_output"):
             await self.structured.check(request.structured_output)
         if request.lora_name and request.lora_name not in self.model.lora_adapters:
@@ -196,6 +201,7 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
             max_tokens=max_tokens,
             stop_token_ids=sorted(stop_ids),
             cache_salt=cache_salt,
+            kv_retention_s=kv_retention_s,
             n=n,
             lora_name=lora_name,
         )

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from common.pb.tandem.v1 import generate_pb2
+from common.retention import RetentionLimits
 from common.sampling import (
     API_DEFAULT_TEMPERATURE,
     MAX_ABS_LOGIT_BIAS,
@@ -249,6 +250,16 @@ def resolve_max_tokens(
             f"exceed the context length of {limits.max_model_len} tokens"
         )
     return request.max_tokens
+
+
+def validate_retention(request: generate_pb2.GenerateRequest, limits: RetentionLimits) -> float:
+    """`kv_retention_s`: unset is 0 (none); else finite, >= 0, <= the configured maximum."""
+    if not request.HasField("kv_retention_s"):
+        return 0.0
+    problem = limits.problem(request.kv_retention_s)
+    if problem is not None:
+        raise InvalidArgumentError(problem)
+    return request.kv_retention_s
 
 
 def validate_cache_salt(salt: str) -> str:

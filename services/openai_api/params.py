@@ -89,6 +89,7 @@ def read_common(fields: Fields, request: generate_pb2.GenerateRequest) -> Option
         )
     read_beam_search(fields, request, 1 if n is None else n)
     request.cache_salt = fields.str("cache_salt") or ""
+    read_retention(fields, request)
     read_structured(fields, request)
     fields.str("user")  # accepted and ignored, as by OpenAI for anything but abuse reports
 
@@ -143,6 +144,27 @@ def read_beam_search(fields: Fields, request: generate_pb2.GenerateRequest, n: i
         request.beam_search.length_penalty = length_penalty
     if early is not None:
         request.beam_search.early_stopping = EARLY_STOPPING[early]
+
+
+def read_retention(fields: Fields, request: generate_pb2.GenerateRequest) -> None:
+    """`kv_retention_s` (seconds to keep the request's KV once it finishes): a top-level
+    field, or in vLLM's extension object `vllm_xargs` (whose other keys are unknown here:
+    a 400, like any unknown parameter). Both given: they must agree. The gateway checks
+    the limits (finite, >= 0, <= --max-kv-retention-s)."""
+    top = fields.number("kv_retention_s")
+    inner = None
+    xargs = fields.get("vllm_xargs")
+    if xargs is not None:
+        extra = Fields(xargs, "vllm_xargs")
+        inner = extra.number("kv_retention_s")
+        extra.finish()
+    if top is not None and inner is not None and top != inner:
+        raise invalid(
+            "kv_retention_s", f"given twice, differently ({top:g} and vllm_xargs' {inner:g})"
+        )
+    value = top if top is not None else inner
+    if value is not None:
+        request.kv_retention_s = value
 
 
 def read_logit_bias(value) -> dict[int, float]:

@@ -32,7 +32,8 @@ Predicate/action pairs (`can_allocate` / `allocate`) keep the policy readable. P
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import time
+from collections.abc import Callable, Hashable, Sequence
 
 from common.kv_events import AllBlocksCleared, KvCacheEvent
 from common.prefix_hash import BlockHash, ChainOrigin
@@ -61,6 +62,7 @@ class BlockManager:
         window: int | None = None,
         group_windows: Sequence[int | None] | None = None,
         kv_events: bool = False,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -72,7 +74,7 @@ class BlockManager:
         self.num_groups = len(windows)
         windowed = any(w is not None for w in windows)
         self.pool = BlockPool(
-            num_blocks, enable_caching, reserve_null=windowed, record_events=kv_events
+            num_blocks, enable_caching, reserve_null=windowed, record_events=kv_events, clock=clock
         )
         self.events = BlockEvents(block_size, self.num_groups, event_group(windows))
         self._tables: dict[str, list[int]] = {}
@@ -353,6 +355,12 @@ class BlockManager:
         self._tables[child_id] = list(table)
         self._num_cached[child_id] = self._num_cached.get(parent_id, 0)
         self._trimmed[child_id] = list(self._trimmed.get(parent_id, [0] * self.num_groups))
+
+    def retain(self, request_id: str, until: float) -> int:
+        """Keep the request's cached blocks until wall-clock `until` (evicted after every
+        unretained free block; `BlockPool.retain`); call before `free`."""
+        table = self._tables.get(request_id, ())
+        return self.pool.retain((b for b in table if not self.is_null(b)), until)
 
     def free(self, request_id: str) -> int:
         """Release every block of the request, tail first (so the tail is evicted first)."""

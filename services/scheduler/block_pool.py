@@ -16,13 +16,23 @@ prefix-cache index (`block_manager` keeps the tables over it).
   (`take_events`); a cached block keeps the `link` its owner gave it, for a snapshot
   (`cached`). The pool never calls out. Untaken, the list stops at `max_events` (a few
   times the blocks): it is then dropped, and the next take is `[LOST]` (read the cache
-  itself instead). Pure Python.
+  itself instead).
+- Retention (issue 45, `kv_retention_s`): `retain` keeps cached blocks until a deadline.
+  A retained free block waits apart (`common.retention.RetainedSet`) and is evicted only
+  when no unretained free block is left, earliest deadline first; once its deadline
+  passes it is an ordinary LRU block again (its place by its last use: every block
+  joining the free set is stamped). A pool where nothing is retained pays a stamp per
+  free and an empty-set check per allocation; retained blocks cost O(log n). Deadlines
+  are wall-clock seconds from the pool's `clock`. Pure Python.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+import time
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+
+from common.retention import RetainedSet
 
 NULL_BLOCK = 0  # in a windowed pool: the stand-in for blocks out of every query's window
 
@@ -61,7 +71,10 @@ PoolEvent = Cached | Uncached | Cleared | Lost
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids", "link", "prev", "next")
+    __slots__ = (
+        "block_id", "ref_count", "block_hash", "token_ids", "link", "prev", "next",
+        "retain_until", "last_use",
+    )  # fmt: skip
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -71,6 +84,8 @@ class Block:
         self.link: object = None  # the owner's, while cached
         self.prev: Block | None = None
         self.next: Block | None = None
+        self.retain_until = 0.0  # wall-clock deadline while retained (0: not retained)
+        self.last_use = 0  # the pool's stamp when it last became free
 
 
 class FreeBlockQueue:
@@ -106,6 +121,12 @@ class FreeBlockQueue:
         self.remove(block)
         return block
 
+    def appendleft(self, block: Block) -> None:
+        first = self._head.next
+        block.prev, block.next = self._head, first
+        first.prev = self._head.next = block
+        self._len += 1
+
     def first(self) -> Block | None:
         """The block `popleft` would take (None: empty)."""
         return self._head.next if self._len else None
@@ -127,7 +148,9 @@ class BlockPool:
         enable_caching: bool = True,
         reserve_null: bool = False,
         record_events: bool = False,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        """`clock`: wall-clock seconds, for retention deadlines (tests pass their own)."""
         if num_blocks <= int(reserve_null):
             raise ValueError(f"num_blocks must be more than {int(reserve_null)}, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -137,6 +160,10 @@ class BlockPool:
         if reserve_null:
             self.blocks[NULL_BLOCK].ref_count = 1  # held for ever: never in the free queue
         self._free = FreeBlockQueue(b for b in self.blocks if b.ref_count == 0)
+        self._retained: RetainedSet[int] = RetainedSet()  # retained free blocks
+        self._retained_live = self._retained.live  # its truth: "any retained block?"
+        self._uses = 0  # the last stamp given to a block joining the free set
+        self.clock = clock
         self._cached: dict[Hashable, Block] = {}
         self.num_evictions = 0
         self._events: list[PoolEvent] | None = [] if record_events else None
@@ -144,7 +171,12 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._retained_live)
+
+    @property
+    def num_retained_free(self) -> int:
+        """Free blocks retained (their deadline passed or not)."""
+        return len(self._retained)
 
     @property
     def num_cached(self) -> int:
@@ -155,11 +187,17 @@ class BlockPool:
 
     def allocate(self, count: int) -> list[int]:
         """Take `count` blocks from the head of the free queue (evicting cached ones)."""
-        if count > len(self._free):
-            raise NoFreeBlocksError(f"asked for {count} blocks, {len(self._free)} free")
+        if count > len(self._free) and count > self.num_free:
+            raise NoFreeBlocksError(f"asked for {count} blocks, {self.num_free} free")
         out = []
+        retained = self._retained_live
         for _ in range(count):
-            block = self._free.popleft()
+            if retained:
+                block = self._next_free()
+                self._unfree(block)
+                block.retain_until = 0.0
+            else:
+                block = self._free.popleft()
             if block.block_hash is not None:
                 self._uncache(block)
                 self.num_evictions += 1
@@ -169,10 +207,64 @@ class BlockPool:
 
     def next_evicted(self) -> Cached | None:
         """What the next `allocate(1)` evicts from the index (None: nothing)."""
-        block = self._free.first()
+        block = self._next_free()
         if block is None or block.block_hash is None:
             return None
         return Cached(block.block_hash, block.token_ids, block.link)
+
+    def next_evicted_until(self) -> float:
+        """The retention deadline of what the next `allocate(1)` evicts (0: none)."""
+        block = self._next_free()
+        return 0.0 if block is None or block.block_hash is None else block.retain_until
+
+    def _next_free(self) -> Block | None:
+        """The free block the next allocation takes (None: none is free)."""
+        head = self._free.first()
+        if not self._retained_live:
+            return head
+        item = self._retained.next_out(self.clock(), None if head is None else head.last_use)
+        return head if item is None else self.blocks[item]
+
+    def _unfree(self, block: Block) -> None:
+        """Take a free block out of the free set (the queue, or the retained ones)."""
+        if block.prev is not None:
+            self._free.remove(block)
+        elif not self._retained.discard(block.block_id):
+            raise ValueError(f"block {block.block_id} is not free")
+
+    def _free_stamped(self, block: Block) -> None:
+        """A block joins the free set while retention is in play, stamped with its use:
+        retained while its deadline lasts, else an LRU block. (Blocks freed while nothing
+        is retained keep an older stamp: every retained block joined after them.)"""
+        block.last_use = self._uses = self._uses + 1
+        if block.retain_until > self.clock() and block.block_hash is not None:
+            self._retained.add(block.block_id, block.last_use, block.retain_until)
+            return
+        block.retain_until = 0.0
+        self._free.append(block)
+
+    def retain(self, block_ids: Iterable[int], until: float) -> int:
+        """Keep these blocks (the cached ones) until wall-clock `until` at least: a later
+        deadline extends a block's, an earlier one changes nothing; retaining a free block
+        counts as a use of it (its LRU place once the deadline passes). Returns how many
+        blocks' deadlines moved."""
+        moved = 0
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.block_hash is None or until <= block.retain_until or self.is_null(block_id):
+                continue
+            block.retain_until = until
+            moved += 1
+            if block.ref_count == 0:  # free: retaining it is a use (its stamp is fresh)
+                if block.prev is not None:
+                    self._free.remove(block)
+                block.last_use = self._uses = self._uses + 1
+                self._retained.add(block_id, block.last_use, until)
+        return moved
+
+    def retained_until(self, block_id: int) -> float:
+        """A block's retention deadline (0: none; it may have passed)."""
+        return self.blocks[block_id].retain_until
 
     def is_null(self, block_id: int) -> bool:
         return self.reserve_null and block_id == NULL_BLOCK
@@ -184,7 +276,10 @@ class BlockPool:
                 continue
             block = self.blocks[block_id]
             if block.ref_count == 0:
-                self._free.remove(block)
+                if block.prev is not None:
+                    self._free.remove(block)
+                else:
+                    self._unfree(block)
             block.ref_count += 1
 
     def incref(self, block_ids: Iterable[int]) -> None:
@@ -206,7 +301,10 @@ class BlockPool:
                 raise ValueError(f"block {block_id} freed twice")
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._free.append(block)
+                if block.retain_until or self._retained_live:
+                    self._free_stamped(block)
+                else:  # nothing retained: the queue's order alone is the LRU order
+                    self._free.append(block)
 
     def cache(
         self, block_id: int, block_hash: Hashable, token_ids: Sequence[int], link: object = None
@@ -244,6 +342,9 @@ class BlockPool:
         everything = len(dropped) == len(self._cached)
         for block in dropped:
             self._uncache(block, record=not everything)
+            if self._retained.discard(block.block_id):  # nothing left to keep: out first
+                block.retain_until, block.last_use = 0.0, 0
+                self._free.appendleft(block)
         if everything and self._events is not None:
             self._record(CLEARED)
         return len(dropped)
@@ -278,6 +379,12 @@ class BlockPool:
         if len(queued) != len(self._free) or len({b.block_id for b in queued}) != len(queued):
             raise AssertionError("free queue is corrupt (length or duplicates)")
         in_queue = {b.block_id for b in queued}
+        retained = set(self._retained)
+        if retained & in_queue:
+            raise AssertionError(f"blocks {sorted(retained & in_queue)} are free twice")
+        if any(self.blocks[b].block_hash is None for b in retained):
+            raise AssertionError("a retained free block holds nothing cached")
+        in_queue |= retained
         for block in self.blocks:
             if block.ref_count < 0:
                 raise AssertionError(f"block {block.block_id} has ref count {block.ref_count}")

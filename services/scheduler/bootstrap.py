@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from common.lifecycle import StartupError
 from common.log import get_logger
+from common.retention import RetentionLimits
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import Engine, Resilience
@@ -212,5 +213,6 @@ async def connect(
         make_scheduler=functools.partial(pool_scheduler, config),
         on_serving_change=on_serving_change,
         loras=LoraRegistry(model.lora_adapters),
+        retention=RetentionLimits(config.max_kv_retention_s),
     )
     return engine, model

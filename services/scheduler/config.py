@@ -132,10 +132,21 @@ class SchedulerConfig(ServiceConfig):
     drain_timeout_s: float = drain_timeout_setting(
         "on SIGTERM: seconds to let running requests finish (new ones are refused)"
     )
+    max_kv_retention_s: float = setting(
+        3600.0,
+        "the longest kv_retention_s a request may ask for (seconds its prompt's and "
+        "output's KV blocks are evicted last in every tier); longer is INVALID_ARGUMENT",
+        env="TANDEM_MAX_KV_RETENTION_S",
+    )
     log_level: str = log_level_setting()
 
     def __post_init__(self) -> None:
         self._check_service()
+        self._require(
+            0 <= self.max_kv_retention_s < float("inf"),
+            "max_kv_retention_s",
+            "must be finite and >= 0",
+        )
         if not self.workers:
             raise ValueError(
                 "workers is required: --workers host:port[,host:port...] "

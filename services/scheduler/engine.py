@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from common.lifecycle import wait_until
 from common.log import get_logger
 from common.prefix_hash import root_hash
+from common.retention import RetentionLimits
 from common.step_result import StepResult
 from common.tracing import enabled as tracing_enabled
 from services.scheduler.admission import (
@@ -68,6 +69,7 @@ class Engine:
         make_scheduler: Callable[[WorkerInfo], PoolScheduler] | None = None,
         on_serving_change: Callable[[bool], None] | None = None,
         loras: LoraRegistry | None = None,
+        retention: RetentionLimits | None = None,
     ) -> None:
         """`make_scheduler` builds the fresh pool of a worker that rejoins after a failure
         (None: failed workers stay out); `on_serving_change` hears when the engine can or
@@ -89,6 +91,7 @@ class Engine:
         self.resilience = resilience or Resilience()
         self._on_serving_change = on_serving_change
         self.loras = loras or LoraRegistry()
+        self.retention = retention or RetentionLimits()  # kv_retention_s's limit
         self.serving = True
         self._tasks: set[asyncio.Task] = set()
         self._loops: dict[int, asyncio.Task] = {}

@@ -26,13 +26,19 @@ out. The scheduler decides every copy, so it knows what the host tier holds:
   step's result says which loaded (they join the host tier, newest) and which failed
   (gone from the index); the request then starts from whatever its tiers hold, and
   computes the rest. A bad file is never served.
+- Retention (`retain`, issue 45's `kv_retention_s`): a finished request's blocks in the
+  host tier are retained like the device pool's (`BlockPool.retain`), and a retained
+  block the host tier lets go goes to disk with its deadline (`DiskBlock.retain_until`);
+  one the disk holds already is saved again only to extend its deadline there (the
+  worker then writes nothing, `disk_offload.py`).
 Pure Python.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 from common.kv_events import KvCacheEvent
 from common.step_plan import DiskBlock
@@ -48,10 +54,15 @@ WAIT = None  # `hits_for`: the request waits for blocks being read from disk
 
 class HostOffload:
     def __init__(
-        self, num_blocks: int, block_size: int, disk_hashes: Iterable[bytes] | None = None
+        self,
+        num_blocks: int,
+        block_size: int,
+        disk_hashes: Iterable[bytes] | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
-        """`disk_hashes`: the blocks the worker's disk tier holds (None: it has none)."""
-        self.pool = BlockPool(num_blocks, enable_caching=True, record_events=True)
+        """`disk_hashes`: the blocks the worker's disk tier holds (None: it has none);
+        `clock`: wall-clock seconds, for retention deadlines."""
+        self.pool = BlockPool(num_blocks, enable_caching=True, record_events=True, clock=clock)
         self.block_size = block_size
         # The disk tier's blocks: hash -> what it held in the host tier (None: reported by
         # the worker at start, its place in a chain unknown).
@@ -59,6 +70,7 @@ class HostOffload:
             None if disk_hashes is None else dict.fromkeys(disk_hashes)
         )
         self._roots: dict[int, bytes] = {}  # offload block -> its chain's salted root
+        self._disk_until: dict[bytes, float] = {}  # deadlines sent with disk saves
         # request -> its offload blocks, in chain order (a dict: a set that keeps order)
         self._held: dict[str, dict[int, None]] = {}
         self.events = TierEvents(block_size)
@@ -111,12 +123,12 @@ class HostOffload:
                 continue
             if not self.pool.num_free:
                 break  # every offload block is held (by requests, or for disk reads)
-            evicted = self.pool.next_evicted()
+            evicted, until = self.pool.next_evicted(), self.pool.next_evicted_until()
             (block,) = self.pool.allocate(1)  # evicts the LRU one
             if block in self._saved_now:  # written by this step (its request left since)
                 self.pool.decref([block])
                 break
-            demoted = self._demote(block, evicted)
+            demoted = self._demote(block, evicted, until)
             if demoted is not None:
                 disk_saves.append(demoted)
             self.pool.cache(block, key, tokens, device.blocks[device_block].link)
@@ -127,17 +139,26 @@ class HostOffload:
         self.num_saved_blocks += len(pairs)
         return pairs, disk_saves
 
-    def _demote(self, block: int, evicted: Cached | None) -> DiskBlock | None:
-        """The disk write of what `block` held, when the host tier just let it go."""
+    def _demote(self, block: int, evicted: Cached | None, until: float) -> DiskBlock | None:
+        """The disk write of what `block` held (retained until `until`), when the host
+        tier just let it go; on disk already, only a later deadline is sent."""
         root = self._roots.pop(block, None)
         if evicted is None or self.disk is None or root is None:
             return None
-        if block in self._saved_now or evicted.key in self.disk:
-            return None  # its bytes land only after this step's forward pass / on disk
-        self.num_disk_saved_blocks += 1
-        self.disk[evicted.key] = evicted
-        self.events.disk_stored(evicted)
-        return DiskBlock(evicted.key, root, block)
+        if block in self._saved_now:
+            return None  # its bytes land only after this step's forward pass
+        until = until if until > self.pool.clock() else 0.0
+        key = evicted.key
+        if key in self.disk:
+            if until <= self._disk_until.get(key, 0.0):
+                return None
+        else:
+            self.num_disk_saved_blocks += 1
+            self.disk[key] = evicted
+            self.events.disk_stored(evicted)
+        if until:
+            self._disk_until[key] = until
+        return DiskBlock(key, root, block, until)
 
     # -- hits ---------------------------------------------------------------------------------
     def hits_for(
@@ -171,9 +192,9 @@ class HostOffload:
                 break
             # Held until the read is done; what it held goes to disk first (disk writes run
             # before disk reads, both before the forward pass).
-            evicted = self.pool.next_evicted()
+            evicted, until = self.pool.next_evicted(), self.pool.next_evicted_until()
             (block,) = self.pool.allocate(1)
-            demoted = self._demote(block, evicted)
+            demoted = self._demote(block, evicted, until)
             if demoted is not None:
                 writes.append(demoted)
             link = BlockLink(keys[index - 1] if index else None, request.chain_origin)
@@ -220,6 +241,7 @@ class HostOffload:
                 self._forget_on_disk(key)
 
     def _forget_on_disk(self, key: bytes) -> None:
+        self._disk_until.pop(key, None)
         if self.disk is not None and key in self.disk:
             del self.disk[key]
             self.events.disk_removed(key)
@@ -242,6 +264,19 @@ class HostOffload:
     def hold(self, request_id: str, blocks: Sequence[int]) -> None:
         """The request holds these offload blocks until `release` (a hand-off's loads)."""
         self._hold(request_id, blocks)
+
+    def retain(self, request: Request, until: float) -> int:
+        """Keep the finished request's blocks in the host tier until wall-clock `until`:
+        those it holds, and its other full computed blocks the tier has (a device prefix
+        hit's). Call before `release`. Returns how many deadlines moved."""
+        held = self._held.get(request.request_id, {})
+        moved = self.pool.retain(held, until)
+        keys, tokens, bs = request.block_hashes, request.all_token_ids, self.block_size
+        for index in range(min(len(keys), request.num_computed_tokens // bs)):
+            block = self.pool.lookup(keys[index], tokens[index * bs : (index + 1) * bs])
+            if block is not None and block not in held:
+                moved += self.pool.retain([block], until)
+        return moved
 
     def release(self, request_id: str) -> None:
         """The request left the pool (finished, preempted, handed on): its offload blocks

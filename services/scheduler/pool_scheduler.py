@@ -17,9 +17,8 @@ Each step:
    (`Request.prompt_of`) has planned every full prompt block, then start from those blocks.
 
 `num_computed_tokens` advances when a step is planned; full blocks whose tokens are known
-are then offered to the prefix cache. A draining decode pool can hand its requests to
-another decode pool with their KV (`take_migrations`). Which requests the worker's batch
-holds is `worker_batch.py`'s. Pure Python.
+are then offered to the prefix cache (kept after it finishes if it asked: `kv_retention`).
+A draining decode pool hands its requests on with their KV (`take_migrations`). Pure Python.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from services.scheduler.block_manager import BlockManager
 from services.scheduler.cancelled_receives import CancelledReceives
 from services.scheduler.join_rules import awaits_prompt, lora_fits
 from services.scheduler.kv_offload import WAIT, HostOffload
+from services.scheduler.kv_retention import retain_finished
 from services.scheduler.lookahead import Lookahead, SpecDecodeCounters
 from services.scheduler.request import Request
 from services.scheduler.spec_goodput import DraftCost, StepCost, probe_draft, slot_bar, worth
@@ -81,8 +81,7 @@ class PoolScheduler:
         # computes, their proposal slots (those with any), and the tokens it computes.
         self._in_flight: deque[tuple[int, dict[str, Request], dict[str, int], int]] = deque()
         self._num_planned = 0
-        # Draining: requests leave with their KV (`take_migrations`).
-        self.migrating = False
+        self.migrating = False  # draining: requests leave with their KV (`take_migrations`)
         # Prefix cache, in tokens (vLLM's): the tokens of requests that looked it up on
         # admission, and the tokens found there.
         self.num_prefix_query_tokens = 0
@@ -277,6 +276,7 @@ class PoolScheduler:
             if request.keep_kv:
                 self.detach(request)  # its blocks stay: the engine parks them
             elif self.holds(request):
+                retain_finished(self.blocks, self.offload, request)  # its kv_retention_s
                 self.release(request)
             update.finished.append(request)
         elif not self.runs_decodes and self.is_running(request):

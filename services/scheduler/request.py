@@ -32,6 +32,9 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     max_model_len: int | None = None
     cache_salt: str = ""
+    # Seconds its prompt's and output's KV blocks are kept (evicted last) once it
+    # finishes (0: none; `kv_retention.py`), checked against --max-kv-retention-s.
+    kv_retention_s: float = 0.0
     lora_name: str = ""  # its LoRA adapter ("" = the base model)
     structured: Constraint | None = None  # the grammar its output must follow
     grammar_pending: bool = False  # its grammar is still compiling on the workers

@@ -12,6 +12,7 @@ from common.kv_events_pb import batch_to_pb
 from common.log import bind_request, get_logger
 from common.pb.tandem.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from common.pb.tandem.v1 import generate_pb2
+from common.retention import RetentionLimits
 from common.sampling import MAX_BEAM_WIDTH, MAX_INTERNAL_LOGPROBS, MAX_SAMPLES, SamplingParams
 from common.sampling_pb import ROLE_TO_PB, sampling_from_pb
 from common.structured_output import constraint_from_pb
@@ -107,7 +108,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                     driver.start()
                     state.opened_search(request.request_id, driver, params.num_return_sequences)
                     return
-                samples = samples_from_pb(request, engine.max_model_len)
+                samples = samples_from_pb(request, engine.max_model_len, engine.retention)
                 handles = engine.submit(samples, events=state.sink(request.request_id), trace=trace)
             except (InvalidRequestError, ValueError) as exc:
                 refuse("INVALID_ARGUMENT", str(exc))
@@ -258,12 +259,19 @@ def offload_stats(offload) -> dict[str, int]:
     )
 
 
-def samples_from_pb(request: scheduler_pb2.SubmitRequest, max_model_len: int) -> list[Request]:
+def samples_from_pb(
+    request: scheduler_pb2.SubmitRequest,
+    max_model_len: int,
+    retention: RetentionLimits = RetentionLimits(),  # noqa: B008 (frozen)
+) -> list[Request]:
     """The n samples of a SubmitRequest as separate requests (sample i: seed + i; only
     sample 0 computes prompt logprobs)."""
     n = request.n or 1
     if not 1 <= n <= MAX_SAMPLES:
         raise InvalidRequestError(f"n must be in 1..{MAX_SAMPLES}, got {n}")
+    problem = retention.problem(request.kv_retention_s)
+    if problem is not None:
+        raise InvalidRequestError(problem)
     structured = constraint_from_pb(request.structured_output)  # each sample its matcher
     samples = [
         Request(
@@ -273,6 +281,7 @@ def samples_from_pb(request: scheduler_pb2.SubmitRequest, max_model_len: int) ->
             sampling=sampling_from_pb(request.sampling, i, with_prompt_logprobs=i == 0),
             stop_token_ids=frozenset(request.stop_token_ids),
             cache_salt=request.cache_salt,
+            kv_retention_s=request.kv_retention_s,
             lora_name=request.lora_name,
             structured=structured,
             max_model_len=max_model_len,

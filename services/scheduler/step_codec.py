@@ -54,6 +54,7 @@ def worker_info_from_pb(address: str, d: worker_pb2.DescribeWorkerResponse) -> W
         rank_shared_memory=tuple(shared_memory_from_pb(m) for m in d.rank_kv_shared_memory),
         rank_ucx_addresses=tuple(d.rank_ucx_addresses),
         max_loras=d.max_loras,
+        boot_id=d.boot_id,
         speculative=(
             SpeculativeInfo(
                 d.speculative.method,

@@ -13,7 +13,7 @@ import grpc
 
 from common.config import KV_TRANSFER_TIMEOUT_METADATA, PROFILE_NUM_TOKENS_METADATA
 from common.grpc_server import open_channel
-from common.healthcheck import channel_health_status
+from common.healthcheck import channel_health, channel_health_status
 from common.kv_shared_memory import shared_memory_to_pb
 from common.pb.tandem.internal.v1 import worker_pb2, worker_pb2_grpc
 from common.step_plan_pb import plan_to_pb
@@ -62,6 +62,10 @@ class WorkerClient:
         """The worker's grpc.health.v1 status name, or 'UNREACHABLE' (down, hung, or not
         answering within timeout_s)."""
         return await channel_health_status(self._channel, timeout_s)
+
+    async def health_boot(self, timeout_s: float) -> tuple[str, str]:
+        """The status, and the worker process's boot id (its health answer's metadata)."""
+        return await channel_health(self._channel, timeout_s)
 
     async def describe(self, timeout_s: float = 10.0) -> worker_pb2.DescribeWorkerResponse:
         response, _ = await self._describe(timeout_s)

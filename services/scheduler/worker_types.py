@@ -111,6 +111,7 @@ class WorkerInfo:
     num_offload_cpu_blocks: int = 0  # the host-memory KV offload tier
     num_offload_disk_blocks: int = 0  # the disk tier behind it
     offload_disk_hashes: tuple[bytes, ...] = ()  # what it holds (oldest first)
+    boot_id: str = ""  # random per worker process ('' : unknown): a change is a restart
 
     def can_pull_from(self, source: WorkerInfo) -> bool:
         """This worker can copy KV straight out of `source`'s pool (same host)."""
@@ -144,6 +145,9 @@ class WorkerConnection(Protocol):
 
     async def health(self, timeout_s: float) -> str:
         """grpc.health.v1 status name ('SERVING', 'NOT_SERVING') or 'UNREACHABLE'."""
+
+    async def health_boot(self, timeout_s: float) -> tuple[str, str]:
+        """`health`'s status and the worker process's boot id ('' when unknown)."""
 
     async def wait_ready(self, timeout_s: float) -> WorkerInfo: ...
 

@@ -25,7 +25,7 @@ async def serve(config: WorkerConfig) -> None:
     model = await asyncio.to_thread(resolve_model, config.model, config.tokenizer)
     config = dataclasses.replace(config, model=model, tokenizer="")
     host = ServiceHost([SERVICE_NAME])
-    servicer = WorkerServicer()
+    servicer = WorkerServicer(host.boot_id)
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, host.server)
     async with host.running(config.host, config.port, log, grace=2.0) as port:
         worker_id = config.worker_id or f"{config.role}-{port}"

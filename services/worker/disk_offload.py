@@ -4,7 +4,9 @@ host-memory offload pool and the files of `kv_offload.DiskTier`, and says what h
 
 - Saves (before the forward pass, before the step's disk reads and `offload_out` may
   reuse the offload blocks): each block is copied out of its offload block at once, and
-  the file written on a thread of its own, so the step does not wait for the disk.
+  the file written on a thread of its own, so the step does not wait for the disk. A
+  save carries the block's retention deadline (`DiskBlock.retain_until`); one of a block
+  the disk holds already only extends that deadline (no copy, no write).
 - Loads (before the forward pass, into offload blocks the scheduler holds for them): a
   load first waits for a write of the same block still under way, then reads and
   verifies the file into the offload block. A missing, truncated, corrupt or foreign file
@@ -32,6 +34,7 @@ class DiskOffload:
         self.tier = tier
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-disk")
         self._writes: dict[bytes, Future] = {}  # block hash -> its write, until taken
+        self._older: list[Future] = []  # writes of a block saved again since, until taken
         self.num_saved = 0
         self.num_loaded = 0
         self.num_failed = 0
@@ -45,14 +48,22 @@ class DiskOffload:
         return [key.block_hash for key in self.tier.keys()]
 
     def save(self, blocks: Sequence[DiskBlock], pool: KvCache) -> None:
-        """Copy each block out of its offload block now; write the files in the background."""
+        """Copy each block out of its offload block now; write the files in the background
+        (in order, on one thread). A retained block on disk already: its deadline only."""
         for block in blocks:
-            payload = pool.bytes[block.offload_block].reshape(-1).clone()
             key = BlockKey(block.block_hash)
-            self._writes[block.block_hash] = self._writer.submit(
-                self.tier.put, key, block.root, payload
-            )
-            self.num_saved += 1
+            if block.retain_until and self.tier.contains(key):
+                write = self._writer.submit(self.tier.retain, key, block.retain_until)
+            else:
+                payload = pool.bytes[block.offload_block].reshape(-1).clone()
+                write = self._writer.submit(
+                    self.tier.put, key, block.root, payload, block.retain_until
+                )
+                self.num_saved += 1
+            older = self._writes.get(block.block_hash)
+            if older is not None:  # its evictions are still to be reported
+                self._older.append(older)
+            self._writes[block.block_hash] = write
 
     def load(self, blocks: Sequence[DiskBlock], pool: KvCache) -> tuple[list[bytes], list[bytes]]:
         """Read and verify each block into its offload block: (loaded, failed) hashes."""
@@ -71,13 +82,20 @@ class DiskOffload:
     def take_removed(self) -> list[bytes]:
         """Blocks the tier let go since the last call (evicted by its LRU, or bad files)."""
         removed: list[Evicted] = []
-        for block_hash, write in list(self._writes.items()):
+        done = [(h, w) for h, w in self._writes.items() if w.done()]
+        older, self._older = self._older, []
+        for write in older:  # each asked once (one that finishes meanwhile waits)
             if write.done():
+                done.append((None, write))
+            else:
+                self._older.append(write)
+        for block_hash, write in done:
+            if block_hash is not None:
                 del self._writes[block_hash]
-                if write.exception() is not None:  # stored nothing: a load will miss
-                    log.error("kv_disk_write_failed", error=repr(write.exception()))
-                    continue
-                removed.extend(write.result())
+            if write.exception() is not None:  # stored nothing: a load will miss
+                log.error("kv_disk_write_failed", error=repr(write.exception()))
+                continue
+            removed.extend(write.result())
         removed.extend(self.tier.take_dropped())
         return [e.key.block_hash for e in removed]
 

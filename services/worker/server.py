@@ -55,7 +55,9 @@ def _kv_attributes(request) -> dict:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
-    def __init__(self) -> None:
+    def __init__(self, boot_id: str = "") -> None:
+        """`boot_id`: its host's (`ServiceHost.boot_id`), the same in health answers."""
+        self.boot_id = boot_id
         self.worker: Worker | None = None
         self._metrics: WorkerMetrics | None = None
         self._step_stream_id = 0
@@ -107,6 +109,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         await context.send_initial_metadata(limits)
         return worker_pb2.DescribeWorkerResponse(
             worker_id=worker.worker_id,
+            boot_id=self.boot_id,
             role=ROLE_TO_PB[worker.role],
             model=types_pb2.ModelDescription(
                 name=cfg.name,

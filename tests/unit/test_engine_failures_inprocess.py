@@ -461,3 +461,27 @@ def test_cancels_arriving_with_every_step_slot_taken_wait_for_a_result_without_s
             await assert_clean(c)
 
     run(scenario())
+
+
+def test_a_worker_that_restarts_between_two_health_checks_is_rejoined_not_used_stale():
+    """Drained and restarted within the health checks' window (never UNREACHABLE to the
+    monitor): its health answer's boot id differs from the one it described, so the
+    monitor fails and rejoins it at once (a fresh step stream) and the next request is
+    served, instead of failing UNAVAILABLE on the old process's dead stream."""
+
+    async def scenario():
+        async with cluster(worker_info("w0")) as c:
+            w0, pool = c.worker("w0"), c.pool("w0")
+            p = prompt(3, 5)
+            assert_exact(await collect(submit(c, "before", p, 4).events), p, 4)
+            await until(lambda: not pool.scheduler.num_steps_in_flight, what="w0 idle")
+            boot = pool.info.boot_id
+            w0.kill()
+            w0.revive()  # no await between: no health check saw it gone
+            await until(lambda: w0.num_stream_opens == 2, what="the monitor rejoins w0")
+            assert pool.healthy and pool.info.boot_id not in ("", boot)
+            assert c.engine.num_worker_failures == 1
+            assert_exact(await collect(submit(c, "after", p, 6).events), p, 6)
+            await assert_clean(c)
+
+    run(scenario())

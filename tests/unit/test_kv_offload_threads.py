@@ -60,7 +60,7 @@ def test_disk_tier_shared_by_two_threads_stays_consistent(tmp_path):
     assert [e for e in logs if e["log_level"] == "warning"] == []  # no false "bad file"
     assert disk.take_dropped() == []
     files = [p for p in disk.folder.rglob("*") if p.is_file()]
-    on_disk = {parse_name(p.parent.name, p.name) for p in files}
+    on_disk = {parse_name(p.parent.name, p.name)[0] for p in files}
     held = disk.keys()
     assert on_disk == set(held) and len(held) == len(files) == 5  # no temp files left
     assert disk.bytes_used == sum(p.stat().st_size for p in files) == 5 * file_bytes

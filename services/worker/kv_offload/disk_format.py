@@ -23,7 +23,13 @@ caught by the identity, hash, group and root fields. Neither stops someone who c
 the folder: they could write a valid file.
 
 A file lives at `<folder>/<identity fingerprint, 16 hex>/<hash, first 2 hex>/<hash hex>-
-<group>.kv`; a write goes to a `.tmp` file beside it and is renamed into place.
+<group>.kv`; a write goes to a `.tmp` file beside it and is renamed into place. A file
+retained until a deadline (`kv_retention_s`, issue 45) is named `<hash hex>-<group>-r<Unix
+seconds>.kv` instead: the deadline is in the name, not the header, so the start's scan
+reads it without opening a file and a later deadline is one rename, with nothing
+rewritten or re-checksummed. The header (version 1) is unchanged: files written before
+retention existed are read and served as they were (unretained). The deadline is a hint
+for eviction order, not part of what the checksum guards.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ TEMP_SUFFIX = ".tmp"
 _HEAD = struct.Struct("<8sII32s32s32sQ4x")  # the checksummed part, [0, 124)
 _CRC = struct.Struct("<I")
 assert _HEAD.size + _CRC.size == HEADER_BYTES
-_NAME = re.compile(r"([0-9a-f]{64})-([0-9]{1,10})\.kv")
+_NAME = re.compile(r"([0-9a-f]{64})-([0-9]{1,10})(?:-r([0-9]{1,12}))?\.kv")
 
 
 class BadFileError(Exception):
@@ -61,22 +67,25 @@ def identity_dir_name(fingerprint: bytes) -> str:
     return fingerprint.hex()[:16]
 
 
-def relative_path(key: BlockKey) -> str:
-    """Where a block's file lives under its identity's folder."""
+def relative_path(key: BlockKey, retain_until: int = 0) -> str:
+    """Where a block's file lives under its identity's folder (retained until Unix second
+    `retain_until`, or not: 0)."""
     digest = key.block_hash.hex()
-    return f"{digest[:2]}/{digest}-{key.group}{SUFFIX}"
+    retained = f"-r{retain_until}" if retain_until else ""
+    return f"{digest[:2]}/{digest}-{key.group}{retained}{SUFFIX}"
 
 
-def parse_name(shard: str, name: str) -> BlockKey | None:
-    """The key a file name under shard folder `shard` stands for; None when it is no
-    block file of ours (or sits in the wrong shard)."""
+def parse_name(shard: str, name: str) -> tuple[BlockKey, int] | None:
+    """The key a file name under shard folder `shard` stands for and the Unix second it
+    is retained until (0: none); None when it is no block file of ours (or sits in the
+    wrong shard)."""
     match = _NAME.fullmatch(name)
     if match is None or match.group(1)[:2] != shard:
         return None
     group = int(match.group(2))
     if group > 2**32 - 1:
         return None
-    return BlockKey(bytes.fromhex(match.group(1)), group)
+    return BlockKey(bytes.fromhex(match.group(1)), group), int(match.group(3) or 0)
 
 
 def payload_view(payload: torch.Tensor, nbytes: int) -> memoryview:

@@ -18,6 +18,12 @@ verifies everything (`disk_format.read_block`): any mismatch, truncation or I/O 
 a miss, logged once, the file deleted and its key dropped from the index (collected for
 `take_dropped`, so the caller can publish BlockRemoved); a bad file is never served.
 
+Retention (`kv_retention_s`, issue 45): a block saved with a deadline (`put`'s
+`retain_until`, or `retain` for one on disk already) is kept in its file's name (see
+`disk_format`) and evicted only when no unretained file is left to make room, earliest
+deadline first; once the deadline passes it is an ordinary LRU file (`disk_index`). The
+scan at start reads the deadlines from the names, so they survive a restart.
+
 Every method may run on any thread (reads and writes are slow: the caller runs them off
 its event loop). The index is kept under one lock; file reads and writes, the slow parts,
 run outside it. While writes are in flight the folder may exceed the budget by one block
@@ -26,12 +32,12 @@ per writer (its temporary file).
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import threading
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -49,19 +55,23 @@ from services.worker.kv_offload.disk_format import (
     read_block,
     relative_path,
 )
+from services.worker.kv_offload.disk_index import DiskFile, DiskIndex
+from services.worker.kv_offload.fault_hooks import DiskWriteStall
 from services.worker.kv_offload.keys import BlockKey, Evicted, TierIdentity, check_root
 from services.worker.kv_offload.views import out_bytes
 
 
-@dataclass(frozen=True, eq=False)  # compared by identity: "is this still the indexed file"
-class _Entry:
-    path: str
-
-
 class DiskTier:
-    def __init__(self, folder: str | os.PathLike, capacity_bytes: int, identity: TierIdentity):
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        capacity_bytes: int,
+        identity: TierIdentity,
+        clock: Callable[[], float] = time.time,
+    ):
         """Index `folder`'s files of `identity` (making the folder if needed). A budget
-        below one file (`file_bytes`: header and block) is a disabled tier."""
+        below one file (`file_bytes`: header and block) is a disabled tier. `clock`:
+        wall-clock seconds, for retention deadlines (tests pass their own)."""
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be non-negative, got {capacity_bytes}")
         self.identity = identity
@@ -71,11 +81,13 @@ class DiskTier:
         self.capacity_bytes = capacity_bytes
         self.capacity_blocks = capacity_bytes // self.file_bytes
         self.folder = Path(folder) / identity_dir_name(self.fingerprint)
-        self._index: OrderedDict[BlockKey, _Entry] = OrderedDict()  # oldest first
+        self._index = DiskIndex()
+        self.clock = clock
         self._dropped: list[Evicted] = []
         self._write_errors: set[str] = set()  # kinds of write failure logged already
-        self._clock = 0  # the last mtime stamped, ns
+        self._last_stamp = 0  # the last mtime stamped, ns
         self._lock = threading.Lock()
+        self._fault = DiskWriteStall.from_env()  # tests only (fault_hooks.py)
         if self.enabled:
             self.folder.mkdir(parents=True, exist_ok=True)
             self._scan()
@@ -95,30 +107,42 @@ class DiskTier:
             return len(self._index)
 
     def keys(self) -> list[BlockKey]:
-        """Every block indexed, least recently used first."""
+        """Every block indexed, in the order the tier would evict them (unretained ones
+        least recently used first)."""
         with self._lock:
-            return list(self._index)
+            return list(self._index.keys())
+
+    def retained_until(self, key: BlockKey) -> float:
+        """A block's retention deadline, Unix seconds (0: none; it may have passed)."""
+        with self._lock:
+            return self._index.deadline(key)
 
     def contains(self, key: BlockKey) -> bool:
         """Whether the block has a file (not verified until read; not a use)."""
         with self._lock:
             return key in self._index
 
-    def put(self, key: BlockKey, root: bytes, payload: torch.Tensor) -> list[Evicted]:
-        """Write a block (a CPU tensor of exactly `block_bytes`, any dtype) under `root`;
-        returns the blocks evicted to make room, oldest first. A block already on disk is
-        only marked used. A failed write (disk full, ...) stores nothing: logged once per
-        kind of failure. Disabled: stores nothing."""
+    def put(
+        self, key: BlockKey, root: bytes, payload: torch.Tensor, retain_until: float = 0.0
+    ) -> list[Evicted]:
+        """Write a block (a CPU tensor of exactly `block_bytes`, any dtype) under `root`,
+        retained until wall-clock `retain_until` (0: not); returns the blocks evicted to
+        make room, in eviction order. A block already on disk is only marked used (and its
+        deadline extended, `retain`). A failed write (disk full, ...) stores nothing:
+        logged once per kind of failure. Disabled: stores nothing."""
         check_root(root)
         view = payload_view(payload, self.block_bytes)
         if not self.enabled:
             return []
+        until = _whole_second(retain_until)
         with self._lock:
             if key in self._index:
                 self._touch(key)
+                self._extend(key, until)
                 return []
-        path = self.folder / relative_path(key)
-        temp = self._write_temp(path, encode_header(self.fingerprint, key, root, view), view)
+        path = self.folder / relative_path(key, until)
+        header = encode_header(self.fingerprint, key, root, view)
+        temp = self._write_temp(path, header, view, key)
         if temp is None:
             return []
         evicted: list[Evicted] = []
@@ -126,9 +150,10 @@ class DiskTier:
             if key in self._index:  # another thread stored it meanwhile
                 _unlink(temp)
                 self._touch(key)
+                self._extend(key, until)
                 return []
             while len(self._index) >= self.capacity_blocks:
-                evicted.append(self._evict_oldest("lru"))
+                evicted.append(self._evict_next("lru"))
             try:
                 stamp = self._tick()
                 os.utime(temp, ns=(stamp, stamp))
@@ -137,8 +162,18 @@ class DiskTier:
                 _unlink(temp)
                 self._log_write_error(error)
                 return evicted
-            self._index[key] = _Entry(str(path))
+            self._index.add(key, DiskFile(str(path)), stamp, until, self.clock())
         return evicted
+
+    def retain(self, key: BlockKey, retain_until: float) -> list[Evicted]:
+        """Keep a block on disk until wall-clock `retain_until` at least (a later deadline
+        than its own: its file is renamed; an earlier one changes nothing); marks it used.
+        Nothing when it has no file. Returns [] (nothing is evicted: `put`'s shape)."""
+        with self._lock:
+            if key in self._index:
+                self._touch(key)
+                self._extend(key, _whole_second(retain_until))
+        return []
 
     def get(
         self, key: BlockKey, root: bytes, out: torch.Tensor | None = None
@@ -152,7 +187,7 @@ class DiskTier:
         if out is not None and out_bytes(out, self.block_bytes).device.type != "cpu":
             raise ValueError(f"the disk tier reads into host tensors, not {out.device}")
         with self._lock:
-            entry = self._index.get(key)
+            entry = self._index.file(key)
         if entry is None:
             return None
         target = (
@@ -160,28 +195,35 @@ class DiskTier:
             if out is None
             else out_bytes(out, self.block_bytes)
         )
-        try:
-            with open(entry.path, "rb", buffering=0) as file:
-                size = os.fstat(file.fileno()).st_size
-                read_block(file, size, self.fingerprint, key, root, self.block_bytes, target)
-        except FileNotFoundError:
-            self._drop_if_current(key, entry, "missing: deleted from outside the tier")
-            return None
-        except BadFileError as bad:
-            self._drop_if_current(key, entry, bad.reason)
-            return None
-        except OSError as error:
-            self._drop_if_current(key, entry, f"I/O error: {error}")
-            return None
+        for attempt in range(2):
+            try:
+                with open(entry.path, "rb", buffering=0) as file:
+                    size = os.fstat(file.fileno()).st_size
+                    read_block(file, size, self.fingerprint, key, root, self.block_bytes, target)
+                break
+            except FileNotFoundError:
+                with self._lock:
+                    current = self._index.file(key)
+                if attempt == 0 and current is not None and current is not entry:
+                    entry = current  # renamed meanwhile (its deadline moved): read it there
+                    continue
+                self._drop_if_current(key, entry, "missing: deleted from outside the tier")
+                return None
+            except BadFileError as bad:
+                self._drop_if_current(key, entry, bad.reason)
+                return None
+            except OSError as error:
+                self._drop_if_current(key, entry, f"I/O error: {error}")
+                return None
         with self._lock:
-            if self._index.get(key) is entry:
+            if self._index.file(key) is entry:
                 self._touch(key)
         return target if out is None else out
 
     def remove(self, key: BlockKey) -> bool:
         """Delete a block's file; False when it had none."""
         with self._lock:
-            entry = self._index.pop(key, None)
+            entry = self._index.remove(key)
             if entry is None:
                 return False
             _unlink(entry.path)
@@ -198,29 +240,44 @@ class DiskTier:
     def _tick(self) -> int:
         """A strictly increasing mtime (ns): file system clocks tick in milliseconds, and
         two uses in one tick would lose their order at the next start."""
-        self._clock = max(time.time_ns(), self._clock + 1)
-        return self._clock
+        self._last_stamp = max(time.time_ns(), self._last_stamp + 1)
+        return self._last_stamp
 
     def _touch(self, key: BlockKey) -> None:
-        self._index.move_to_end(key)
         stamp = self._tick()
+        self._index.touch(key, stamp, self.clock())
         try:
-            os.utime(self._index[key].path, ns=(stamp, stamp))
+            os.utime(self._index.file(key).path, ns=(stamp, stamp))
         except OSError:
             pass  # gone or read-only: the next read finds out; the order is only a hint
 
-    def _evict_oldest(self, reason: str) -> Evicted:
-        key, entry = self._index.popitem(last=False)
+    def _extend(self, key: BlockKey, until: int) -> None:
+        """A later deadline for an indexed block: its file is renamed to carry it."""
+        if until <= self._index.deadline(key):
+            return
+        entry = self._index.file(key)
+        path = str(self.folder / relative_path(key, until))
+        try:
+            os.replace(entry.path, path)
+        except OSError as error:  # gone: the next read finds out
+            self._log_write_error(error)
+            return
+        self._index.retain(key, DiskFile(path), until, self.clock())
+
+    def _evict_next(self, reason: str) -> Evicted:
+        """Drop the file the index names next: an unretained one while any is left."""
+        key = self._index.victim(self.clock())
+        entry = self._index.remove(key)
         _unlink(entry.path)
         return Evicted(key, self.file_bytes, reason)
 
-    def _drop_if_current(self, key: BlockKey, entry: _Entry, reason: str) -> None:
+    def _drop_if_current(self, key: BlockKey, entry: DiskFile, reason: str) -> None:
         """Drop a bad file, unless another thread replaced or removed it meanwhile (then
         what this thread read was not the indexed file: a plain miss, nothing logged)."""
         with self._lock:
-            if self._index.get(key) is not entry:
+            if self._index.file(key) is not entry:
                 return
-            del self._index[key]
+            self._index.remove(key)
             _unlink(entry.path)
             self._dropped.append(Evicted(key, self.file_bytes, reason))
         _log_bad_file(entry.path, key, reason)
@@ -235,7 +292,9 @@ class DiskTier:
 
     # -- without the lock --------------------------------------------------------------
 
-    def _write_temp(self, path: Path, header: bytes, payload: memoryview) -> str | None:
+    def _write_temp(
+        self, path: Path, header: bytes, payload: memoryview, key: BlockKey
+    ) -> str | None:
         """Write a block's file beside `path` under a temporary name; its name, or None
         when the write failed (nothing is left behind)."""
         temp = None
@@ -244,6 +303,8 @@ class DiskTier:
             handle, temp = tempfile.mkstemp(prefix=".", suffix=TEMP_SUFFIX, dir=path.parent)
             with open(handle, "wb") as file:
                 file.write(header)
+                if self._fault is not None:
+                    self._fault.during_write(file, payload, key.block_hash, temp)
                 file.write(payload)
             return temp
         except OSError as error:
@@ -255,7 +316,7 @@ class DiskTier:
 
     def _scan(self) -> None:
         """Rebuild the index from the folder (construction only: no other thread yet)."""
-        found: list[tuple[int, str, BlockKey]] = []
+        found: dict[BlockKey, tuple[int, str, int]] = {}  # key -> (mtime, path, deadline)
         temporaries = strangers = 0
         for shard in _entries(self.folder):
             if not shard.is_dir(follow_symlinks=False):
@@ -265,10 +326,11 @@ class DiskTier:
                 if item.name.endswith(TEMP_SUFFIX):
                     temporaries += _unlink(item.path)
                     continue
-                key = parse_name(shard.name, item.name)
-                if key is None or not item.is_file(follow_symlinks=False):
+                parsed = parse_name(shard.name, item.name)
+                if parsed is None or not item.is_file(follow_symlinks=False):
                     strangers += 1
                     continue
+                key, until = parsed
                 try:
                     stat = item.stat(follow_symlinks=False)
                 except OSError:
@@ -278,14 +340,21 @@ class DiskTier:
                     reason = f"size {stat.st_size}, not {self.file_bytes} (torn or foreign)"
                     _log_bad_file(item.path, key, reason)
                     continue
-                found.append((stat.st_mtime_ns, item.path, key))
-        found.sort()
-        for mtime, path, key in found:
-            self._index[key] = _Entry(path)
-            self._clock = max(self._clock, mtime)
+                other = found.get(key)
+                if other is not None:  # two names of one block (a crash mid-rename)
+                    older = min(other, (stat.st_mtime_ns, item.path, until))
+                    _unlink(older[1])
+                    if older is other:
+                        found[key] = (stat.st_mtime_ns, item.path, until)
+                    continue
+                found[key] = (stat.st_mtime_ns, item.path, until)
+        now = self.clock()
+        for key, (mtime, path, until) in sorted(found.items(), key=lambda kv: kv[1][0]):
+            self._index.add(key, DiskFile(path), mtime, until, now)
+            self._last_stamp = max(self._last_stamp, mtime)
         evicted = 0
         while len(self._index) > self.capacity_blocks:
-            self._evict_oldest("lru")
+            self._evict_next("lru")
             evicted += 1
         get_logger(__name__).info(
             "kv_offload_disk_indexed",
@@ -303,6 +372,11 @@ def _entries(folder: str | Path) -> list[os.DirEntry]:
             return list(listing)
     except OSError:
         return []
+
+
+def _whole_second(until: float) -> int:
+    """A deadline as its file name keeps it: Unix seconds, rounded up (0: none)."""
+    return math.ceil(until) if until > 0 else 0
 
 
 def _unlink(path: str | os.PathLike) -> int:

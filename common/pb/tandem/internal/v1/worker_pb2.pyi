@@ -13,7 +13,7 @@ class DescribeWorkerRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeWorkerResponse(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "kv_cache", "ucx_address", "num_active_requests", "device", "kv_shared_memory", "speculative", "tensor_parallel_size", "rank_kv_shared_memory", "pipeline_parallel_size", "rank_ucx_addresses", "max_loras")
+    __slots__ = ("worker_id", "role", "model", "kv_cache", "ucx_address", "num_active_requests", "device", "kv_shared_memory", "speculative", "tensor_parallel_size", "rank_kv_shared_memory", "pipeline_parallel_size", "rank_ucx_addresses", "max_loras", "boot_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class DescribeWorkerResponse(_message.Message):
     PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_UCX_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _types_pb2.WorkerRole
     model: _types_pb2.ModelDescription
@@ -42,7 +43,8 @@ class DescribeWorkerResponse(_message.Message):
     pipeline_parallel_size: int
     rank_ucx_addresses: _containers.RepeatedScalarFieldContainer[bytes]
     max_loras: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.WorkerRole, str]] = ..., model: _Optional[_Union[_types_pb2.ModelDescription, _Mapping]] = ..., kv_cache: _Optional[_Union[_types_pb2.KvCacheDescription, _Mapping]] = ..., ucx_address: _Optional[bytes] = ..., num_active_requests: _Optional[int] = ..., device: _Optional[str] = ..., kv_shared_memory: _Optional[_Union[KvSharedMemory, _Mapping]] = ..., speculative: _Optional[_Union[SpeculativeDecoding, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., rank_kv_shared_memory: _Optional[_Iterable[_Union[KvSharedMemory, _Mapping]]] = ..., pipeline_parallel_size: _Optional[int] = ..., rank_ucx_addresses: _Optional[_Iterable[bytes]] = ..., max_loras: _Optional[int] = ...) -> None: ...
+    boot_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.WorkerRole, str]] = ..., model: _Optional[_Union[_types_pb2.ModelDescription, _Mapping]] = ..., kv_cache: _Optional[_Union[_types_pb2.KvCacheDescription, _Mapping]] = ..., ucx_address: _Optional[bytes] = ..., num_active_requests: _Optional[int] = ..., device: _Optional[str] = ..., kv_shared_memory: _Optional[_Union[KvSharedMemory, _Mapping]] = ..., speculative: _Optional[_Union[SpeculativeDecoding, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ..., rank_kv_shared_memory: _Optional[_Iterable[_Union[KvSharedMemory, _Mapping]]] = ..., pipeline_parallel_size: _Optional[int] = ..., rank_ucx_addresses: _Optional[_Iterable[bytes]] = ..., max_loras: _Optional[int] = ..., boot_id: _Optional[str] = ...) -> None: ...
 
 class SpeculativeDecoding(_message.Message):
     __slots__ = ("method", "num_speculative_tokens", "disable_by_batch_size")
@@ -99,14 +101,16 @@ class StepRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., cancelled_transfer_tags: _Optional[_Iterable[int]] = ..., offload_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., offload_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., disk_saves: _Optional[_Iterable[_Union[DiskBlock, _Mapping]]] = ..., disk_loads: _Optional[_Iterable[_Union[DiskBlock, _Mapping]]] = ...) -> None: ...
 
 class DiskBlock(_message.Message):
-    __slots__ = ("block_hash", "root", "offload_block")
+    __slots__ = ("block_hash", "root", "offload_block", "retain_until")
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     ROOT_FIELD_NUMBER: _ClassVar[int]
     OFFLOAD_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    RETAIN_UNTIL_FIELD_NUMBER: _ClassVar[int]
     block_hash: bytes
     root: bytes
     offload_block: int
-    def __init__(self, block_hash: _Optional[bytes] = ..., root: _Optional[bytes] = ..., offload_block: _Optional[int] = ...) -> None: ...
+    retain_until: float
+    def __init__(self, block_hash: _Optional[bytes] = ..., root: _Optional[bytes] = ..., offload_block: _Optional[int] = ..., retain_until: _Optional[float] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("src", "dst")
