@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from common.log import bind_request, get_logger
 from services.scheduler.handle import RequestHandle, Stage, Transfer, TransferPart
 from services.scheduler.kv_peer_connector import PeerKvConnector
+from services.scheduler.kv_retention import retain_finished
 from services.scheduler.link_breaker import LinkBreaker
 from services.scheduler.placement import DecodeCandidate, choose_decode
 from services.scheduler.pool import Pool
@@ -353,6 +354,8 @@ class KvHandoff:
     def _arrive(self, handle: RequestHandle, src: Pool, dst: Pool) -> None:
         request = handle.request
         rid = request.request_id
+        # Its prompt leaves the prefill pool: kept there too if it asked (`kv_retention`).
+        retain_finished(src.blocks, src.scheduler.offload, request)
         src.blocks.free(request.request_id)
         src.wakeup.set()
         cached = dst.blocks.cache_full_blocks(

@@ -98,3 +98,33 @@ def test_a_retained_conversation_survives_a_flood_and_expires_after_its_time(
         pool_stats(stack)  # (asserts the integrity of the pool and its host tier: no block held)
     finally:
         stack.stop()
+
+
+def test_a_retained_prompt_stays_in_the_prefill_pool_after_its_hand_off(tiny_llama_dir, tmp_path):
+    """Disaggregated: the request finishes on the decode worker, but its prompt's blocks
+    leave the prefill pool at the hand-off, retained there too; the next turn's prompt
+    is a prefix hit on the prefill worker although a flood came between."""
+    pool = ["--max-model-len", "160", "--num-blocks", "10", "--block-size", str(BLOCK)]
+    args = {"prefill": pool, "decode": pool, "scheduler": ["--max-kv-retention-s", "600"]}
+    stack = start_stack(tiny_llama_dir, tmp_path / "run", prefill=1, decode=1, extra_args=args)
+    address = stack.spec.gateway_address
+
+    def exact(prompt, max_tokens, retention=None):
+        answer = generate(address, turn(prompt, max_tokens, retention))
+        assert answer.token_ids == hf_greedy(tiny_llama_dir, prompt, max_tokens)
+        return answer
+
+    try:
+        kept_prompt, plain_prompt = list(range(5, 69)), list(range(205, 269))  # 4 blocks
+        kept = exact(kept_prompt, 8, retention=600.0)
+        plain = exact(plain_prompt, 8)
+        for start in range(600, 900, 100):  # evicts what nothing retains
+            exact(list(range(start, start + 60)), 4)
+        second = exact(kept_prompt + list(kept.token_ids) + list(range(80, 88)), 8)
+        assert second.usage.cached_tokens == 4 * BLOCK  # on the prefill worker
+        again = exact(plain_prompt + list(plain.token_ids) + list(range(80, 88)), 8)
+        assert again.usage.cached_tokens == 0
+        pools = wait_until_idle(stack).pools
+        assert all(p.num_free_blocks == p.num_blocks for p in pools)  # nothing leaked
+    finally:
+        stack.stop()
