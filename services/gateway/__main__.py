@@ -15,6 +15,7 @@ from common.lifecycle import freeze_startup_heap, run_service, wait_for_shutdown
 from common.log import get_logger, setup_logging
 from common.metrics import start_metrics_server
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
+from services.gateway.chat_output import ParserSettings
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import rejected
 from services.gateway.schedulers import Schedulers
@@ -40,8 +41,18 @@ async def serve(config: GatewayConfig) -> None:
         max_receive_bytes=parse_size(config.max_request_bytes),
     )
     schedulers = Schedulers(config.scheduler, host.tls, config.router_config)
+    parsers = ParserSettings(
+        tool_call_parser=config.tool_call_parser,
+        enable_auto_tool_choice=config.enable_auto_tool_choice,
+        reasoning_parser=config.reasoning_parser,
+    )
     servicer = GenerateServicer(
-        tokenizer, schedulers, config.default_max_tokens, config.allow_runtime_lora_updating
+        tokenizer,
+        schedulers,
+        config.default_max_tokens,
+        config.allow_runtime_lora_updating,
+        parsers,
+        config.resolved_chat_template,
     )
     servicer.served_model_names = config.served_model_name
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, host.server)

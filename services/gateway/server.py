@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -28,14 +29,25 @@ from common.sampling import MAX_LOGPROBS, MAX_SAMPLES, SamplingParams
 from common.sampling_pb import ROLE_FROM_PB, sampling_to_pb
 from common.tracing import end_span, span_trace_id
 from services.gateway.beam_check import check_beam_counts, validate_beam_search
+from services.gateway.chat_output import ChatParsing, ParserSettings
+from services.gateway.chat_tools import (
+    AUTO,
+    FUNCTION,
+    NONE,
+    ToolRequest,
+    template_messages,
+    validate_tools,
+)
 from services.gateway.lora_rpcs import LoraRpcs
 from services.gateway.metrics import GatewayMetrics, rejected
 from services.gateway.output import RequestOutput, SampleOutput
 from services.gateway.prompts import LARGE_INPUT_CHARS, PromptTokenizer
+from services.gateway.reasoning_parsers import reasoning_parser
 from services.gateway.request_trace import GenerateTrace
 from services.gateway.scheduler_session import SchedulerError
 from services.gateway.schedulers import Schedulers, abort_with, answers
 from services.gateway.structured_check import ConstraintChecker
+from services.gateway.tool_parsers import tool_parser
 from services.gateway.validation import (
     MAX_DETOKENIZE_IDS,
     InvalidArgumentError,
@@ -65,6 +77,7 @@ class PreparedRequest:
     stop_token_ids: frozenset[int]
     n: int
     submit: scheduler_pb2.SubmitRequest
+    parsing: ChatParsing | None = None  # how each sample's answer is split
 
 
 def _ended_by(exc: BaseException, context) -> str:
@@ -84,10 +97,20 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
         schedulers: Schedulers,
         default_max_tokens: int,
         allow_runtime_lora_updating: bool = False,
+        parsers: ParserSettings | None = None,
+        chat_template: str | None = None,
     ) -> None:
         self.allow_runtime_lora_updating = allow_runtime_lora_updating
         self.tokenizer = tokenizer
-        self.prompts = PromptTokenizer(tokenizer)
+        self.prompts = PromptTokenizer(tokenizer, chat_template)
+        self.parsers = parsers
+        self.tool_parser = (
+            tool_parser(parsers.tool_call_parser) if parsers.tool_call_parser else None
+        )
+        self.reasoning = (
+            reasoning_parser(parsers.reasoning_parser) if parsers.reasoning_parser else None
+        )
+        self.think_ids = self._think_ids()
         self.schedulers = schedulers
         self.default_max_tokens = default_max_tokens
         self.model: types_pb2.ModelDescription | None = None
@@ -128,7 +151,9 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
             return await asyncio.to_thread(self.prompts.encode, text, add_special_tokens)
         return self.prompts.encode(text, add_special_tokens)
 
-    async def _prompt_ids(self, request: generate_pb2.GenerateRequest) -> list[int]:
+    async def _prompt_ids(
+        self, request: generate_pb2.GenerateRequest, tools: ToolRequest | None = None
+    ) -> list[int]:
         which = check_prompt_field(request)
         if which == "text":
             validate_text(request.text, "prompt.text")
@@ -136,18 +161,20 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
         elif which == "token_ids":
             ids, field = list(request.token_ids.ids), "prompt.token_ids.ids"
         else:
-            ids = await self._render_chat(request.chat, "prompt.chat")
+            ids = await self._render_chat(request.chat, "prompt.chat", tools)
             field = "prompt.chat (rendered)"
         validate_prompt_ids(ids, self.limits, field)
         return ids
 
-    async def _render_chat(self, chat: generate_pb2.ChatMessages, field: str) -> list[int]:
-        messages = validate_chat(chat, field)
+    async def _render_chat(
+        self, chat: generate_pb2.ChatMessages, field: str, tools: ToolRequest | None = None
+    ) -> list[int]:
+        messages = template_messages(chat, validate_chat(chat, field), field)
         go_on = chat.continue_final_message
         add_prompt = (
             chat.add_generation_prompt if chat.HasField("add_generation_prompt") else not go_on
         )
-        args = (messages, add_prompt, field, go_on)
+        args = (messages, add_prompt, field, go_on, tools.template_tools() if tools else None)
         if sum(len(m["content"]) for m in messages) > LARGE_INPUT_CHARS:
             # Rendering and tokenizing megabytes would stall every other call on the loop.
             return await asyncio.to_thread(self.prompts.render_chat, *args)
@@ -164,7 +191,14 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
         logprobs = validate_count(request, "logprobs", 0, MAX_LOGPROBS, None)
         prompt_logprobs = validate_count(request, "prompt_logprobs", 0, MAX_LOGPROBS, None)
         cache_salt = validate_cache_salt(request.cache_salt)
-        if request.HasField("structured_output"):
+        tools = validate_tools(request)
+        if tools is not None and tools.choice == AUTO and self.tool_parser is None:
+            raise InvalidArgumentError(
+                'tool_choice: "auto" tool choice requires --enable-auto-tool-choice and '
+                "--tool-call-parser to be set"
+            )
+        forced = await self._forced_calls(tools)
+        if forced is None and request.HasField("structured_output"):
             await self.structured.check(request.structured_output)
         if request.lora_name and request.lora_name not in self.model.lora_adapters:
             with contextlib.suppress(grpc.aio.AioRpcError):  # the scheduler answers below
@@ -172,11 +206,14 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
         lora_name = validate_lora_name(request.lora_name, list(self.model.lora_adapters))
         tokenize = trace.tokenize_span()
         try:
-            prompt_ids = await self._prompt_ids(request)
+            prompt_ids = await self._prompt_ids(request, tools)
         finally:
             end_span(tokenize)
         max_tokens = resolve_max_tokens(request, len(prompt_ids), self.limits)
         stopping = validate_stopping(request.stopping, self.limits, max_tokens)
+        parsing = self._parsing(request, tools, prompt_ids)
+        if parsing is not None and parsing.tool_mode and self._keeps_special_tokens(tools):
+            stopping = replace(stopping, skip_special_tokens=False)  # as vLLM's hermes
         sampling = replace(
             sampling,
             min_tokens=stopping.min_tokens,
@@ -201,10 +238,70 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
         )
         if beam is not None:
             submit.beam_search.CopyFrom(beam)
-        if request.HasField("structured_output"):  # the public message, as it came
+        if forced is not None:  # the forced calls' grammar replaces any other
+            submit.structured_output.CopyFrom(forced)
+        elif request.HasField("structured_output"):  # the public message, as it came
             submit.structured_output.CopyFrom(request.structured_output)
         trace.submitted(submit)
-        return PreparedRequest(prompt_ids, stopping, frozenset(stop_ids), n, submit)
+        return PreparedRequest(prompt_ids, stopping, frozenset(stop_ids), n, submit, parsing)
+
+    async def _forced_calls(self, tools: ToolRequest | None):
+        """The grammar of a forced call (tool_choice required or a named function), each
+        function's schema compiled first so that a bad one is named; None: no call forced."""
+        if tools is None or not tools.forced:
+            return None
+        for index, function in enumerate(tools.functions):
+            if function.parameters is None or (
+                tools.choice == FUNCTION and function.name != tools.function
+            ):
+                continue
+            schema = generate_pb2.StructuredOutput(json_schema=json.dumps(function.parameters))
+            try:
+                await self.structured.check(schema)
+            except InvalidArgumentError as exc:
+                raise InvalidArgumentError(
+                    f"tools[{index}].parameters_json does not compile as a JSON schema: {exc}"
+                ) from None
+        try:
+            forced = generate_pb2.StructuredOutput(json_schema=tools.forced_schema())
+        except ValueError as exc:
+            raise InvalidArgumentError(f"tools: {exc}") from None
+        await self.structured.check(forced)
+        return forced
+
+    def _parsing(self, request, tools: ToolRequest | None, prompt_ids) -> ChatParsing | None:
+        """How this request's answers are split (None: they are not)."""
+        if request.WhichOneof("prompt") != "chat":
+            return None
+        auto = self.tool_parser if self.parsers.enable_auto_tool_choice else None
+        # A grammar holds from the first token here (vLLM starts it after the reasoning):
+        # a constrained answer has no reasoning to split off.
+        constrained = request.HasField("structured_output") or (tools and tools.forced)
+        reasoning = None if constrained else self.reasoning
+        parsing = ChatParsing(reasoning, False, tools, auto, self.think_ids)
+        if self.reasoning is None and parsing.tool_mode is None:
+            return None
+        if reasoning is not None:
+            prompt = self.prompts.decode(prompt_ids, skip_special_tokens=False)
+            parsing = replace(parsing, reasoning_ended_in_prompt=reasoning.ends_in(prompt))
+        return parsing
+
+    def _think_ids(self) -> tuple[int, int] | None:
+        """The reasoning tags' token ids (None: no reasoning parser, or a tag that is not
+        one token here)."""
+        if self.reasoning is None:
+            return None
+        vocab = self.tokenizer.get_vocab()
+        ids = (vocab.get(self.reasoning.start), vocab.get(self.reasoning.end))
+        return None if None in ids else ids
+
+    def _keeps_special_tokens(self, tools: ToolRequest | None) -> bool:
+        return (
+            tools is not None
+            and tools.choice != NONE
+            and self.tool_parser is not None
+            and self.tool_parser.keeps_special_tokens
+        )
 
     def _output(self, request_id: str, prepared: PreparedRequest, arrival: float):
         samples = [
@@ -262,6 +359,11 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "no scheduler available")
                 tried += (backend,)
                 output = trace.output = self._output(request_id, prepared, arrival)
+                chat = (
+                    [prepared.parsing.sample() for _ in range(prepared.n)]
+                    if (prepared.parsing)
+                    else None
+                )
                 updates = await backend.session.submit(prepared.submit)
                 sent = False
                 try:
@@ -271,6 +373,8 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
                         message = output.consume(update, self.prompts.token_text)
                         if message is None:
                             continue  # a sample that already ended on a stop string
+                        if chat is not None:
+                            chat[message.index].rewrite(message)
                         self.metrics.message(times, previous_last)
                         if output.done:
                             self.metrics.finished(output, message)
