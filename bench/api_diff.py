@@ -78,12 +78,14 @@ def tandem(model: Path, flags: tuple[str, ...], run_dir: Path) -> Iterator[str]:
         stack.stop()
 
 
-def no_whitespace_bias(model: Path) -> dict[str, float]:
+def token_facts(model: Path) -> tuple[dict[str, float], int]:
+    """A logit_bias keeping whitespace-only tokens out, and the id of `</think>`."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     ids = [i for i in range(len(tokenizer)) if not tokenizer.decode([i]).strip()]
-    return {str(i): -100.0 for i in ids if i not in tokenizer.all_special_ids}
+    bias = {str(i): -100.0 for i in ids if i not in tokenizer.all_special_ids}
+    return bias, tokenizer.convert_tokens_to_ids("</think>")
 
 
 def run_group(
@@ -154,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=str(RESULTS / "api_diff.json"))
     args = parser.parse_args(argv)
     model = build_tool_checkpoint(MODEL_DIR)
-    chosen = [c for c in cases(no_whitespace_bias(model)) if not args.only or c.name in args.only]
+    chosen = [c for c in cases(*token_facts(model)) if not args.only or c.name in args.only]
     urls = (args.vllm_url, args.tandem_url) if args.vllm_url and args.tandem_url else None
     rows = []
     for reasoning, flags in ((False, TOOL_FLAGS), (True, TOOL_FLAGS + REASONING_FLAGS)):

@@ -76,14 +76,21 @@ class Case:
     tags: tuple[str, ...] = field(default_factory=tuple)
 
 
-def cases(no_whitespace: dict[str, float]) -> list[Case]:
-    """`no_whitespace`: a logit_bias keeping whitespace-only tokens out."""
+def cases(no_whitespace: dict[str, float], think_end: int) -> list[Case]:
+    """`no_whitespace`: a logit_bias keeping whitespace-only tokens out; `think_end`: the
+    id of `</think>` (a bias on it makes the random model close its reasoning)."""
     forced = {"logit_bias": no_whitespace, "max_tokens": 96}
+    long = {"max_tokens": 160}
     return [
         Case("auto_no_call", {"messages": ASK, "tools": TOOLS, "max_tokens": 16}),
         Case(
             "auto_one_call",
-            {"messages": ASK, "tools": TOOLS, "structured_outputs": {"regex": CALL_WEATHER}},
+            {
+                "messages": ASK,
+                "tools": TOOLS,
+                "structured_outputs": {"regex": CALL_WEATHER},
+                **long,
+            },
         ),
         Case(
             "auto_parallel_calls",
@@ -91,6 +98,7 @@ def cases(no_whitespace: dict[str, float]) -> list[Case]:
                 "messages": ASK,
                 "tools": TOOLS,
                 "structured_outputs": {"regex": CALL_WEATHER + "\n" + CALL_TIME},
+                **long,
             },
         ),
         Case(
@@ -100,6 +108,7 @@ def cases(no_whitespace: dict[str, float]) -> list[Case]:
                 "tools": TOOLS,
                 "parallel_tool_calls": False,
                 "structured_outputs": {"regex": CALL_WEATHER + "\n" + CALL_TIME},
+                **long,
             },
         ),
         Case(
@@ -108,6 +117,7 @@ def cases(no_whitespace: dict[str, float]) -> list[Case]:
                 "messages": ASK,
                 "tools": TOOLS,
                 "structured_outputs": {"regex": "Let me check\\. " + CALL_WEATHER},
+                **long,
             },
         ),
         Case("required", {"messages": ASK, "tools": TOOLS, "tool_choice": "required", **forced}),
@@ -140,6 +150,11 @@ def cases(no_whitespace: dict[str, float]) -> list[Case]:
             },
         ),
         Case("reasoning", {"messages": ASK, "max_tokens": 16}, reasoning=True),
+        Case(
+            "reasoning_then_content",
+            {"messages": ASK, "max_tokens": 24, "logit_bias": {str(think_end): 7.0}},
+            reasoning=True,
+        ),
         Case(
             "reasoning_with_tools",
             {"messages": ASK, "tools": TOOLS, "max_tokens": 16},

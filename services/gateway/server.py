@@ -7,14 +7,14 @@ the request in the scheduler, which frees its blocks. A sample that ends on a st
 (found here) is aborted in the scheduler at once. Every request travels on the gateway's
 one session stream to its scheduler (`scheduler_session.py`); with several schedulers,
 `schedulers.py` picks one per request, and a request that fails with UNAVAILABLE before
-anything reached its client is sent once more, to another healthy scheduler.
+anything reached its client is sent once more, to another healthy scheduler. Chat answers
+with tools or a reasoning parser are split per sample (`chat_setup.py`, `chat_output.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -30,24 +30,19 @@ from common.sampling_pb import ROLE_FROM_PB, sampling_to_pb
 from common.tracing import end_span, span_trace_id
 from services.gateway.beam_check import check_beam_counts, validate_beam_search
 from services.gateway.chat_output import ChatParsing, ParserSettings
+from services.gateway.chat_setup import ChatSetup
 from services.gateway.chat_tools import (
-    AUTO,
-    FUNCTION,
-    NONE,
     ToolRequest,
     template_messages,
-    validate_tools,
 )
 from services.gateway.lora_rpcs import LoraRpcs
 from services.gateway.metrics import GatewayMetrics, rejected
 from services.gateway.output import RequestOutput, SampleOutput
 from services.gateway.prompts import LARGE_INPUT_CHARS, PromptTokenizer
-from services.gateway.reasoning_parsers import reasoning_parser
 from services.gateway.request_trace import GenerateTrace
 from services.gateway.scheduler_session import SchedulerError
 from services.gateway.schedulers import Schedulers, abort_with, answers
 from services.gateway.structured_check import ConstraintChecker
-from services.gateway.tool_parsers import tool_parser
 from services.gateway.validation import (
     MAX_DETOKENIZE_IDS,
     InvalidArgumentError,
@@ -103,14 +98,7 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
         self.allow_runtime_lora_updating = allow_runtime_lora_updating
         self.tokenizer = tokenizer
         self.prompts = PromptTokenizer(tokenizer, chat_template)
-        self.parsers = parsers
-        self.tool_parser = (
-            tool_parser(parsers.tool_call_parser) if parsers.tool_call_parser else None
-        )
-        self.reasoning = (
-            reasoning_parser(parsers.reasoning_parser) if parsers.reasoning_parser else None
-        )
-        self.think_ids = self._think_ids()
+        self.chat = ChatSetup(parsers or ParserSettings(), tokenizer)
         self.schedulers = schedulers
         self.default_max_tokens = default_max_tokens
         self.model: types_pb2.ModelDescription | None = None
@@ -191,13 +179,8 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
         logprobs = validate_count(request, "logprobs", 0, MAX_LOGPROBS, None)
         prompt_logprobs = validate_count(request, "prompt_logprobs", 0, MAX_LOGPROBS, None)
         cache_salt = validate_cache_salt(request.cache_salt)
-        tools = validate_tools(request)
-        if tools is not None and tools.choice == AUTO and self.tool_parser is None:
-            raise InvalidArgumentError(
-                'tool_choice: "auto" tool choice requires --enable-auto-tool-choice and '
-                "--tool-call-parser to be set"
-            )
-        forced = await self._forced_calls(tools)
+        tools = self.chat.tools(request)
+        forced = await self.chat.forced_calls(tools, self.structured)
         if forced is None and request.HasField("structured_output"):
             await self.structured.check(request.structured_output)
         if request.lora_name and request.lora_name not in self.model.lora_adapters:
@@ -211,8 +194,10 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
             end_span(tokenize)
         max_tokens = resolve_max_tokens(request, len(prompt_ids), self.limits)
         stopping = validate_stopping(request.stopping, self.limits, max_tokens)
-        parsing = self._parsing(request, tools, prompt_ids)
-        if parsing is not None and parsing.tool_mode and self._keeps_special_tokens(tools):
+        parsing = self.chat.parsing(
+            request, tools, lambda: self.prompts.decode(prompt_ids, skip_special_tokens=False)
+        )
+        if parsing is not None and parsing.tool_mode and self.chat.keeps_special_tokens(tools):
             stopping = replace(stopping, skip_special_tokens=False)  # as vLLM's hermes
         sampling = replace(
             sampling,
@@ -244,64 +229,6 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
             submit.structured_output.CopyFrom(request.structured_output)
         trace.submitted(submit)
         return PreparedRequest(prompt_ids, stopping, frozenset(stop_ids), n, submit, parsing)
-
-    async def _forced_calls(self, tools: ToolRequest | None):
-        """The grammar of a forced call (tool_choice required or a named function), each
-        function's schema compiled first so that a bad one is named; None: no call forced."""
-        if tools is None or not tools.forced:
-            return None
-        for index, function in enumerate(tools.functions):
-            if function.parameters is None or (
-                tools.choice == FUNCTION and function.name != tools.function
-            ):
-                continue
-            schema = generate_pb2.StructuredOutput(json_schema=json.dumps(function.parameters))
-            try:
-                await self.structured.check(schema)
-            except InvalidArgumentError as exc:
-                raise InvalidArgumentError(
-                    f"tools[{index}].parameters_json does not compile as a JSON schema: {exc}"
-                ) from None
-        try:
-            forced = generate_pb2.StructuredOutput(json_schema=tools.forced_schema())
-        except ValueError as exc:
-            raise InvalidArgumentError(f"tools: {exc}") from None
-        await self.structured.check(forced)
-        return forced
-
-    def _parsing(self, request, tools: ToolRequest | None, prompt_ids) -> ChatParsing | None:
-        """How this request's answers are split (None: they are not)."""
-        if request.WhichOneof("prompt") != "chat":
-            return None
-        auto = self.tool_parser if self.parsers.enable_auto_tool_choice else None
-        # A grammar holds from the first token here (vLLM starts it after the reasoning):
-        # a constrained answer has no reasoning to split off.
-        constrained = request.HasField("structured_output") or (tools and tools.forced)
-        reasoning = None if constrained else self.reasoning
-        parsing = ChatParsing(reasoning, False, tools, auto, self.think_ids)
-        if self.reasoning is None and parsing.tool_mode is None:
-            return None
-        if reasoning is not None:
-            prompt = self.prompts.decode(prompt_ids, skip_special_tokens=False)
-            parsing = replace(parsing, reasoning_ended_in_prompt=reasoning.ends_in(prompt))
-        return parsing
-
-    def _think_ids(self) -> tuple[int, int] | None:
-        """The reasoning tags' token ids (None: no reasoning parser, or a tag that is not
-        one token here)."""
-        if self.reasoning is None:
-            return None
-        vocab = self.tokenizer.get_vocab()
-        ids = (vocab.get(self.reasoning.start), vocab.get(self.reasoning.end))
-        return None if None in ids else ids
-
-    def _keeps_special_tokens(self, tools: ToolRequest | None) -> bool:
-        return (
-            tools is not None
-            and tools.choice != NONE
-            and self.tool_parser is not None
-            and self.tool_parser.keeps_special_tokens
-        )
 
     def _output(self, request_id: str, prepared: PreparedRequest, arrival: float):
         samples = [
