@@ -179,10 +179,12 @@ def _arguments(text: str):
     return value if isinstance(value, dict) else {}
 
 
-def template_messages(chat: generate_pb2.ChatMessages, messages: list[dict], field: str):
+def template_messages(
+    chat: generate_pb2.ChatMessages, messages: list[dict], field: str, answers: bool = True
+):
     """`messages` (role and content, already checked) with each assistant turn's calls and
-    each tool turn's call id, as chat templates take them; every tool turn must answer a
-    call made before it."""
+    each tool turn's call id, as chat templates take them; with `answers`, every tool turn
+    must answer a call made before it (Tokenize renders any conversation, as vLLM's)."""
     called: set[str] = set()
     for index, (message, out) in enumerate(zip(chat.messages, messages, strict=True)):
         where = f"{field}.messages[{index}]"
@@ -204,12 +206,13 @@ def template_messages(chat: generate_pb2.ChatMessages, messages: list[dict], fie
         if calls:
             out["tool_calls"] = calls
         if message.role == "tool":
-            if message.tool_call_id not in called:
+            if answers and message.tool_call_id not in called:
                 raise InvalidArgumentError(
                     f"{where}.tool_call_id {message.tool_call_id!r} does not answer an "
                     "earlier assistant tool call"
                 )
-            out["tool_call_id"] = message.tool_call_id
+            if message.tool_call_id:
+                out["tool_call_id"] = message.tool_call_id
         elif message.tool_call_id:
             raise InvalidArgumentError(f"{where}.tool_call_id is only allowed on tool turns")
     return messages

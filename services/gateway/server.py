@@ -155,9 +155,14 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
         return ids
 
     async def _render_chat(
-        self, chat: generate_pb2.ChatMessages, field: str, tools: ToolRequest | None = None
+        self,
+        chat: generate_pb2.ChatMessages,
+        field: str,
+        tools: ToolRequest | None = None,
+        answers: bool = True,
     ) -> list[int]:
-        messages = template_messages(chat, validate_chat(chat, field), field)
+        """`answers`: every tool turn must answer an earlier call (Generate's rule)."""
+        messages = template_messages(chat, validate_chat(chat, field), field, answers)
         go_on = chat.continue_final_message
         add_prompt = (
             chat.add_generation_prompt if chat.HasField("add_generation_prompt") else not go_on
@@ -347,7 +352,7 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
                 )
                 ids = await self._encode(request.text, add_special)
             else:
-                ids = await self._render_chat(request.chat, "chat")
+                ids = await self._render_chat(request.chat, "chat", answers=False)
         except InvalidArgumentError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return generate_pb2.TokenizeResponse(

@@ -245,3 +245,25 @@ def test_reasoning_then_calls_from_the_content():
     only_thinking = run(ChatParsing(reasoning=reasoning_parser("qwen3")), ["hmm ", "..."])
     assert joined(only_thinking)[:2] == ("", "hmm ...")
     assert only_thinking[-1].parsed.reasoning_content == "hmm ..."
+
+
+def test_gateway_flags_are_checked(tmp_path):
+    from services.gateway.config import GatewayConfig
+
+    def config(**kwargs):
+        return GatewayConfig(model="m", **kwargs)
+
+    with pytest.raises(ValueError, match="enable_auto_tool_choice requires tool_call_parser"):
+        config(enable_auto_tool_choice=True)
+    with pytest.raises(ValueError, match="tool_call_parser.*hermes"):
+        config(tool_call_parser="nope")
+    with pytest.raises(ValueError, match="reasoning_parser.*deepseek_r1"):
+        config(reasoning_parser="r2")
+    with pytest.raises(ValueError, match="neither a file nor a template"):
+        config(chat_template="missing.jinja")
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0].content }}")
+    assert config(chat_template=str(template)).resolved_chat_template == template.read_text()
+    assert config(chat_template="{{ 'x' }}").resolved_chat_template == "{{ 'x' }}"
+    flags = config(enable_auto_tool_choice=True, tool_call_parser="qwen3_json")
+    assert flags.reasoning_parser == "" and flags.resolved_chat_template is None
