@@ -5,7 +5,9 @@ with the model's choices driven so that the calls are real: in `auto`, a regex
 (`structured_outputs`) makes the model write Hermes calls; for `required` and a named
 function the servers' own grammars do, with a `logit_bias` that keeps whitespace out
 (a random model fills any-whitespace JSON with it) and closed enum schemas (a random
-model's free strings never end). Each runs streamed and not.
+model's free strings never end). With a reasoning parser both servers start a grammar
+after `</think>`; a logit_bias on it closes the reasoning at once. Each runs streamed and
+not.
 
 A streamed answer is assembled (content, reasoning and each call's arguments
 concatenated; which pieces carried id, type and name) before comparing. Answers are
@@ -153,6 +155,28 @@ def cases(no_whitespace: dict[str, float], think_end: int) -> list[Case]:
         Case(
             "reasoning_then_content",
             {"messages": ASK, "max_tokens": 24, "logit_bias": {str(think_end): 7.0}},
+            reasoning=True,
+        ),
+        Case(
+            "reasoning_then_named_call",
+            {
+                "messages": ASK,
+                "tools": TOOLS,
+                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                **forced,
+                "logit_bias": {**no_whitespace, str(think_end): 100.0},
+            },
+            reasoning=True,
+        ),
+        Case(
+            "reasoning_then_auto_call",
+            {
+                "messages": ASK,
+                "tools": TOOLS,
+                "structured_outputs": {"regex": CALL_WEATHER},
+                "logit_bias": {str(think_end): 100.0},
+                **long,
+            },
             reasoning=True,
         ),
         Case(

@@ -141,7 +141,7 @@ class ChatOutput:
     def parse(self, reason: int) -> generate_pb2.ParsedMessage:
         """The whole answer, as vLLM's non-streaming answer gives it."""
         reasoning, content = None, self.text
-        if self.parsing.reasoning is not None:
+        if self.parsing.reasoning is not None and not self.parsing.reasoning_ended_in_prompt:
             split = self.parsing.reasoning.split(self.text)
             reasoning, content = split.reasoning, split.content
         mode, tools = self.parsing.tool_mode, self.parsing.tools

@@ -1,7 +1,8 @@
 """What the gateway's parser flags make of one chat request: its tools checked against
 them (tool_choice auto needs `--tool-call-parser`), the grammar that forces a call
 (each function's schema compiled first, so a bad one is named), how its answers are split
-(`ChatParsing`), and whether special tokens stay in the text. No grpc: the servicer calls
+(`ChatParsing`), the grammar starting after the reasoning, and whether special tokens stay
+in the text. No grpc: the servicer calls
 it while it prepares a request."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from common.pb.tandem.v1 import generate_pb2
 from services.gateway.chat_output import ChatParsing, ParserSettings
 from services.gateway.chat_tools import AUTO, FUNCTION, NONE, ToolRequest, validate_tools
 from services.gateway.reasoning_parsers import reasoning_parser
+from services.gateway.reasoning_parsers.grammar import after_reasoning
 from services.gateway.tool_parsers import tool_parser
 from services.gateway.validation import InvalidArgumentError
 
@@ -72,16 +74,23 @@ class ChatSetup:
         if request.WhichOneof("prompt") != "chat":
             return None
         auto = self.tool_parser if self.settings.enable_auto_tool_choice else None
-        # A grammar holds from the first token here (vLLM starts it after the reasoning):
-        # a constrained answer has no reasoning to split off.
-        constrained = request.HasField("structured_output") or (tools and tools.forced)
-        reasoning = None if constrained else self.reasoning
-        parsing = ChatParsing(reasoning, False, tools, auto, self.think_ids)
+        parsing = ChatParsing(self.reasoning, False, tools, auto, self.think_ids)
         if self.reasoning is None and parsing.tool_mode is None:
             return None
-        if reasoning is not None:
-            parsing = replace(parsing, reasoning_ended_in_prompt=reasoning.ends_in(decode_prompt()))
+        if self.reasoning is not None:
+            ended = self.reasoning.ends_in(decode_prompt())
+            parsing = replace(parsing, reasoning_ended_in_prompt=ended)
         return parsing
+
+    def constraint(self, given, parsing: ChatParsing | None):
+        """The grammar a request's samples follow: `given` (a forced call's, or the
+        request's structured_output; None: none), starting after the reasoning when the
+        answer begins with reasoning (as vLLM starts it)."""
+        if given is None or parsing is None or parsing.reasoning is None:
+            return given
+        if parsing.reasoning_ended_in_prompt:
+            return given
+        return after_reasoning(given, parsing.reasoning.end)
 
     def keeps_special_tokens(self, tools: ToolRequest | None) -> bool:
         """Whether the answer's special tokens stay in its text (vLLM's hermes: a call's

@@ -204,6 +204,12 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
         )
         if parsing is not None and parsing.tool_mode and self.chat.keeps_special_tokens(tools):
             stopping = replace(stopping, skip_special_tokens=False)  # as vLLM's hermes
+        given = forced or (
+            request.structured_output if request.HasField("structured_output") else None
+        )
+        constraint = self.chat.constraint(given, parsing)
+        if constraint is not given:  # after the reasoning: a structural tag, checked too
+            await self.structured.check(constraint)
         sampling = replace(
             sampling,
             min_tokens=stopping.min_tokens,
@@ -228,10 +234,8 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
         )
         if beam is not None:
             submit.beam_search.CopyFrom(beam)
-        if forced is not None:  # the forced calls' grammar replaces any other
-            submit.structured_output.CopyFrom(forced)
-        elif request.HasField("structured_output"):  # the public message, as it came
-            submit.structured_output.CopyFrom(request.structured_output)
+        if constraint is not None:  # a forced call's replaces the request's own
+            submit.structured_output.CopyFrom(constraint)
         trace.submitted(submit)
         return PreparedRequest(prompt_ids, stopping, frozenset(stop_ids), n, submit, parsing)
 

@@ -5,7 +5,11 @@ hermes --reasoning-parser deepseek_r1`. Called with the official `openai` client
 streamed and not), over gRPC, and by an OpenAI Agents SDK agent running a two-step tool
 loop. Calls are real: the worker's xgrammar grammar forces them (tool_choice required or
 named, or a regex in auto), and their arguments must validate against the function's
-schema. Bad input is a 400 naming the field (INVALID_ARGUMENT over gRPC)."""
+schema. With the reasoning parser the grammar starts after `</think>` (as in vLLM): a
+logit_bias on `</think>` makes the random model close its reasoning at once (and one
+against whitespace-only tokens keeps it from filling the JSON with them: a structural tag's
+JSON allows any whitespace). Bad input is a 400 naming the field (INVALID_ARGUMENT over
+gRPC)."""
 
 from __future__ import annotations
 
@@ -56,8 +60,29 @@ FLAGS = (
 
 
 @pytest.fixture(scope="module")
-def stack(module_stacks, tmp_path_factory):
-    model = build_tool_checkpoint(tmp_path_factory.mktemp("ckpt") / MODEL)
+def model(tmp_path_factory):
+    return build_tool_checkpoint(tmp_path_factory.mktemp("ckpt") / MODEL)
+
+
+@pytest.fixture(scope="module")
+def think_end(model) -> int:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model)).convert_tokens_to_ids("</think>")
+
+
+@pytest.fixture(scope="module")
+def steer(model, think_end) -> dict[int, float]:
+    """The logit_bias the constrained requests carry: `</think>` first, no whitespace."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    blank = [i for i in range(len(tokenizer)) if not tokenizer.decode([i]).strip()]
+    return {think_end: 100.0} | {i: -100.0 for i in blank if i not in tokenizer.all_special_ids}
+
+
+@pytest.fixture(scope="module")
+def stack(module_stacks, model):
     return module_stacks(
         model, name="tools", prefill=0, decode=0, both=1, http=True,
         extra_args={"gateway": FLAGS},
@@ -65,15 +90,20 @@ def stack(module_stacks, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(
+def client(stack, steer):
+    client = openai.OpenAI(
         base_url=f"http://{stack.spec.http_address}/v1", api_key="unused", max_retries=0,
         timeout=120,
     )  # fmt: skip
+    client.steer = {str(k): v for k, v in steer.items()}
+    return client
 
 
 def chat(client, stream=False, **kwargs):
+    """A greedy chat answer, steered (reasoning closed at once, no whitespace) unless
+    `logit_bias` is given."""
     body = {"model": MODEL, "messages": ASK, "temperature": 0, "max_tokens": 96, **kwargs}
+    body.setdefault("logit_bias", client.steer)
     return client.chat.completions.create(stream=stream, **body)
 
 
@@ -123,7 +153,9 @@ def test_required_whole_and_streamed(client):
         check_weather_args(call.function.arguments)
     out, calls = assembled(chat(client, True, **asked))
     assert out == {"content": "", "finish_reason": "tool_calls"}
-    assert calls == {0: {"name": call.function.name, "arguments": call.function.arguments}}
+    assert list(calls) == [0] and calls[0]["name"] == call.function.name
+    # streamed as written, whole re-serialized (both as vLLM)
+    assert json.loads(calls[0]["arguments"]) == json.loads(call.function.arguments)
 
 
 def test_auto_parses_hermes_calls(client):
@@ -163,10 +195,10 @@ def test_history_with_a_tool_result_renders_through_the_template(client):
 
 
 def test_reasoning_is_split_off_whole_and_streamed(client, stack):
-    whole = chat(client, messages=ASK, max_tokens=12).choices[0]
+    whole = chat(client, messages=ASK, max_tokens=12, logit_bias={}).choices[0]
     reasoning = whole.message.model_extra["reasoning"]
     assert reasoning and whole.message.content is None  # no </think>: all reasoning
-    stream = chat(client, True, messages=ASK, max_tokens=12)
+    stream = chat(client, True, messages=ASK, max_tokens=12, logit_bias={})
     pieces = [c.choices[0].delta.model_extra.get("reasoning") or "" for c in stream if c.choices]
     assert "".join(pieces) == reasoning
     with grpc.insecure_channel(stack.spec.gateway_address) as channel:
@@ -179,10 +211,11 @@ def test_reasoning_is_split_off_whole_and_streamed(client, stack):
     assert messages[-1].parsed.reasoning_content == reasoning
 
 
-def test_grpc_generate_carries_the_calls(stack):
+def test_grpc_generate_carries_the_calls(stack, steer):
     request = generate_pb2.GenerateRequest(max_tokens=96)
     request.chat.messages.add(role="user", content="Weather?")
     request.sampling.temperature = 0
+    request.sampling.logit_bias.update(steer)
     request.tools.add(name="get_weather", parameters_json=json.dumps(WEATHER_SCHEMA))
     request.tool_choice.function_name = "get_weather"
     with grpc.insecure_channel(stack.spec.gateway_address) as channel:
@@ -251,7 +284,7 @@ def test_auto_needs_the_gateway_flag(api_stack):
     assert error["message"].startswith("tool_choice")
 
 
-def test_an_agent_runs_a_two_step_tool_loop(stack):
+def test_an_agent_runs_a_two_step_tool_loop(stack, steer):
     """OpenAI Agents SDK on chat completions: the first turn must call the tool (required);
     the SDK runs it, sends the result back and resets tool_choice to auto; the second turn
     answers in text (a regex makes the random model's text short) and the run ends."""
@@ -286,7 +319,10 @@ def test_an_agent_runs_a_two_step_tool_loop(stack):
             parallel_tool_calls=False,
             temperature=0,
             max_tokens=96,
-            extra_body={"structured_outputs": {"regex": "It is sunny\\."}},
+            extra_body={
+                "structured_outputs": {"regex": "It is sunny\\."},
+                "logit_bias": {str(k): v for k, v in steer.items()},
+            },
         ),
     )
     result = Runner.run_sync(agent, "Weather in Paris?", max_turns=3)

@@ -267,3 +267,38 @@ def test_gateway_flags_are_checked(tmp_path):
     assert config(chat_template="{{ 'x' }}").resolved_chat_template == "{{ 'x' }}"
     flags = config(enable_auto_tool_choice=True, tool_call_parser="qwen3_json")
     assert flags.reasoning_parser == "" and flags.resolved_chat_template is None
+
+
+@pytest.mark.parametrize(
+    ("constraint", "answer"),
+    [
+        (generate_pb2.StructuredOutput(json_schema=json.dumps(SCHEMA)), '{"city": "Oslo"}'),
+        (generate_pb2.StructuredOutput(json_object=True), "{}"),
+        (generate_pb2.StructuredOutput(regex="(yes|no)"), "no"),
+        (generate_pb2.StructuredOutput(grammar='root ::= "a" "b"'), "ab"),
+        (generate_pb2.StructuredOutput(choice=generate_pb2.Choices(choices=["x", "y"])), "y"),
+    ],
+)
+def test_a_constraint_starts_after_the_reasoning(tiny_llama_dir, constraint, answer):
+    """vLLM applies a grammar once the reasoning ended: free text up to `</think>`, then
+    the constraint (an xgrammar structural tag, compiled and run by xgrammar here)."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from common.grammar_cache import GrammarCache
+    from common.structured_output import constraint_from_pb
+    from services.gateway.reasoning_parsers.grammar import after_reasoning
+
+    wrapped = after_reasoning(constraint, "</think>")
+    assert wrapped.WhichOneof("constraint") == "structural_tag"
+    assert after_reasoning(wrapped, "</think>") is wrapped  # a structural tag stays as it is
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    cache = GrammarCache(tokenizer, len(tokenizer))
+
+    def accepts(text: str) -> bool:
+        matcher = xgr.GrammarMatcher(cache.compile(constraint_from_pb(wrapped)))
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return all(matcher.accept_token(i) for i in ids) and matcher.is_completed()
+
+    assert accepts("I think {so} </think>" + answer)
+    assert not accepts("no end tag " + answer)

@@ -140,3 +140,10 @@ def test_an_end_of_sequence_stop_has_no_stop_reason():
     assert eos.choices[0].stop_reason is None and asked.choices[0].stop_reason == 2
     chunks = ChatChunks(Meta("x", 1, "m", frozenset({2})), 1, False, False)
     assert chunks.chunk(stop)["choices"][0]["stop_reason"] is None
+
+
+def test_vllms_structural_tag_extra_reaches_the_request():
+    tag = {"type": "structural_tag", "format": {"type": "const_string", "value": "hi"}}
+    for value in (tag, json.dumps(tag)):
+        request = parse_chat({"messages": ASK, "structured_outputs": {"structural_tag": value}})
+        assert json.loads(request.request.structured_output.structural_tag) == tag
