@@ -130,19 +130,24 @@ def _function(tool: generate_pb2.Tool, field: str) -> Function:
     )
 
 
-def validate_tools(request: generate_pb2.GenerateRequest) -> ToolRequest | None:
-    """The request's tools and tool choice (None: no tools, no choice but none)."""
-    if len(request.tools) > MAX_TOOLS:
-        raise InvalidArgumentError(
-            f"tools must hold at most {MAX_TOOLS} tools, got {len(request.tools)}"
-        )
+def validate_functions(tools) -> tuple[Function, ...]:
+    """The functions of a `tools` field, checked."""
+    if len(tools) > MAX_TOOLS:
+        raise InvalidArgumentError(f"tools must hold at most {MAX_TOOLS} tools, got {len(tools)}")
     functions, names = [], set()
-    for index, tool in enumerate(request.tools):
+    for index, tool in enumerate(tools):
         function = _function(tool, f"tools[{index}]")
         if function.name in names:
             raise InvalidArgumentError(f"tools[{index}].name {function.name!r} is given twice")
         names.add(function.name)
         functions.append(function)
+    return tuple(functions)
+
+
+def validate_tools(request: generate_pb2.GenerateRequest) -> ToolRequest | None:
+    """The request's tools and tool choice (None: no tools, no choice but none)."""
+    functions = validate_functions(request.tools)
+    names = {f.name for f in functions}
     which = request.tool_choice.WhichOneof("choice")
     name = request.tool_choice.function_name if which == "function_name" else None
     if which == "function_name":
@@ -166,7 +171,7 @@ def validate_tools(request: generate_pb2.GenerateRequest) -> ToolRequest | None:
     if not functions:
         return None
     parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
-    return ToolRequest(tuple(functions), choice, name, parallel)
+    return ToolRequest(functions, choice, name, parallel)
 
 
 def _arguments(text: str):

@@ -31,10 +31,7 @@ from common.tracing import end_span, span_trace_id
 from services.gateway.beam_check import check_beam_counts, validate_beam_search
 from services.gateway.chat_output import ChatParsing, ParserSettings
 from services.gateway.chat_setup import ChatSetup
-from services.gateway.chat_tools import (
-    ToolRequest,
-    template_messages,
-)
+from services.gateway.chat_tools import NONE, ToolRequest, template_messages, validate_functions
 from services.gateway.lora_rpcs import LoraRpcs
 from services.gateway.metrics import GatewayMetrics, rejected
 from services.gateway.output import RequestOutput, SampleOutput
@@ -350,13 +347,17 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
             if which is None:
                 raise InvalidArgumentError("input is required: set text or chat")
             if which == "text":
+                if request.tools:
+                    raise InvalidArgumentError("tools need chat (the chat template renders them)")
                 validate_text(request.text, "text", allow_empty=True)
                 add_special = (
                     request.add_special_tokens if request.HasField("add_special_tokens") else True
                 )
                 ids = await self._encode(request.text, add_special)
             else:
-                ids = await self._render_chat(request.chat, "chat", answers=False)
+                functions = validate_functions(request.tools)
+                tools = ToolRequest(functions, NONE) if functions else None
+                ids = await self._render_chat(request.chat, "chat", tools, answers=False)
         except InvalidArgumentError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return generate_pb2.TokenizeResponse(

@@ -123,7 +123,7 @@ async def _chat_prompt_ids(
     template path renders it for `Tokenize` as for `Generate`)."""
     if not parsed.options.return_token_ids:
         return None
-    request = generate_pb2.TokenizeRequest(chat=parsed.request.chat)
+    request = generate_pb2.TokenizeRequest(chat=parsed.request.chat, tools=parsed.request.tools)
     return list((await gateway.tokenize(request, metadata)).token_ids)
 
 

@@ -99,16 +99,6 @@ def read_chat_options(fields: Fields, chat: generate_pb2.ChatMessages) -> None:
     chat.continue_final_message = continue_final
 
 
-def refuse_tool_list(fields: Fields) -> None:
-    if fields.list("tools"):
-        raise ApiError(
-            "tools are not supported here (chat completions take them)",
-            400,
-            "tools",
-            "unsupported_parameter",
-        )
-
-
 def refuse_functions(fields: Fields) -> None:
     """OpenAI's deprecated `functions` / `function_call` (vLLM has none either)."""
     unsupported(fields, "functions", "use tools and tool_choice")

@@ -96,8 +96,8 @@ def _choice(value, names: list[str], request: generate_pb2.GenerateRequest) -> N
     request.tool_choice.function_name = name
 
 
-def read_tools(fields: Fields, request: generate_pb2.GenerateRequest) -> None:
-    """`tools`, `tool_choice` and `parallel_tool_calls` into `request`."""
+def read_tool_list(fields: Fields, out) -> list[str]:
+    """`tools` into `out` (a repeated Tool field); their names."""
     tools = fields.list("tools")
     if tools is not None and not tools:
         raise invalid(
@@ -105,13 +105,19 @@ def read_tools(fields: Fields, request: generate_pb2.GenerateRequest) -> None:
             "`tools` must not be an empty array. Either provide at least one tool or omit "
             "the field entirely.",
         )
-    request.tools.extend(_tool(tool, i) for i, tool in enumerate(tools or []))
-    names = [tool.name for tool in request.tools]
+    out.extend(_tool(tool, i) for i, tool in enumerate(tools or []))
+    names = [tool.name for tool in out]
     seen = set()
     for index, name in enumerate(names):
         if name in seen:
             raise invalid(f"tools[{index}].function.name", f"{name!r} is given twice")
         seen.add(name)
+    return names
+
+
+def read_tools(fields: Fields, request: generate_pb2.GenerateRequest) -> None:
+    """`tools`, `tool_choice` and `parallel_tool_calls` into `request`."""
+    names = read_tool_list(fields, request.tools)
     choice = fields.get("tool_choice")
     if choice is not None:
         _choice(choice, names, request)

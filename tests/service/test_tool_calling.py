@@ -330,3 +330,23 @@ def test_an_agent_runs_a_two_step_tool_loop(stack, steer):
     kinds = [item.type for item in result.new_items]
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"]
     assert kinds[-1] == "message_output_item" and result.final_output == "It is sunny."
+
+
+def test_tokenize_and_return_token_ids_render_the_tools(client, stack):
+    """/tokenize with tools and a chat answer's prompt_token_ids are the prompt Generate
+    ran: its usage counts them."""
+    import urllib.request
+
+    body = {"messages": ASK, "tools": [WEATHER]}
+    request = urllib.request.Request(
+        f"http://{stack.spec.http_address}/tokenize",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        tokens = json.loads(reply.read())["tokens"]
+    reply = chat(client, tools=[WEATHER], max_tokens=4, extra_body={"return_token_ids": True})
+    assert reply.model_extra["prompt_token_ids"] == tokens
+    assert reply.usage.prompt_tokens == len(tokens)
+    plain = chat(client, max_tokens=4, extra_body={"return_token_ids": True})
+    assert len(plain.model_extra["prompt_token_ids"]) < len(tokens)
