@@ -111,7 +111,8 @@ class ChatOutput:
         self.token_ids.extend(message.token_ids)
         reasoning, content = "", message.text
         if self.think is not None:
-            reasoning, content = self.think.feed(self.text)
+            final = message.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED
+            reasoning, content = self.think.feed(self.text, final)
         self.content += content
         delta = StreamDelta(content)
         if self.calls is not None and (self.content or message.finish_reason):

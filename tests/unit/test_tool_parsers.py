@@ -187,6 +187,15 @@ def test_qwen3_ends_reasoning_at_a_tool_call_and_a_closed_prompt_starts_in_conte
     assert r1.stream(ended=True).feed("all content") == ("", "all content")
 
 
+def test_a_held_back_tail_is_released_when_the_output_ends():
+    s = reasoning_parser("deepseek_r1").stream()
+    assert s.feed("ends with </th") == ("ends with ", "")
+    assert s.feed("ends with </th", final=True) == ("</th", "")
+    opening = reasoning_parser("qwen3").stream()
+    assert opening.feed("<thi") == ("", "")
+    assert opening.feed("<thi", final=True) == ("<thi", "")
+
+
 def test_unknown_parser_names_list_the_known_ones():
     with pytest.raises(ValueError, match="hermes"):
         tool_parser("nope")

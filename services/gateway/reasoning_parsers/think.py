@@ -3,7 +3,8 @@ runs until `</think>` and what follows is content; an opening `<think>` is dropp
 its absence changes nothing (DeepSeek-R1's template opens the block in the prompt). An
 output that never closes the block is all reasoning. `qwen3` also ends reasoning where a
 `<tool_call>` starts (Qwen3 may call a tool straight from its thinking). Streamed, a
-tail that may be the start of a tag is held back until it is known. Pure."""
+tail that may be the start of a tag is held back until it is known (or the output ends).
+Pure."""
 
 from __future__ import annotations
 
@@ -65,18 +66,19 @@ class ThinkStream:
         self.content_from: int | None = 0 if ended else None
         self.content_sent = 0
 
-    def feed(self, text: str) -> tuple[str, str]:
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        """`final`: the output ended, so nothing is held back."""
         if self.content_from is not None:
             piece, self.content_sent = text[self.content_sent :], len(text)
             return "", piece
         head = len(self.fmt.start) if text.startswith(self.fmt.start) else 0
-        if not head and self.fmt.start.startswith(text):
+        if not head and self.fmt.start.startswith(text) and not final:
             return "", ""  # may still become the opening tag
         body = text[head:]
         cut, skip = self.fmt.reasoning_end(body)
         if cut < 0:
             markers = (self.fmt.end, *self.fmt.implicit_ends)
-            held = max(tag_overlap(body, m) for m in markers)
+            held = 0 if final else max(tag_overlap(body, m) for m in markers)
             end = len(body) - held
             piece = body[self.reasoning_sent : end] if end > self.reasoning_sent else ""
             self.reasoning_sent = max(self.reasoning_sent, end)
