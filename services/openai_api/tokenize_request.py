@@ -53,7 +53,7 @@ def _read_chat(fields: Fields, request: generate_pb2.TokenizeRequest) -> None:
         )
     if kwargs:
         raise _unsupported_value("chat_template_kwargs", "template arguments are not supported")
-    read_tool_list(fields, request.tools)
+    read_tool_list(fields, request.tools, allow_empty=True)
 
 
 def parse_tokenize(body) -> TokenizeCall:

@@ -96,10 +96,11 @@ def _choice(value, names: list[str], request: generate_pb2.GenerateRequest) -> N
     request.tool_choice.function_name = name
 
 
-def read_tool_list(fields: Fields, out) -> list[str]:
-    """`tools` into `out` (a repeated Tool field); their names."""
+def read_tool_list(fields: Fields, out, allow_empty: bool = False) -> list[str]:
+    """`tools` into `out` (a repeated Tool field); their names. An empty array is a 400
+    unless `allow_empty` (vLLM's /tokenize takes it)."""
     tools = fields.list("tools")
-    if tools is not None and not tools:
+    if tools is not None and not tools and not allow_empty:
         raise invalid(
             "tools",
             "`tools` must not be an empty array. Either provide at least one tool or omit "
