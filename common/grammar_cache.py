@@ -5,7 +5,9 @@ any JSON object, a regex, an EBNF grammar, or a choice among strings. `GrammarCa
 compiles each distinct constraint once for the model's tokenizer (xgrammar's compiler,
 whose own cache keeps the compiled automata) and raises `ConstraintError` naming the
 problem for one it cannot compile. A choice becomes an EBNF alternation of JSON-escaped
-string literals. JSON (schemas and json_object) allows any whitespace, as vLLM's does."""
+string literals. JSON (schemas and json_object) allows any whitespace, as vLLM's does. A
+structural tag (xgrammar's JSON format of sequences, tags, free text and inner grammars)
+compiles as xgrammar reads it."""
 
 from __future__ import annotations
 
@@ -61,6 +63,9 @@ class GrammarCache:
                 return c.compile_regex(constraint.value)
             if constraint.kind == "grammar":
                 return c.compile_grammar(constraint.value)
+            if constraint.kind == "structural_tag":
+                json.loads(constraint.value)
+                return c.compile_structural_tag(constraint.value)
             return c.compile_grammar(choice_grammar(json.loads(constraint.value)))
         except (RuntimeError, ValueError, TypeError) as exc:
             raise ConstraintError(f"{constraint.kind}: {exc}") from exc

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+KINDS = ("json_schema", "json_object", "regex", "grammar", "choice", "structural_tag")
 
 
 class ConstraintError(ValueError):

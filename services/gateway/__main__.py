@@ -16,6 +16,7 @@ from common.log import get_logger, setup_logging
 from common.metrics import start_metrics_server
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
 from common.retention import RetentionLimits
+from services.gateway.chat_output import ParserSettings
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import rejected
 from services.gateway.schedulers import Schedulers
@@ -41,12 +42,19 @@ async def serve(config: GatewayConfig) -> None:
         max_receive_bytes=parse_size(config.max_request_bytes),
     )
     schedulers = Schedulers(config.scheduler, host.tls, config.router_config)
+    parsers = ParserSettings(
+        tool_call_parser=config.tool_call_parser,
+        enable_auto_tool_choice=config.enable_auto_tool_choice,
+        reasoning_parser=config.reasoning_parser,
+    )
     servicer = GenerateServicer(
         tokenizer,
         schedulers,
         config.default_max_tokens,
         config.allow_runtime_lora_updating,
         RetentionLimits(config.max_kv_retention_s),
+        parsers,
+        config.resolved_chat_template,
     )
     servicer.served_model_names = config.served_model_name
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, host.server)

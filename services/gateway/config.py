@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from common.config import (
     ServiceConfig,
@@ -140,6 +141,30 @@ class GatewayConfig(ServiceConfig):
         "is INVALID_ARGUMENT here, before the scheduler's own check (--max-kv-retention-s)",
         env="TANDEM_MAX_KV_RETENTION_S",
     )
+    enable_auto_tool_choice: bool = setting(
+        False,
+        "vLLM's --enable-auto-tool-choice: parse the calls of requests with tools and "
+        "tool_choice auto (needs --tool-call-parser)",
+        env="TANDEM_ENABLE_AUTO_TOOL_CHOICE",
+    )
+    tool_call_parser: str = setting(
+        "",
+        "vLLM's --tool-call-parser: the format the model writes calls in (hermes, qwen3_json, "
+        "llama3_json, llama4_json, mistral)",
+        env="TANDEM_TOOL_CALL_PARSER",
+    )
+    reasoning_parser: str = setting(
+        "",
+        "vLLM's --reasoning-parser: split <think> reasoning from the content of chat answers "
+        "(deepseek_r1, qwen3)",
+        env="TANDEM_REASONING_PARSER",
+    )
+    chat_template: str = setting(
+        "",
+        "vLLM's --chat-template: a Jinja chat template (a file, or the template itself) used "
+        "instead of the checkpoint's",
+        env="TANDEM_CHAT_TEMPLATE",
+    )
     log_level: str = log_level_setting()
 
     def __post_init__(self) -> None:
@@ -168,12 +193,46 @@ class GatewayConfig(ServiceConfig):
         )
         self._positive("scheduler_health_interval_s", "scheduler_ready_timeout_s")
         self._at_least(1, "default_max_tokens")
+        self._check_parsers()
+        _ = self.resolved_chat_template  # refuses what is neither a file nor a template
         if self.api_key and self.api_key_file:
             raise ValueError("set api_key or api_key_file, not both")
         if self.api_key:
             _check_key(self.api_key, "api_key")
         if self.api_key_file:
             _check_key(read_key_file(self.api_key_file), f"the key in {self.api_key_file!r}")
+
+    def _check_parsers(self) -> None:
+        from services.gateway.reasoning_parsers import REASONING_PARSERS
+        from services.gateway.tool_parsers import TOOL_PARSERS
+
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("enable_auto_tool_choice requires tool_call_parser")
+        for key, known in (
+            ("tool_call_parser", TOOL_PARSERS),
+            ("reasoning_parser", REASONING_PARSERS),
+        ):
+            value = getattr(self, key)
+            self._require(
+                not value or value in known,
+                key,
+                f"must be one of {', '.join(sorted(known))}",
+            )
+
+    @property
+    def resolved_chat_template(self) -> str | None:
+        """The --chat-template's text (a file's content, or the value itself when it is no
+        file but looks like a template); None: the checkpoint's."""
+        if not self.chat_template:
+            return None
+        path = Path(self.chat_template)
+        if path.is_file():
+            return path.read_text()
+        if not any(mark in self.chat_template for mark in ("{{", "{%")):
+            raise ValueError(
+                f"chat_template: {self.chat_template!r} is neither a file nor a template"
+            )
+        return self.chat_template
 
     @property
     def router_config(self) -> RouterConfig:

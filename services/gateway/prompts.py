@@ -17,13 +17,15 @@ LARGE_INPUT_CHARS = 64 * 1024
 
 
 class PromptTokenizer:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, chat_template: str | None = None) -> None:
+        """`chat_template`: used instead of the checkpoint's (vLLM's --chat-template)."""
         self.tokenizer = tokenizer
+        self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
         self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self.tokenizer, "chat_template", None))
+        return bool(self.chat_template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
@@ -34,8 +36,10 @@ class PromptTokenizer:
         add_generation_prompt: bool,
         field: str,
         continue_final_message: bool = False,
+        tools: list[dict] | None = None,
     ) -> list[int]:
-        """Token ids of the conversation, exactly as transformers' apply_chat_template."""
+        """Token ids of the conversation, exactly as transformers' apply_chat_template
+        (`tools`: the functions the template lists, as vLLM passes them)."""
         if not self.has_chat_template:
             raise InvalidArgumentError(
                 f"{field} needs a chat template, and this model's tokenizer has none: "
@@ -46,6 +50,8 @@ class PromptTokenizer:
                 messages,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                tools=tools,
+                chat_template=self.chat_template,
                 tokenize=False,
             )
         except Exception as exc:  # jinja2 errors, raise_exception() in templates

@@ -7,7 +7,8 @@ the request in the scheduler, which frees its blocks. A sample that ends on a st
 (found here) is aborted in the scheduler at once. Every request travels on the gateway's
 one session stream to its scheduler (`scheduler_session.py`); with several schedulers,
 `schedulers.py` picks one per request, and a request that fails with UNAVAILABLE before
-anything reached its client is sent once more, to another healthy scheduler.
+anything reached its client is sent once more, to another healthy scheduler. Chat answers
+with tools or a reasoning parser are split per sample (`chat_setup.py`, `chat_output.py`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from common.sampling import MAX_LOGPROBS, MAX_SAMPLES, SamplingParams
 from common.sampling_pb import ROLE_FROM_PB, sampling_to_pb
 from common.tracing import end_span, span_trace_id
 from services.gateway.beam_check import check_beam_counts, validate_beam_search
+from services.gateway.chat_output import ChatParsing, ParserSettings
+from services.gateway.chat_setup import ChatSetup
+from services.gateway.chat_tools import NONE, ToolRequest, template_messages, validate_functions
 from services.gateway.lora_rpcs import LoraRpcs
 from services.gateway.metrics import GatewayMetrics, rejected
 from services.gateway.output import RequestOutput, SampleOutput
@@ -67,6 +71,7 @@ class PreparedRequest:
     stop_token_ids: frozenset[int]
     n: int
     submit: scheduler_pb2.SubmitRequest
+    parsing: ChatParsing | None = None  # how each sample's answer is split
 
 
 def _ended_by(exc: BaseException, context) -> str:
@@ -87,10 +92,13 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
         default_max_tokens: int,
         allow_runtime_lora_updating: bool = False,
         retention: RetentionLimits = RetentionLimits(),  # noqa: B008 (frozen)
+        parsers: ParserSettings | None = None,
+        chat_template: str | None = None,
     ) -> None:
         self.allow_runtime_lora_updating = allow_runtime_lora_updating
         self.tokenizer = tokenizer
-        self.prompts = PromptTokenizer(tokenizer)
+        self.prompts = PromptTokenizer(tokenizer, chat_template)
+        self.chat = ChatSetup(parsers or ParserSettings(), tokenizer)
         self.schedulers = schedulers
         self.default_max_tokens = default_max_tokens
         self.retention = retention  # kv_retention_s's limit
@@ -132,7 +140,9 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
             return await asyncio.to_thread(self.prompts.encode, text, add_special_tokens)
         return self.prompts.encode(text, add_special_tokens)
 
-    async def _prompt_ids(self, request: generate_pb2.GenerateRequest) -> list[int]:
+    async def _prompt_ids(
+        self, request: generate_pb2.GenerateRequest, tools: ToolRequest | None = None
+    ) -> list[int]:
         which = check_prompt_field(request)
         if which == "text":
             validate_text(request.text, "prompt.text")
@@ -140,18 +150,25 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
         elif which == "token_ids":
             ids, field = list(request.token_ids.ids), "prompt.token_ids.ids"
         else:
-            ids = await self._render_chat(request.chat, "prompt.chat")
+            ids = await self._render_chat(request.chat, "prompt.chat", tools)
             field = "prompt.chat (rendered)"
         validate_prompt_ids(ids, self.limits, field)
         return ids
 
-    async def _render_chat(self, chat: generate_pb2.ChatMessages, field: str) -> list[int]:
-        messages = validate_chat(chat, field)
+    async def _render_chat(
+        self,
+        chat: generate_pb2.ChatMessages,
+        field: str,
+        tools: ToolRequest | None = None,
+        answers: bool = True,
+    ) -> list[int]:
+        """`answers`: every tool turn must answer an earlier call (Generate's rule)."""
+        messages = template_messages(chat, validate_chat(chat, field), field, answers)
         go_on = chat.continue_final_message
         add_prompt = (
             chat.add_generation_prompt if chat.HasField("add_generation_prompt") else not go_on
         )
-        args = (messages, add_prompt, field, go_on)
+        args = (messages, add_prompt, field, go_on, tools.template_tools() if tools else None)
         if sum(len(m["content"]) for m in messages) > LARGE_INPUT_CHARS:
             # Rendering and tokenizing megabytes would stall every other call on the loop.
             return await asyncio.to_thread(self.prompts.render_chat, *args)
@@ -169,7 +186,9 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
         prompt_logprobs = validate_count(request, "prompt_logprobs", 0, MAX_LOGPROBS, None)
         cache_salt = validate_cache_salt(request.cache_salt)
         kv_retention_s = validate_retention(request, self.retention)
-        if request.HasField("structured_output"):
+        tools = self.chat.tools(request)
+        forced = await self.chat.forced_calls(tools, self.structured)
+        if forced is None and request.HasField("structured_output"):
             await self.structured.check(request.structured_output)
         if request.lora_name and request.lora_name not in self.model.lora_adapters:
             with contextlib.suppress(grpc.aio.AioRpcError):  # the scheduler answers below
@@ -177,11 +196,22 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
         lora_name = validate_lora_name(request.lora_name, list(self.model.lora_adapters))
         tokenize = trace.tokenize_span()
         try:
-            prompt_ids = await self._prompt_ids(request)
+            prompt_ids = await self._prompt_ids(request, tools)
         finally:
             end_span(tokenize)
         max_tokens = resolve_max_tokens(request, len(prompt_ids), self.limits)
         stopping = validate_stopping(request.stopping, self.limits, max_tokens)
+        parsing = self.chat.parsing(
+            request, tools, lambda: self.prompts.decode(prompt_ids, skip_special_tokens=False)
+        )
+        if parsing is not None and parsing.tool_mode and self.chat.keeps_special_tokens(tools):
+            stopping = replace(stopping, skip_special_tokens=False)  # as vLLM's hermes
+        given = forced or (
+            request.structured_output if request.HasField("structured_output") else None
+        )
+        constraint = self.chat.constraint(given, parsing)
+        if constraint is not given:  # after the reasoning: a structural tag, checked too
+            await self.structured.check(constraint)
         sampling = replace(
             sampling,
             min_tokens=stopping.min_tokens,
@@ -207,10 +237,10 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
         )
         if beam is not None:
             submit.beam_search.CopyFrom(beam)
-        if request.HasField("structured_output"):  # the public message, as it came
-            submit.structured_output.CopyFrom(request.structured_output)
+        if constraint is not None:  # a forced call's replaces the request's own
+            submit.structured_output.CopyFrom(constraint)
         trace.submitted(submit)
-        return PreparedRequest(prompt_ids, stopping, frozenset(stop_ids), n, submit)
+        return PreparedRequest(prompt_ids, stopping, frozenset(stop_ids), n, submit, parsing)
 
     def _output(self, request_id: str, prepared: PreparedRequest, arrival: float):
         samples = [
@@ -268,6 +298,11 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "no scheduler available")
                 tried += (backend,)
                 output = trace.output = self._output(request_id, prepared, arrival)
+                chat = (
+                    [prepared.parsing.sample() for _ in range(prepared.n)]
+                    if (prepared.parsing)
+                    else None
+                )
                 updates = await backend.session.submit(prepared.submit)
                 sent = False
                 try:
@@ -277,6 +312,8 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
                         message = output.consume(update, self.prompts.token_text)
                         if message is None:
                             continue  # a sample that already ended on a stop string
+                        if chat is not None:
+                            chat[message.index].rewrite(message)
                         self.metrics.message(times, previous_last)
                         if output.done:
                             self.metrics.finished(output, message)
@@ -316,13 +353,17 @@ class GenerateServicer(LoraRpcs, generate_pb2_grpc.GenerateServiceServicer):
             if which is None:
                 raise InvalidArgumentError("input is required: set text or chat")
             if which == "text":
+                if request.tools:
+                    raise InvalidArgumentError("tools need chat (the chat template renders them)")
                 validate_text(request.text, "text", allow_empty=True)
                 add_special = (
                     request.add_special_tokens if request.HasField("add_special_tokens") else True
                 )
                 ids = await self._encode(request.text, add_special)
             else:
-                ids = await self._render_chat(request.chat, "chat")
+                functions = validate_functions(request.tools)
+                tools = ToolRequest(functions, NONE) if functions else None
+                ids = await self._render_chat(request.chat, "chat", tools, answers=False)
         except InvalidArgumentError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return generate_pb2.TokenizeResponse(

@@ -17,7 +17,12 @@ from common.json_depth import json_depth
 from common.structured_output import Constraint, ConstraintError, constraint_from_pb
 from services.gateway.validation import InvalidArgumentError
 
-MAX_TEXT_BYTES = {"json_schema": 64 << 10, "regex": 4 << 10, "grammar": 64 << 10}
+MAX_TEXT_BYTES = {
+    "json_schema": 64 << 10,
+    "regex": 4 << 10,
+    "grammar": 64 << 10,
+    "structural_tag": 64 << 10,
+}
 # xgrammar's schema compile grows ~cubically with nesting (50 levels of objects: 50 ms,
 # 100: 0.7 s, 200: 9 s): real schemas nest far less than this many JSON levels.
 MAX_SCHEMA_DEPTH = 64
@@ -37,8 +42,8 @@ def check_limits(message) -> Constraint:
             raise InvalidArgumentError(
                 f"{field} must be 1..{MAX_TEXT_BYTES[kind]} bytes, got {size}"
             )
-        if kind == "json_schema":
-            depth = json_depth(message.json_schema)
+        if kind in ("json_schema", "structural_tag"):
+            depth = json_depth(getattr(message, kind))
             if depth > MAX_SCHEMA_DEPTH:
                 raise InvalidArgumentError(
                     f"{field} must nest at most {MAX_SCHEMA_DEPTH} levels, got {depth}"

@@ -128,8 +128,18 @@ async def _chat_prompt_ids(
     template path renders it for `Tokenize` as for `Generate`)."""
     if not parsed.options.return_token_ids:
         return None
-    request = generate_pb2.TokenizeRequest(chat=parsed.request.chat)
+    request = generate_pb2.TokenizeRequest(chat=parsed.request.chat, tools=parsed.request.tools)
     return list((await gateway.tokenize(request, metadata)).token_ids)
+
+
+async def _eos_ids(
+    gateway: GatewayClient, model: str, requests, metadata: Metadata
+) -> frozenset[int]:
+    """The model's end-of-sequence ids that no request lists in `stop_token_ids`: a stop
+    on one of them has no `stop_reason` (as in vLLM)."""
+    info = await gateway.model_info(model, metadata)
+    listed = {i for r in requests for i in r.stopping.stop_token_ids}
+    return frozenset(info.eos_token_ids) - listed
 
 
 async def _echo(
@@ -184,7 +194,8 @@ def create_app(
         prompt_ids = await while_open(
             request, streams, _completion_prompt_ids(gateway, parsed, credentials(request))
         )
-        meta = Meta(f"cmpl-{streams.request_ids[0]}", created, model)
+        eos = await _eos_ids(gateway, model, parsed.requests, credentials(request))
+        meta = Meta(f"cmpl-{streams.request_ids[0]}", created, model, eos)
         logprobs = parsed.logprobs is not None
         if options.stream:
             chunks = CompletionChunks(
@@ -192,7 +203,9 @@ def create_app(
                 prompt_ids, options.tokens_as_ids,
             )  # fmt: skip
             return _stream_response(streams, completion_chunks(streams, chunks))
-        collected = await until_disconnect(request, collect(streams, Collector(options.n)))
+        collected = await until_disconnect(
+            request, collect(streams, Collector(options.n, meta.eos_ids))
+        )
         echo = await _echo(gateway, parsed, echo_texts, credentials(request))
         body = completion_body(
             meta, collected, echo, logprobs, options.prompt_logprobs is not None,
@@ -210,14 +223,17 @@ def create_app(
         prompt_ids = await while_open(
             request, streams, _chat_prompt_ids(gateway, parsed, credentials(request))
         )
-        meta = Meta(f"chatcmpl-{streams.request_ids[0]}", created, model)
+        eos = await _eos_ids(gateway, model, [parsed.request], credentials(request))
+        meta = Meta(f"chatcmpl-{streams.request_ids[0]}", created, model, eos)
         if options.stream:
             chunks = ChatChunks(
                 meta, options.n, parsed.logprobs, options.include_usage,
                 prompt_ids, options.tokens_as_ids,
             )  # fmt: skip
             return _stream_response(streams, chat_chunks(streams, chunks))
-        collected = await until_disconnect(request, collect(streams, Collector(options.n)))
+        collected = await until_disconnect(
+            request, collect(streams, Collector(options.n, meta.eos_ids))
+        )
         body = chat_body(
             meta, collected, parsed.logprobs, options.prompt_logprobs is not None,
             prompt_ids, options.tokens_as_ids,

@@ -1,6 +1,7 @@
 """`/v1/chat/completions` JSON body -> one `GenerateRequest` with chat messages (the gateway
 renders the checkpoint's chat template, with `add_generation_prompt` and vLLM's
-`continue_final_message`). Text content only; tools are refused by name. Pure."""
+`continue_final_message`). Text content only; tools, tool calls and tool turns are read by
+`tools_request.py`; the legacy `functions` / `function_call` are refused by name. Pure."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from common.pb.tandem.v1 import generate_pb2
 from services.openai_api.errors import ApiError, invalid
 from services.openai_api.fields import Fields, check_str, json_type
 from services.openai_api.params import Options, read_common, read_max_tokens, unsupported
+from services.openai_api.tools_request import read_tool_call_id, read_tool_calls, read_tools
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 
@@ -52,19 +54,32 @@ def read_content(value, where: str) -> str:
 ROLE_ALIASES = {"developer": "system"}
 
 
-def read_message(value, index: int) -> generate_pb2.ChatMessage:
+def read_message(value, index: int, called: set[str]) -> generate_pb2.ChatMessage:
+    """One turn; `called`: the tool call ids of the turns before it (this one's added)."""
     fields = Fields(value, f"messages[{index}]")
     role = check_str(fields.required("role"), fields.name("role"))
-    content = read_content(fields.required("content"), fields.name("content"))
-    fields.finish()
     # OpenAI's newer clients call the system turn "developer"; chat templates know "system".
-    return generate_pb2.ChatMessage(role=ROLE_ALIASES.get(role, role), content=content)
+    message = generate_pb2.ChatMessage(role=ROLE_ALIASES.get(role, role))
+    if role == "assistant":
+        read_tool_calls(fields, message, called)
+    elif role == "tool":
+        read_tool_call_id(fields, message, called)
+    # An assistant turn that only calls tools may have no content (null or absent).
+    if message.tool_calls:
+        content = fields.get("content")
+        message.content = "" if content is None else read_content(content, fields.name("content"))
+    else:
+        message.content = read_content(fields.required("content"), fields.name("content"))
+    fields.str("name")  # a participant's name: accepted, not shown to the model (as vLLM)
+    fields.finish()
+    return message
 
 
 def read_messages(value) -> list[generate_pb2.ChatMessage]:
     if not isinstance(value, list) or not value:
         raise invalid("messages", "must be a non-empty array of {role, content}", "invalid_type")
-    return [read_message(m, i) for i, m in enumerate(value)]
+    called: set[str] = set()
+    return [read_message(m, i, called) for i, m in enumerate(value)]
 
 
 def read_chat_options(fields: Fields, chat: generate_pb2.ChatMessages) -> None:
@@ -84,25 +99,10 @@ def read_chat_options(fields: Fields, chat: generate_pb2.ChatMessages) -> None:
     chat.continue_final_message = continue_final
 
 
-def refuse_tool_list(fields: Fields) -> None:
-    if fields.list("tools"):
-        raise ApiError(
-            "tools are not supported (no tool calling)", 400, "tools", "unsupported_parameter"
-        )
-
-
-def refuse_tools(fields: Fields) -> None:
-    refuse_tool_list(fields)
-    choice = fields.get("tool_choice")
-    if choice not in (None, "none"):
-        raise ApiError(
-            'tool_choice is not supported (no tool calling); only "none" is accepted',
-            400,
-            "tool_choice",
-            "unsupported_parameter",
-        )
-    unsupported(fields, "functions", "no function calling")
-    unsupported(fields, "function_call", "no function calling")
+def refuse_functions(fields: Fields) -> None:
+    """OpenAI's deprecated `functions` / `function_call` (vLLM has none either)."""
+    unsupported(fields, "functions", "use tools and tool_choice")
+    unsupported(fields, "function_call", "use tools and tool_choice")
 
 
 def parse_chat(body) -> ChatRequest:
@@ -123,6 +123,7 @@ def parse_chat(body) -> ChatRequest:
         raise ApiError("top_logprobs requires logprobs=true", 400, "top_logprobs")
     if logprobs:
         request.logprobs = top_logprobs or 0
-    refuse_tools(fields)
+    read_tools(fields, request)
+    refuse_functions(fields)
     fields.finish()
     return ChatRequest(options, request, logprobs, top_logprobs or 0)

@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from common.pb.tandem.v1 import generate_pb2
+from services.openai_api.chat_message import ROLE, delta_body, message_body, parsed_finish_reason
 from services.openai_api.collect import Collector, Meta, UsageSum, finish_reason, stop_reason
 from services.openai_api.logprobs import chat_logprobs, prompt_logprobs
 
 OBJECT = "chat.completion"
 CHUNK_OBJECT = "chat.completion.chunk"
-ROLE = "assistant"
 
 
 def chat_body(
@@ -30,11 +30,11 @@ def chat_body(
     for choice in collected.sorted_choices():
         body = {
             "index": choice.index,
-            "message": {"role": ROLE, "content": choice.text},
+            "message": message_body(choice.text, choice.parsed),
             "logprobs": (
                 {"content": chat_logprobs(choice.logprobs, tokens_as_ids)} if logprobs else None
             ),
-            "finish_reason": choice.finish_reason,
+            "finish_reason": parsed_finish_reason(choice.parsed, choice.finish_reason),
             "stop_reason": choice.stop_reason,
         }
         if prompt_ids is not None:
@@ -95,15 +95,15 @@ class ChatChunks:
         logprobs = None
         if self.logprobs and response.logprobs:
             logprobs = {"content": chat_logprobs(response.logprobs, self.tokens_as_ids)}
-        has_tokens = bool(response.token_ids)
-        if not response.text and not has_tokens and logprobs is None and reason is None:
+        delta = delta_body(response)
+        if not delta and logprobs is None and reason is None:
             return None
         choice = {
             "index": response.index,
-            "delta": {"content": response.text} if response.text or has_tokens else {},
+            "delta": delta,
             "logprobs": logprobs,
             "finish_reason": reason,
-            "stop_reason": stop_reason(response),
+            "stop_reason": stop_reason(response, self.meta.eos_ids),
         }
         if self.prompt_ids is not None:
             choice["token_ids"] = list(response.token_ids)

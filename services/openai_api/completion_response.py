@@ -129,7 +129,7 @@ class CompletionChunks:
             "text": text,
             "logprobs": logprobs,
             "finish_reason": reason,
-            "stop_reason": stop_reason(response),
+            "stop_reason": stop_reason(response, self.meta.eos_ids),
         }
         if self.prompt_ids is not None:
             if index not in self._started:

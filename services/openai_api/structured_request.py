@@ -1,8 +1,8 @@
 """Structured output on the HTTP front: OpenAI's
 `response_format` (`text`, `json_object`, `json_schema` with `schema` and `strict`) and
 vLLM's `structured_outputs` extra (exactly one of `json`, `regex`, `choice`, `grammar`,
-`json_object`), read into `GenerateRequest.structured_output`. The gateway checks and
-compiles the constraint. Pure."""
+`json_object`, `structural_tag`), read into `GenerateRequest.structured_output`. The
+gateway checks and compiles the constraint. Pure."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from common.pb.tandem.v1 import generate_pb2
 from services.openai_api.errors import ApiError, invalid
 from services.openai_api.fields import Fields
 
-VLLM_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+VLLM_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 def read_structured(fields: Fields, request: generate_pb2.GenerateRequest) -> None:
@@ -65,6 +65,9 @@ def _vllm_extra(fields: Fields, out) -> None:
     if key == "json":
         value = fields.get("json")
         out.json_schema = value if isinstance(value, str) else json.dumps(value)
+    elif key == "structural_tag":
+        value = fields.get(key)
+        out.structural_tag = value if isinstance(value, str) else json.dumps(value)
     elif key == "json_object":
         if fields.bool("json_object"):
             out.json_object = True

@@ -15,9 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from common.pb.tandem.v1 import generate_pb2
-from services.openai_api.chat_request import read_chat_options, read_messages, refuse_tool_list
+from services.openai_api.chat_request import read_chat_options, read_messages
 from services.openai_api.errors import ApiError, invalid
 from services.openai_api.fields import INT64, Fields, check_int, json_type
+from services.openai_api.tools_request import read_tool_list
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ def _read_chat(fields: Fields, request: generate_pb2.TokenizeRequest) -> None:
         )
     if kwargs:
         raise _unsupported_value("chat_template_kwargs", "template arguments are not supported")
-    refuse_tool_list(fields)
+    read_tool_list(fields, request.tools, allow_empty=True)
 
 
 def parse_tokenize(body) -> TokenizeCall:

@@ -121,11 +121,7 @@ def test_tokenize_and_detokenize_refusals_name_the_field(http):
         ),
         ({"messages": MESSAGES, "add_special_tokens": True}, "add_special_tokens", "chat"),
         ({"messages": MESSAGES, "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs", ""),
-        (
-            {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]},
-            "tools",
-            "tools are not supported",
-        ),
+        ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools[0].function", "required"),
         ({}, "prompt", "prompt is required"),
     ]
     for body, param, words in cases:

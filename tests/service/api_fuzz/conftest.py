@@ -35,7 +35,11 @@ def stub(channel):
 def documented():
     from tests.service.test_e2e_beam_search import beam_documented_messages
 
-    return documented_messages() + beam_documented_messages()
+    return (
+        documented_messages()
+        + beam_documented_messages()
+        + documented_messages("tools-validation-table")
+    )
 
 
 @pytest.fixture(scope="module")

@@ -331,6 +331,16 @@ def utf8_len(text: str) -> int:
     return len(text.encode("utf-8"))
 
 
+def tool_turns_answer_calls(messages) -> bool:
+    """docs/api.md's tool table: each tool turn answers a call an earlier turn made."""
+    called: set[str] = set()
+    for message in messages:
+        called.update(call.id for call in message.tool_calls)
+        if message.role == "tool" and message.tool_call_id not in called:
+            return False
+    return True
+
+
 def documented_violations(r: generate_pb2.GenerateRequest) -> tuple[set[str], set[str]]:
     """(fields that break a documented limit: the call must fail; fields that may fail
     depending on the prompt's tokenization: the context length, min_tokens against the
@@ -353,6 +363,7 @@ def documented_violations(r: generate_pb2.GenerateRequest) -> tuple[set[str], se
             not 1 <= len(messages) <= 1024
             or any(m.role not in ROLES for m in messages)
             or sum(utf8_len(m.content) for m in messages) > MAX_TEXT_BYTES
+            or not tool_turns_answer_calls(messages)
         ):
             certain.add("prompt.chat")
     if r.HasField("max_tokens") and r.max_tokens < 1:
