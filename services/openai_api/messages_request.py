@@ -6,10 +6,8 @@ body it means (`system` as the system message, `messages` with text blocks as te
 prefill the answer continues (vLLM's `continue_final_message`), as in Anthropic's API.
 Errors name the Messages field. Pure.
 
-Tools seam: `read_tools` refuses non-empty `tools` and a forcing `tool_choice`, and
-`read_block` refuses `tool_use` / `tool_result` blocks, until chat completions take
-`tools`; then they convert to chat `tools` / `tool_choice`, assistant `tool_calls` and
-`tool` messages here. `thinking` (reasoning seam) is accepted only disabled."""
+Tools, `tool_use` / `tool_result` / `thinking` blocks and the `thinking` setting are read
+by `messages_tools.py`."""
 
 from __future__ import annotations
 
@@ -17,9 +15,9 @@ from dataclasses import dataclass
 
 from services.openai_api.errors import ApiError, invalid
 from services.openai_api.fields import Fields, check_str, json_type
+from services.openai_api.messages_tools import Blocks, read_thinking, read_tools
 
 ROLES = ("user", "assistant")
-TOOL_BLOCKS = ("tool_use", "tool_result", "server_tool_use", "thinking", "redacted_thinking")
 # vLLM's extras on this endpoint, passed to the chat body under the same name.
 PASSTHROUGH = ("cache_salt", "min_p", "repetition_penalty", "seed")
 
@@ -35,71 +33,31 @@ def unsupported(name: str, why: str) -> ApiError:
     return ApiError(f"{name} is not supported: {why}", 400, name, "unsupported_parameter")
 
 
-def read_block(value, where: str) -> dict:
-    """A content block -> a chat text part (text blocks only, for now)."""
-    fields = Fields(value, where)
-    kind = check_str(fields.required("type"), fields.name("type"))
-    if kind in TOOL_BLOCKS:  # tools seam
-        raise unsupported(fields.name("type"), f"{kind!r} blocks (no tool calling)")
-    if kind != "text":
-        raise unsupported(fields.name("type"), f"{kind!r} blocks (text only)")
-    text = check_str(fields.required("text"), fields.name("text"))
-    fields.get("cache_control")  # a prompt-caching hint: the prefix cache needs none
-    fields.list("citations")
-    fields.finish()
-    return {"type": "text", "text": text}
-
-
-def read_content(value, where: str) -> str | list[dict]:
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise invalid(where, f"must be a string or an array of content blocks, got "
-                      f"{json_type(value)}", "invalid_type")  # fmt: skip
-    return [read_block(block, f"{where}[{j}]") for j, block in enumerate(value)]
-
-
-def read_message(value, index: int) -> dict:
+def read_message(value, index: int, blocks: Blocks) -> list[dict]:
+    """One message -> its chat turns (tool results become `tool` turns before it)."""
     fields = Fields(value, f"messages[{index}]")
     role = check_str(fields.required("role"), fields.name("role"))
     if role not in ROLES:
         raise invalid(fields.name("role"), f'must be "user" or "assistant", got {role!r}')
-    content = read_content(fields.required("content"), fields.name("content"))
+    content = fields.required("content")
     fields.finish()
-    return {"role": role, "content": content}
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise invalid(fields.name("content"), f"must be a string or an array of content "
+                      f"blocks, got {json_type(content)}", "invalid_type")  # fmt: skip
+    return blocks.message(role, content, fields.name("content"))
 
 
 def read_system(value) -> str | None:
     """`system`: a string, or text blocks joined as they are (as vLLM joins them)."""
     if value is None or isinstance(value, str):
         return value or None
-    parts = read_content(value, "system")
+    if not isinstance(value, list):
+        raise invalid("system", f"must be a string or an array of text blocks, got "
+                      f"{json_type(value)}", "invalid_type")  # fmt: skip
+    parts = Blocks().message("system", value, "system")[0]["content"]
     return "".join(part["text"] for part in parts) or None
-
-
-def read_tools(fields: Fields) -> dict:
-    """Tools seam: the chat fields for `tools` and `tool_choice` (none yet: only no tools,
-    `tool_choice` of type "auto" or "none")."""
-    if fields.list("tools"):
-        raise unsupported("tools", "no tool calling")
-    choice = fields.get("tool_choice")
-    if choice is not None:
-        spec = Fields(choice, "tool_choice")
-        kind = spec.get("type")
-        if kind not in ("auto", "none"):
-            raise unsupported("tool_choice.type", 'no tool calling; only "auto" and "none"')
-        spec.bool("disable_parallel_tool_use")
-        spec.finish()
-    return {}
-
-
-def read_thinking(fields: Fields) -> None:
-    """Reasoning seam: `thinking` is accepted only as `{"type": "disabled"}`."""
-    value = fields.get("thinking")
-    if value is None:
-        return
-    if Fields(value, "thinking").get("type") != "disabled":
-        raise unsupported("thinking", 'no reasoning parser; only {"type": "disabled"}')
 
 
 def read_metadata(fields: Fields) -> None:
@@ -121,13 +79,14 @@ def parse_messages(body) -> MessagesRequest:
     value = fields.required("messages")
     if not isinstance(value, list) or not value:
         raise invalid("messages", "must be a non-empty array of {role, content}", "invalid_type")
-    messages = [read_message(m, i) for i, m in enumerate(value)]
+    blocks = Blocks()
+    messages = [turn for i, m in enumerate(value) for turn in read_message(m, i, blocks)]
     system = read_system(fields.get("system"))
     chat: dict = {
         "messages": ([{"role": "system", "content": system}] if system else []) + messages,
         "max_completion_tokens": max_tokens,
     }
-    if messages[-1]["role"] == "assistant":
+    if messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls"):
         # Anthropic's prefill: the answer continues the last assistant turn.
         chat.update(add_generation_prompt=False, continue_final_message=True)
     stops = fields.list("stop_sequences")

@@ -19,11 +19,11 @@ from services.openai_api.messages_events import MessageEvents
 from services.openai_api.messages_request import parse_messages
 from services.openai_api.messages_response import (
     MessageHead,
+    content_blocks,
     error_body,
     message_body,
     message_id,
     stop_of,
-    text_block,
     usage_body,
 )
 from services.openai_api.route_kit import RouteKit, event_stream
@@ -51,11 +51,11 @@ def messages_routes(kit: RouteKit) -> list[Route]:
         usage, stop = UsageSum(), (None, None)
         async for _, message in streams:
             usage.add(message)
-            for item in events.text(message.text):
+            for item in events.message(message):
                 yield item
             if finish_reason(message) is not None:
-                stop = stop_of(finish_reason(message), stop_reason(message))
-        for item in events.finish(stop, usage):
+                stop = (finish_reason(message), stop_reason(message))
+        for item in events.finish(stop_of(*stop, events.tool_used), usage):
             yield item
 
     async def streamed(request: Request, streams: GenerateStreams, chat: ChatRequest, head):
@@ -74,8 +74,10 @@ def messages_routes(kit: RouteKit) -> list[Route]:
             return await streamed(request, streams, chat, head)
         collected = await kit.collect(request, streams)
         (choice,) = collected.sorted_choices()
-        stop = stop_of(choice.finish_reason, choice.stop_reason)
-        body = message_body(head, [text_block(choice.text)], stop, usage_body(collected.usage))
+        calls = bool(choice.parsed is not None and choice.parsed.tool_calls)
+        stop = stop_of(choice.finish_reason, choice.stop_reason, calls)
+        content = content_blocks(choice.text, choice.parsed)
+        body = message_body(head, content, stop, usage_body(collected.usage))
         return JSONResponse(body)
 
     return [Route("/v1/messages", create, methods=["POST"])]

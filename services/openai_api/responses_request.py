@@ -5,9 +5,9 @@ would get (instructions as the system message, the stored history of
 `previous_response_id`, the new input), read by `parse_chat` into the same `ChatRequest`,
 so both endpoints run one path. Errors name the Responses field. Pure.
 
-Tools seam: `read_tools` refuses non-empty `tools` and a forcing `tool_choice`, and
-`read_item` refuses `function_call` / `function_call_output` / `reasoning` items, until
-chat completions take `tools`; both then convert to the chat fields instead."""
+Tools (`responses_tools.py`): function `tools`, `tool_choice`, `parallel_tool_calls` and the
+`function_call` / `function_call_output` / `reasoning` input items become the chat fields,
+assistant `tool_calls` and `tool` turns."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 
 from services.openai_api.errors import ApiError, invalid
 from services.openai_api.fields import Fields, check_str, json_type
+from services.openai_api.responses_tools import ToolItems, check_answers, read_tools
 
 INPUT_ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text")
-TOOL_ITEMS = ("function_call", "function_call_output", "reasoning", "custom_tool_call",
-              "custom_tool_call_output")  # fmt: skip
+REASONING_KEYS = ("effort", "summary", "generate_summary")
 # Sampling and vLLM extras passed to the chat body under the same name (vLLM's
 # ResponsesRequest takes these too).
 CHAT_NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -33,9 +33,8 @@ CHAT_PASSTHROUGH = ("top_k", "seed", "logit_bias", "cache_salt", "skip_special_t
 FIXED = {
     "background": ((None, False), "only false (no background responses)"),
     "truncation": ((None, "disabled"), 'only "disabled"'),
-    "reasoning": ((None,), "no reasoning parser"),  # reasoning seam
     "top_logprobs": ((None, 0), "only 0 (no logprobs)"),
-    "max_tool_calls": ((None,), "no tool calling"),
+    "max_tool_calls": ((None,), "no limit on tool calls"),
     "prompt": ((None,), "no stored prompts"),
     "conversation": ((None,), "no conversations; use previous_response_id"),
 }
@@ -52,10 +51,13 @@ class ResponsesRequest:
     chat_fields: dict
     # What the response object echoes (OpenAI's names), beyond the above.
     echo: dict = field(default_factory=dict)
+    # (item index, call_id) of function_call_outputs whose call is not in the input.
+    unmatched: list[tuple[int, str]] = field(default_factory=list)
 
     def chat_body(self, history: Sequence[dict] = ()) -> dict:
         """The `/v1/chat/completions` body of this request after `history` (the messages a
         `previous_response_id` stored)."""
+        check_answers(self.unmatched, history)
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         return {"messages": [*system, *history, *self.input_messages], **self.chat_fields}
 
@@ -84,13 +86,18 @@ def read_parts(value, where: str, role: str) -> list[dict]:
     return parts
 
 
-def read_item(value, index: int) -> dict:
-    """One `input` item -> one chat message: an easy message (`{role, content}`), an input
-    message or an output message passed back (`type: "message"`, with its `id`, `status`)."""
+def read_item(value, index: int, messages: list[dict], tools: ToolItems) -> None:
+    """One `input` item into `messages`: an easy message (`{role, content}`), an input
+    message or an output message passed back (`type: "message"`, with its `id`, `status`),
+    or a tool item (`function_call`, `function_call_output`, `reasoning`)."""
     fields = Fields(value, f"input[{index}]")
     kind = fields.str("type") or "message"
-    if kind in TOOL_ITEMS:  # tools seam: becomes an assistant tool call / a tool message
-        raise unsupported(fields.name("type"), f"input items of type {kind!r} (no tool calling)")
+    if kind == "function_call":
+        return tools.function_call(fields, messages)
+    if kind == "function_call_output":
+        return messages.append(tools.function_call_output(fields, index))
+    if kind == "reasoning":
+        return tools.reasoning(fields)
     if kind != "message":
         raise unsupported(fields.name("type"), f"input items of type {kind!r}")
     role = check_str(fields.required("role"), fields.name("role"))
@@ -109,31 +116,33 @@ def read_item(value, index: int) -> dict:
     fields.str("status")
     fields.str("phase")
     fields.finish()
-    return {"role": role, "content": content}
+    messages.append({"role": role, "content": content})
 
 
-def read_input(value) -> list[dict]:
+def read_input(value, tools: ToolItems) -> list[dict]:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise invalid("input", "must be a string or a non-empty array of input items",
                       "invalid_type")  # fmt: skip
-    return [read_item(item, i) for i, item in enumerate(value)]
+    messages: list[dict] = []
+    for i, item in enumerate(value):
+        read_item(item, i, messages, tools)
+    if not messages:
+        raise invalid("input", "has no message, function call or function call output")
+    return messages
 
 
-def read_tools(fields: Fields, echo: dict) -> dict:
-    """Tools seam: the chat fields for `tools`, `tool_choice`, `parallel_tool_calls` (none
-    yet: only no tools, `tool_choice` "auto" or "none")."""
-    tools = fields.list("tools") or []
-    if tools:
-        raise unsupported("tools", "no tool calling")
-    choice = fields.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise unsupported("tool_choice", 'no tool calling; only "auto" and "none" are accepted')
-    parallel = fields.bool("parallel_tool_calls")
-    echo.update(tools=[], tool_choice=choice or "auto",
-                parallel_tool_calls=True if parallel is None else parallel)  # fmt: skip
-    return {}
+def read_reasoning(fields: Fields, echo: dict) -> None:
+    """`reasoning` (`effort`, `summary`): accepted and echoed; the reasoning output is the
+    gateway's reasoning parser's, as in vLLM."""
+    value = fields.get("reasoning")
+    echo["reasoning"] = value
+    if value is not None:
+        reasoning = Fields(value, "reasoning")
+        for key in REASONING_KEYS:
+            reasoning.str(key)
+        reasoning.finish()
 
 
 def read_text_format(fields: Fields, echo: dict) -> dict:
@@ -188,7 +197,6 @@ def read_fixed(fields: Fields, echo: dict) -> None:
     echo.update(
         background=False,
         truncation="disabled",
-        reasoning=None,
         max_tool_calls=None,
         prompt=None,
         service_tier=service_tier or "auto",
@@ -224,7 +232,8 @@ def read_sampling(fields: Fields, echo: dict) -> dict:
 
 def parse_responses(body) -> ResponsesRequest:
     fields = Fields(body)
-    input_messages = read_input(fields.required("input"))
+    tools = ToolItems()
+    input_messages = read_input(fields.required("input"), tools)
     instructions = fields.str("instructions")
     previous = fields.str("previous_response_id")
     store = fields.bool("store")
@@ -235,6 +244,7 @@ def parse_responses(body) -> ResponsesRequest:
         **read_tools(fields, echo),
     }
     read_fixed(fields, echo)
+    read_reasoning(fields, echo)
     stream = bool(fields.bool("stream"))
     options = fields.get("stream_options")
     if options is not None:
@@ -255,4 +265,5 @@ def parse_responses(body) -> ResponsesRequest:
         stream=stream,
         chat_fields=chat,
         echo=echo,
+        unmatched=tools.unmatched,
     )

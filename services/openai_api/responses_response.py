@@ -1,15 +1,19 @@
 """The Responses API's objects: the `response` (OpenAI's fields, as vLLM fills them), its
-output message item, `usage` (`input_tokens`, `output_tokens`, their details), the status a
-finish reason gives (`length` -> `incomplete` with `incomplete_details.reason`
-`max_output_tokens`), and the deletion object. Pure."""
+output items (the assistant `message`, `reasoning` with the reasoning parser's text as a
+`reasoning_text` part, `function_call`s with the call id the gateway gave), `usage`
+(`input_tokens`, `output_tokens`, their details), the status a finish reason gives
+(`length` -> `incomplete` with `incomplete_details.reason` `max_output_tokens`), and the
+deletion object. Pure."""
 
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
 
+from common.pb.tandem.v1 import generate_pb2
 from services.openai_api.collect import UsageSum
 from services.openai_api.responses_request import ResponsesRequest
+from services.openai_api.responses_tools import assistant_turn
 
 STATUS_OF_FINISH = {"stop": "completed", "length": "incomplete", "abort": "cancelled"}
 
@@ -21,6 +25,14 @@ def response_id(request_id: str) -> str:
 
 def message_id() -> str:
     return "msg_" + uuid.uuid4().hex
+
+
+def reasoning_id() -> str:
+    return "rs_" + uuid.uuid4().hex
+
+
+def function_call_id() -> str:
+    return "fc_" + uuid.uuid4().hex
 
 
 @dataclass(frozen=True)
@@ -51,12 +63,49 @@ def message_item(item_id: str, text: str | None, status: str) -> dict:
             "content": content, "phase": None}  # fmt: skip
 
 
+def reasoning_item(item_id: str, text: str | None, status: str) -> dict:
+    """A reasoning item: the text as one `reasoning_text` part (none while `in_progress`),
+    no summary (as vLLM)."""
+    content = None if text is None else [{"type": "reasoning_text", "text": text}]
+    item = {"id": item_id, "type": "reasoning", "summary": [], "status": status}
+    if content is not None:
+        item["content"] = content
+    return item
+
+
+def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str):
+    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}  # fmt: skip
+
+
+def output_items(text: str, parsed: generate_pb2.ParsedMessage | None, status: str):
+    """A whole answer's output: its text as one message, or with the gateway's parse
+    (tools or a reasoning parser) the reasoning item, the message (when there is content)
+    and the function calls, in that order (as vLLM); an empty message when nothing at all."""
+    if parsed is None:
+        return [message_item(message_id(), text, status)]
+    items = []
+    if parsed.HasField("reasoning_content") and parsed.reasoning_content:
+        items.append(reasoning_item(reasoning_id(), parsed.reasoning_content, "completed"))
+    if parsed.HasField("content") and parsed.content:
+        items.append(message_item(message_id(), parsed.content, status))
+    for call in parsed.tool_calls:
+        items.append(function_call_item(function_call_id(), call.id, call.name,
+                                        call.arguments, "completed"))  # fmt: skip
+    if not items:
+        items.append(message_item(message_id(), "", status))
+    return items
+
+
 def usage_body(usage: UsageSum) -> dict:
     return {
         "input_tokens": usage.prompt_tokens,
         "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0},
+        "output_tokens_details": {
+            "reasoning_tokens": usage.reasoning_tokens or 0,
+            "tool_output_tokens": 0,
+        },
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
     }
 
@@ -86,7 +135,8 @@ def deleted_body(response_id: str) -> dict:
     return {"id": response_id, "object": "response", "deleted": True}
 
 
-def stored_turn(parsed: ResponsesRequest, text: str) -> list[dict]:
-    """What this response adds to its conversation: its input and the assistant's answer
-    (as chat messages; the instructions stay out, they do not carry over)."""
-    return [*parsed.input_messages, {"role": "assistant", "content": text}]
+def stored_turn(parsed: ResponsesRequest, output: list[dict]) -> list[dict]:
+    """What this response adds to its conversation: its input and the assistant's answer,
+    text and function calls (as chat messages; the instructions stay out, they do not
+    carry over)."""
+    return [*parsed.input_messages, assistant_turn(output)]

@@ -24,8 +24,7 @@ from services.openai_api.responses_request import ResponsesRequest, parse_respon
 from services.openai_api.responses_response import (
     ResponseHead,
     deleted_body,
-    message_id,
-    message_item,
+    output_items,
     response_body,
     response_id,
     status_of,
@@ -56,9 +55,9 @@ def responses_routes(kit: RouteKit, store: ResponseStore) -> list[Route]:
     def keeper(request: Request, parsed: ResponsesRequest, history: tuple, head: ResponseHead):
         owner = owner_of(request)
 
-        def keep(body: dict, text: str) -> None:
+        def keep(body: dict) -> None:
             if parsed.store:
-                store.put(head.id, body, history, stored_turn(parsed, text), owner)
+                store.put(head.id, body, history, stored_turn(parsed, body["output"]), owner)
 
         return keep
 
@@ -68,11 +67,11 @@ def responses_routes(kit: RouteKit, store: ResponseStore) -> list[Route]:
         usage, finish = UsageSum(), None
         async for _, message in streams:
             usage.add(message)
-            for event in events.delta(message.text):
+            for event in events.message(message):
                 yield event["type"], event
             finish = finish_reason(message) or finish
         closing, final = events.finish(status_of(finish), usage)
-        keep(final, events.text)
+        keep(final)
         for event in closing:
             yield event["type"], event
 
@@ -98,9 +97,9 @@ def responses_routes(kit: RouteKit, store: ResponseStore) -> list[Route]:
         collected = await kit.collect(request, streams)
         (choice,) = collected.sorted_choices()
         status = status_of(choice.finish_reason)
-        item = message_item(message_id(), choice.text, item_status(status))
-        body = response_body(head, parsed, [item], status, collected.usage)
-        keep(body, choice.text)
+        output = output_items(choice.text, choice.parsed, item_status(status))
+        body = response_body(head, parsed, output, status, collected.usage)
+        keep(body)
         return JSONResponse(body)
 
     async def authorized(request: Request) -> None:

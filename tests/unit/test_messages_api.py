@@ -25,6 +25,8 @@ from services.openai_api.messages_response import (
 HEAD = MessageHead("msg_abc", "m")
 STREAM_EVENT = pydantic.TypeAdapter(RawMessageStreamEvent)
 USER = [{"role": "user", "content": "Hi"}]
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOL = {"name": "get_weather", "description": "Weather", "input_schema": SCHEMA}
 
 
 def chat_of(body: dict):
@@ -76,11 +78,30 @@ def test_a_last_assistant_turn_is_a_prefill():
         ({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": [
             {"type": "image", "source": {}}]}]}, "messages[0].content[0].type"),
         ({"model": "m", "max_tokens": 8, "messages": USER,
-          "tools": [{"name": "f", "input_schema": {}}]}, "tools"),
+          "tools": [{"name": "f", "input_schema": "x"}]}, "tools[0].input_schema"),
+        ({"model": "m", "max_tokens": 8, "messages": USER,
+          "tools": [{"name": "f", "input_schema": {"type": "array"}}]},
+         "tools[0].input_schema.type"),
+        ({"model": "m", "max_tokens": 8, "messages": USER, "tools": [{"name": "f"}]},
+         "tools[0].input_schema"),
+        ({"model": "m", "max_tokens": 8, "messages": USER,
+          "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
         ({"model": "m", "max_tokens": 8, "messages": USER, "tool_choice": {"type": "any"}},
          "tool_choice.type"),
+        ({"model": "m", "max_tokens": 8, "messages": USER, "tools": [TOOL],
+          "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name"),
+        ({"model": "m", "max_tokens": 8, "messages": USER, "tools": [TOOL],
+          "tool_choice": {"type": "maybe"}}, "tool_choice.type"),
+        ({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_x", "content": "x"}]}]},
+         "messages[0].content[0].tool_use_id"),
+        ({"model": "m", "max_tokens": 8, "messages": [{"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t", "name": "f", "input": []}]}]},
+         "messages[0].content[0].input"),
         ({"model": "m", "max_tokens": 8, "messages": USER,
-          "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+          "thinking": {"type": "enabled"}}, "thinking.budget_tokens"),
+        ({"model": "m", "max_tokens": 8, "messages": USER,
+          "thinking": {"type": "sometimes"}}, "thinking.type"),
         ({"model": "m", "max_tokens": 8, "messages": USER, "stop_sequences": [1]},
          "stop_sequences[0]"),
         ({"model": "m", "max_tokens": 8, "messages": USER, "temperature": "x"}, "temperature"),
@@ -153,3 +174,101 @@ def test_an_empty_answer_is_one_empty_text_block():
     name, data = events.error(ApiError("gone", 503))
     assert name == "error"
     assert data == {"type": "error", "error": {"type": "overloaded_error", "message": "gone"}}
+
+
+def test_tools_and_tool_choice_become_the_chat_fields():
+    chat = parse_messages({"model": "m", "max_tokens": 8, "messages": USER, "tools": [TOOL],
+                           "tool_choice": {"type": "tool", "name": "get_weather",
+                                           "disable_parallel_tool_use": True},
+                           "thinking": {"type": "enabled", "budget_tokens": 1024}}).chat
+    assert chat["tools"] == [{"type": "function", "function": {
+        "name": "get_weather", "parameters": SCHEMA, "description": "Weather"}}]
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert chat["parallel_tool_calls"] is False
+    request = parse_chat(chat).request
+    assert request.tool_choice.function_name == "get_weather" and not request.parallel_tool_calls
+    any_tool = chat_of({"messages": USER, "tools": [TOOL], "tool_choice": {"type": "any"}})
+    assert any_tool.request.tool_choice.mode == 3  # REQUIRED
+    assert "tool_choice" not in parse_messages({"model": "m", "max_tokens": 8, "messages": USER,
+                                                "tool_choice": {"type": "none"}}).chat
+
+
+def test_tool_use_and_tool_result_blocks_become_calls_and_tool_turns():
+    messages = [
+        *USER,
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "hmm", "signature": "s"},
+            {"type": "text", "text": "Let me look."},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+             "input": {"city": "Oslo"}},
+        ]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1",
+             "content": [{"type": "text", "text": "sunny"}], "is_error": False},
+            {"type": "text", "text": "And tomorrow?"},
+        ]},
+    ]  # fmt: skip
+    chat = chat_of({"messages": messages, "tools": [TOOL]})
+    turns = chat.request.chat.messages
+    assert [m.role for m in turns] == ["user", "assistant", "tool", "user"]
+    assert turns[1].content == "Let me look."
+    (call,) = turns[1].tool_calls
+    assert (call.id, call.name, call.arguments) == ("toolu_1", "get_weather", '{"city": "Oslo"}')
+    assert (turns[2].tool_call_id, turns[2].content) == ("toolu_1", "sunny")
+    assert turns[3].content == "And tomorrow?" and not chat.request.chat.continue_final_message
+
+
+def test_parsed_content_blocks_and_tool_use_stop():
+    from common.pb.tandem.v1 import generate_pb2
+    from services.openai_api.messages_response import content_blocks
+
+    parsed = generate_pb2.ParsedMessage(content="Sure.", reasoning_content="think")
+    parsed.tool_calls.add(id="chatcmpl-tool-ab12", name="get_weather",
+                          arguments='{"city": "Oslo"}')  # fmt: skip
+    blocks = content_blocks("raw", parsed)
+    body = message_body(HEAD, blocks, stop_of("stop", None, True), usage_body(usage(9, 5)))
+    message = Message.model_validate(body)
+    assert [b.type for b in message.content] == ["thinking", "text", "tool_use"]
+    assert message.content[0].thinking == "think" and message.content[0].signature
+    assert message.content[2].id == "toolu_ab12" and message.content[2].input == {"city": "Oslo"}
+    assert message.stop_reason == "tool_use"
+    assert stop_of("tool_calls", None) == ("tool_use", None)
+    assert content_blocks("", generate_pb2.ParsedMessage()) == [text_block("")]
+
+
+def test_stream_of_thinking_text_and_tool_use_validates():
+    from common.pb.tandem.v1 import generate_pb2
+
+    def message(text="", reasoning="", calls=()):
+        response = generate_pb2.GenerateResponse(text=text, reasoning_content=reasoning)
+        for call in calls:
+            response.tool_calls.add(**call)
+        return response
+
+    events = MessageEvents(HEAD)
+    out = events.start(10) + events.message(message(reasoning="hm"))
+    out += events.message(message(reasoning="m", text="Sure."))
+    out += events.message(message(calls=[{"index": 0, "id": "chatcmpl-tool-1",
+                                          "name": "get_weather", "arguments": '{"city"'}]))
+    out += events.message(message(calls=[{"index": 0, "arguments": ': "Oslo"}'}]))
+    out += events.finish(stop_of("stop", None, events.tool_used), usage(10, 7))
+    assert [name for name, _ in out] == [
+        "message_start", "content_block_start", "ping", "content_block_delta",
+        "content_block_delta", "content_block_delta", "content_block_stop",
+        "content_block_start", "content_block_delta", "content_block_stop",
+        "content_block_start", "content_block_delta", "content_block_delta",
+        "content_block_stop", "message_delta", "message_stop",
+    ]  # fmt: skip
+    for name, data in out:
+        if name != "ping":
+            STREAM_EVENT.validate_python(data)
+    deltas = [d["delta"] for n, d in out if n == "content_block_delta"]
+    assert [d["type"] for d in deltas] == [
+        "thinking_delta", "thinking_delta", "signature_delta", "text_delta",
+        "input_json_delta", "input_json_delta"]  # fmt: skip
+    starts = [d["content_block"] for n, d in out if n == "content_block_start"]
+    assert starts[0] == {"type": "thinking", "thinking": "", "signature": ""}
+    assert starts[2] == {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}
+    assert "".join(d["partial_json"] for d in deltas[4:]) == '{"city": "Oslo"}'
+    assert [d["index"] for n, d in out if n == "content_block_stop"] == [0, 1, 2]
+    assert out[-2][1]["delta"]["stop_reason"] == "tool_use"
