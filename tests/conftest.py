@@ -5,7 +5,9 @@
 - `tests/gpu/`: Triton kernels, CUDA graphs, GPU end to end (interpreted or skipped on CPU).
 Each test gets the marker of its folder (`-m unit`, `-m service`, `-m gpu`).
 
-Stacks: `api_stack` (one per session, shared by the generation-API modules),
+Stacks: `api_stack` (one per session, shared by the generation-API modules), `tool_stack`
+(one per session on the tool checkpoint with the tool and reasoning parsers; `tool_stack`
+module beside this file: its settings),
 `small_pools_stack` (one per session and preemption mode, for chunking and preemption),
 `module_stacks` (started by a module, stopped when it ends) and `launch_stack` (stopped
 when the test ends). Shared helper modules beside this file: `stack_client` (calls and
@@ -125,6 +127,27 @@ def api_stack(tiny_llama_dir, tmp_path_factory):
     front, shared by the generation-API test modules."""
     launcher = StackLauncher(tiny_llama_dir, tmp_path_factory)
     yield launcher(name="api-stack", http=True)
+    launcher.stop_all()
+
+
+@pytest.fixture(scope="session")
+def tool_checkpoint(tmp_path_factory) -> Path:
+    from devtools.tool_checkpoint import build_tool_checkpoint
+    from tests.tool_stack import MODEL
+
+    return build_tool_checkpoint(tmp_path_factory.mktemp("tool-ckpt") / MODEL)
+
+
+@pytest.fixture(scope="session")
+def tool_stack(tiny_llama_dir, tmp_path_factory, tool_checkpoint):
+    """One stack (one worker) on the tool checkpoint with the HTTP front, its gateway
+    started with the tool and reasoning flags (`tests.tool_stack.FLAGS`), shared by the
+    tool-calling modules of chat completions, the Responses and the Messages APIs."""
+    from tests.tool_stack import FLAGS
+
+    launcher = StackLauncher(tiny_llama_dir, tmp_path_factory)
+    yield launcher(tool_checkpoint, name="tools", prefill=0, decode=0, both=1, http=True,
+                   extra_args={"gateway": FLAGS})  # fmt: skip
     launcher.stop_all()
 
 

@@ -18,8 +18,9 @@ from services.openai_api.fields import Fields, check_str, json_type
 from services.openai_api.messages_tools import Blocks, read_thinking, read_tools
 
 ROLES = ("user", "assistant")
-# vLLM's extras on this endpoint, passed to the chat body under the same name.
-PASSTHROUGH = ("cache_salt", "min_p", "repetition_penalty", "seed")
+# vLLM's extras on this endpoint, passed to the chat body under the same name, and
+# `logit_bias` (Tandem's: as on chat completions; vLLM's Messages API ignores it).
+PASSTHROUGH = ("cache_salt", "min_p", "repetition_penalty", "seed", "logit_bias")
 
 
 @dataclass(frozen=True)

@@ -22,17 +22,8 @@ import openai
 import pytest
 
 from common.pb.tandem.v1 import generate_pb2, generate_pb2_grpc
-from devtools.tool_checkpoint import TOOL_TEMPLATE_PATH, build_tool_checkpoint
+from tests.tool_stack import MODEL, WEATHER_SCHEMA, steering_bias
 
-MODEL = "qwen2-tools"
-CITY = {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}
-# Closed objects: a schema that allows more properties lets a random model add them forever.
-WEATHER_SCHEMA = {
-    "type": "object",
-    "properties": {"city": CITY},
-    "required": ["city"],
-    "additionalProperties": False,
-}
 WEATHER = {
     "type": "function",
     "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER_SCHEMA},
@@ -53,40 +44,21 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 CALL_REGEX = (
     r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)"\}\}</tool_call>'
 )
-FLAGS = (
-    "--chat-template", str(TOOL_TEMPLATE_PATH), "--enable-auto-tool-choice",
-    "--tool-call-parser", "hermes", "--reasoning-parser", "deepseek_r1",
-)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return build_tool_checkpoint(tmp_path_factory.mktemp("ckpt") / MODEL)
+def model(tool_checkpoint):
+    return tool_checkpoint
 
 
 @pytest.fixture(scope="module")
-def think_end(model) -> int:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model)).convert_tokens_to_ids("</think>")
+def steer(model) -> dict[int, float]:
+    return steering_bias(model)
 
 
 @pytest.fixture(scope="module")
-def steer(model, think_end) -> dict[int, float]:
-    """The logit_bias the constrained requests carry: `</think>` first, no whitespace."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model))
-    blank = [i for i in range(len(tokenizer)) if not tokenizer.decode([i]).strip()]
-    return {think_end: 100.0} | {i: -100.0 for i in blank if i not in tokenizer.all_special_ids}
-
-
-@pytest.fixture(scope="module")
-def stack(module_stacks, model):
-    return module_stacks(
-        model, name="tools", prefill=0, decode=0, both=1, http=True,
-        extra_args={"gateway": FLAGS},
-    )  # fmt: skip
+def stack(tool_stack):
+    return tool_stack
 
 
 @pytest.fixture(scope="module")
