@@ -27,7 +27,8 @@ from bench.peer_servers import tandem_server, vllm_server
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / ".tandem" / "models" / "SmolLM2-135M-Instruct"
 NAME = DEFAULT_MODEL.name  # both servers serve the folder's name
-IGNORED = {"id", "created_at", "item_id", "created", "signature", "previous_response_id"}
+IGNORED = {"id", "created_at", "item_id", "created", "signature", "previous_response_id",
+           "call_id"}  # fmt: skip
 # vLLM's own additions to the OpenAI objects (null or empty here), not counted.
 VLLM_ONLY = {"kv_transfer_params", "ec_transfer_params", "input_messages", "output_messages",
              "input_tokens_per_turn", "cached_tokens_per_turn", "output_tokens_per_turn",
@@ -111,8 +112,20 @@ def flatten(value, path: str = "") -> dict:
     return {path or ".": value}
 
 
+DELTAS = ("response.output_text.delta", "content_block_delta", "response.reasoning_text.delta",
+          "response.function_call_arguments.delta")  # fmt: skip
+
+
 def is_delta(event: tuple) -> bool:
-    return event[0] in ("response.output_text.delta", "content_block_delta")
+    return event[0] in DELTAS
+
+
+def delta_text(delta) -> str:
+    """A delta's text: output or reasoning text, thinking, or a call's JSON piece (a
+    signature_delta: none)."""
+    if isinstance(delta, str):
+        return delta
+    return delta.get("text") or delta.get("thinking") or delta.get("partial_json") or ""
 
 
 def comparable(answer) -> object:
@@ -127,7 +140,7 @@ def comparable(answer) -> object:
         if not (types and types[-1] == name and name.endswith("delta")):
             types.append(name)
     deltas = [data["delta"] for name, data in answer if is_delta((name, data))]
-    text = "".join(d if isinstance(d, str) else d.get("text", "") for d in deltas)
+    text = "".join(delta_text(d) for d in deltas)
     events = [data for name, data in answer if not is_delta((name, data))]
     events = [{k: v for k, v in e.items() if k != "sequence_number"} for e in events]
     return {"event_types": types, "events": events, "text": text, "pings": pings}

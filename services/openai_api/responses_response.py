@@ -67,10 +67,8 @@ def reasoning_item(item_id: str, text: str | None, status: str) -> dict:
     """A reasoning item: the text as one `reasoning_text` part (none while `in_progress`),
     no summary (as vLLM)."""
     content = None if text is None else [{"type": "reasoning_text", "text": text}]
-    item = {"id": item_id, "type": "reasoning", "summary": [], "status": status}
-    if content is not None:
-        item["content"] = content
-    return item
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": content,
+            "encrypted_content": None, "status": status}  # fmt: skip
 
 
 def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str):

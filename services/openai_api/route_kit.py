@@ -47,9 +47,9 @@ class RouteKit:
     async def prompt_tokens(
         self, request: Request, streams: GenerateStreams, chat: ChatRequest
     ) -> int:
-        """How many tokens the rendered conversation is (`Tokenize`, the gateway's one chat
-        template path), while the calls are open."""
-        ask = generate_pb2.TokenizeRequest(chat=chat.request.chat)
+        """How many tokens the rendered conversation is, with its tools (`Tokenize`, the
+        gateway's one chat template path), while the calls are open."""
+        ask = generate_pb2.TokenizeRequest(chat=chat.request.chat, tools=chat.request.tools)
         reply = await self.while_open(
             request, streams, self.gateway.tokenize(ask, credentials(request))
         )

@@ -211,3 +211,17 @@ def test_bad_tool_input_is_a_400_naming_the_field(tool_stack, path, body, param)
     else:
         assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
         assert error["error"]["message"].startswith(param)
+
+
+def test_messages_stream_counts_the_tools_in_its_input_tokens(claude):
+    """message_start's input_tokens are the rendered prompt's, tools included (as the
+    unstreamed answer's usage)."""
+    kwargs = {"model": MODEL, "max_tokens": 1, "tools": [WEATHER_TOOL],
+              "tool_choice": {"type": "none"}, "extra_body": {"temperature": 0},
+              "messages": [{"role": "user", "content": ASK}]}  # fmt: skip
+    whole = claude.messages.create(**kwargs)
+    with claude.messages.stream(**kwargs) as stream:
+        start = next(e for e in stream if e.type == "message_start")
+        list(stream)
+    prompt = whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+    assert start.message.usage.input_tokens == prompt
