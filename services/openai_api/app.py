@@ -40,7 +40,13 @@ from services.openai_api.request_body import credentials, read_json
 from services.openai_api.response_store import ResponseStore
 from services.openai_api.responses_routes import responses_routes
 from services.openai_api.route_kit import RouteKit
-from services.openai_api.sse import EventStreamResponse, chat_chunks, completion_chunks, events
+from services.openai_api.sse import (
+    EventStreamResponse,
+    chat_chunks,
+    closing_stream,
+    completion_chunks,
+    events,
+)
 from services.openai_api.vllm_routes import vllm_routes
 
 log = get_logger("services.openai_api")
@@ -80,18 +86,7 @@ async def collect(streams: GenerateStreams, collector: Collector) -> Collector:
 
 
 def _stream_response(streams: GenerateStreams, chunks) -> EventStreamResponse:
-    ended = []
-
-    def on_end(outcome: str) -> None:
-        ended.append(outcome)
-        log.info("stream_finished", outcome=outcome)
-
-    def on_close() -> None:
-        if not ended:
-            log.info("client_disconnected", streaming=True)
-        streams.close()
-
-    return EventStreamResponse(events(chunks, on_end), on_close=on_close)
+    return closing_stream(streams, lambda on_end: events(chunks, on_end))
 
 
 async def _echo_texts(

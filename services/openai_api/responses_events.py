@@ -107,8 +107,15 @@ class ResponseEvents:
         text = item.text
         if item.kind == "function_call":
             done = function_call_item(item.id, item.call_id, item.name, text, "completed")
-            events = [self._event("response.function_call_arguments.done", item_id=item.id,
-                                  output_index=item.index, name=item.name, arguments=text)]
+            events = [
+                self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item.id,
+                    output_index=item.index,
+                    name=item.name,
+                    arguments=text,
+                )
+            ]
         elif item.kind == "message":
             done = message_item(item.id, text, item_status(status))
             events = [
@@ -152,8 +159,14 @@ class ResponseEvents:
         item = self.open
         if piece.id:
             events = self._close()
-            item = OpenItem("function_call", function_call_id(), len(self.output),
-                            call_id=piece.id, name=piece.name, call_index=piece.index)
+            item = OpenItem(
+                "function_call",
+                function_call_id(),
+                len(self.output),
+                call_id=piece.id,
+                name=piece.name,
+                call_index=piece.index,
+            )
             self.open = item
             added = function_call_item(item.id, item.call_id, item.name, "", "in_progress")
             events.append(self._event("response.output_item.added", output_index=item.index,

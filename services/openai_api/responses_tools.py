@@ -178,4 +178,3 @@ def assistant_turn(output: list[dict]) -> dict:
         turn["tool_calls"] = calls
         turn["content"] = turn["content"] or None
     return turn
-

@@ -17,7 +17,7 @@ from services.openai_api.chat_request import ChatRequest
 from services.openai_api.collect import Collector
 from services.openai_api.gateway_client import GatewayClient, GenerateStreams
 from services.openai_api.request_body import credentials, read_json
-from services.openai_api.sse import EventStreamResponse
+from services.openai_api.sse import EventStreamResponse, closing_stream
 from services.openai_api.typed_sse import Event, typed_events
 
 log = get_logger("services.openai_api")
@@ -71,15 +71,4 @@ def event_stream(
     on_error: Callable[[Any], Event],
 ) -> EventStreamResponse:
     """The typed SSE response; the Generate calls close however it ends."""
-    ended = []
-
-    def on_end(outcome: str) -> None:
-        ended.append(outcome)
-        log.info("stream_finished", outcome=outcome)
-
-    def on_close() -> None:
-        if not ended:
-            log.info("client_disconnected", streaming=True)
-        streams.close()
-
-    return EventStreamResponse(typed_events(events, on_error, on_end), on_close=on_close)
+    return closing_stream(streams, lambda on_end: typed_events(events, on_error, on_end))

@@ -77,3 +77,21 @@ class EventStreamResponse(StreamingResponse):
             await super().stream_response(send)
         finally:
             self.on_close()
+
+
+def closing_stream(streams, make_events) -> EventStreamResponse:
+    """A streamed answer that closes the `Generate` calls (`streams.close()`) however it
+    ends; `make_events(on_end)` gives its events, calling `on_end(outcome)` when they end
+    (a close without an outcome is the client going away)."""
+    ended = []
+
+    def on_end(outcome: str) -> None:
+        ended.append(outcome)
+        log.info("stream_finished", outcome=outcome)
+
+    def on_close() -> None:
+        if not ended:
+            log.info("client_disconnected", streaming=True)
+        streams.close()
+
+    return EventStreamResponse(make_events(on_end), on_close=on_close)
