@@ -34,7 +34,7 @@ from services.scheduler.kv_offload import WAIT, HostOffload
 from services.scheduler.kv_retention import retain_finished
 from services.scheduler.lookahead import Lookahead, SpecDecodeCounters
 from services.scheduler.request import Request
-from services.scheduler.spec_goodput import DraftCost, StepCost, probe_draft, slot_bar, worth
+from services.scheduler.spec_goodput import SlotPolicy, worth
 from services.scheduler.step_plan import Placed, PoolStepPlan, SampledToken, StepUpdate, scheduled
 from services.scheduler.worker_batch import WorkerBatch
 
@@ -63,8 +63,7 @@ class PoolScheduler:
         `offload`: the worker's host-memory offload tier (kv_offload.py)."""
         self.offload = offload
         self.lookahead = lookahead
-        self.step_cost = StepCost()  # what a row costs a step here (spec_goodput.py)
-        self.draft_cost = DraftCost()  # and a draft model's pass
+        self.slot_policy = SlotPolicy()  # what a proposal slot costs here (spec_goodput.py)
         self.max_loras = max_loras
         self.blocks = blocks
         self.swap_blocks = swap_blocks
@@ -223,11 +222,8 @@ class PoolScheduler:
         _, scheduled, slots, num_tokens = self._in_flight.popleft()
         if self.offload is not None:  # disk reads done (their requests may start now)
             self.offload.record(result)
-        if self.lookahead is not None:  # rows the worker ran: tokens, then proposals
-            drafts = sum(c.num_draft_tokens for c in result.spec.values())
-            rest = result.execute_seconds - result.propose_seconds
-            self.step_cost.observe(num_tokens + drafts, rest)
-            self.draft_cost.observe(result.propose_passes, result.propose_seconds)
+        if self.lookahead is not None:
+            self.slot_policy.observe(result, num_tokens)
         update = StepUpdate()
         for request_id, k in slots.items():  # this step's proposals are accounted for now
             request = scheduled[request_id]
@@ -316,13 +312,12 @@ class PoolScheduler:
         later_decodes = sum(1 for r in self.running if self.schedulable_tokens(r) == 1)
         policy = self.lookahead is not None and self.lookahead.goodput
         if policy:
-            bar, pool_rate, passes = slot_bar(
-                self.spec_decode, self.running, self.lookahead, self.step_cost, self.draft_cost
+            bar, pool_rate, passes, probe = self.slot_policy.plan(
+                self.spec_decode, self.running, self.lookahead, self._num_planned
             )
         else:  # every slot the lookahead allows
-            bar, pool_rate = 0.0, 0.0
+            bar, pool_rate, probe = 0.0, 0.0, False
             passes = self.lookahead.num_speculative_tokens if self.lookahead else 0
-        probe = policy and passes == 0 and probe_draft(self._num_planned)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -345,8 +340,11 @@ class PoolScheduler:
                     )
                     allowed = lookahead
                     lookahead = worth(request, allowed, bar, pool_rate, passes)
-                    if probe and allowed:
+                    if probe and allowed and self.slot_policy.draft_probe.affordable(
+                        self._num_planned, request.num_tokens - request.num_draft_synced_tokens
+                    ):
                         lookahead, probe = 1, False
+                        self.slot_policy.draft_probe.probed(self._num_planned)
             else:  # a prompt chunk leaves one token per decode behind it
                 num_new = min(todo, budget - later_decodes)
                 if num_new <= 0:
@@ -500,6 +498,8 @@ class PoolScheduler:
         # Sliding windows: blocks no query reads are freed; the worker gets the new table.
         replaced = self.blocks.trim(rid, start) or copies
         request.num_lookahead_in_flight += lookahead
+        if lookahead:
+            request.num_draft_synced_tokens = request.num_tokens
         plan.block_copies.extend(copies)
         prompt_end = max(len(request.prompt_token_ids), request.num_known_tokens - 1)
         self.num_prompt_tokens_computed += max(0, min(start + num_new, prompt_end) - start)

@@ -66,8 +66,10 @@ class Request:
     prompt_logprobs_sent: bool = False
     num_preemptions: int = 0
     # Speculative decoding: proposal slots of its steps in flight (up to that many more
-    # tokens than num_pending_tokens may come back), and its proposed and accepted tokens.
+    # tokens than num_pending_tokens may come back), and its proposed and accepted tokens;
+    # its tokens when a step last gave it slots (a draft model's KV was caught up then).
     num_lookahead_in_flight: int = 0
+    num_draft_synced_tokens: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     finish_reason: FinishReason | None = None

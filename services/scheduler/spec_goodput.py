@@ -24,17 +24,26 @@ whatever the batch. The worker reports the seconds its proposals took and its pa
 `DraftCost` keeps the seconds per pass, the rows are fitted on the rest of the step, and
 `draft_passes` caps the step's slots at the pass count P (0..k) with the best tokens per
 second, `E(P) / (a + b * rows(P) + c * P)`: a draft that seldom lands (a model's own first
-layers, untrained for it) drafts nothing, but for the probes. Pure Python.
+layers, untrained for it) drafts nothing, but for the pool's probes (`DraftProbe`). Each
+probe costs a draft pass and catching the probed request's draft KV up (its whole context
+the first time), so while the draft keeps earning no pass the probes spread out: after
+PROBE_PERIOD steps, then each gap twice the last, up to PROBE_PERIOD_MAX steps (a step
+that gives the draft passes again starts over at PROBE_PERIOD), and a request waits for
+its probe until the steps since the last one are at least the tokens its draft KV must
+catch up. Pure Python.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from common.step_result import StepResult
 from services.scheduler.request import Request
 
 PROBE_PERIOD = 64
+# A pool's draft probes spread out to one in this many steps while they keep failing.
+PROBE_PERIOD_MAX = 2048
 # A slot must beat the bar by this factor (see the module docstring).
 MARGIN = 1.1
 ROUNDS = 4
@@ -183,7 +192,7 @@ def acceptance(request: Request, pool_rate: float) -> float:
 def worth(request: Request, slots: int, bar: float, pool_rate: float, passes: int) -> int:
     """Of `slots` allowed, those whose expected tokens beat `bar`, at most `passes`; a probe
     slot every PROBE_PERIOD tokens when none beats it. With no pass allowed (a draft model
-    not worth its passes) the pool probes instead (`probe_draft`): a request's own probe
+    not worth its passes) the pool probes instead (`DraftProbe`): a request's own probe
     would cost a pass and catching its draft KV up, and a batch's requests would take turns."""
     if slots <= 0 or passes <= 0:
         return 0
@@ -193,20 +202,63 @@ def worth(request: Request, slots: int, bar: float, pool_rate: float, passes: in
     return min(paid, passes)
 
 
-def probe_draft(steps_planned: int) -> bool:
-    """Whether a pool whose draft model gets no pass probes it in this step (one request,
-    one slot: the pool's acceptance keeps being measured)."""
-    return steps_planned % PROBE_PERIOD == 0
+@dataclass
+class DraftProbe:
+    """When a pool whose draft model gets no pass probes it (one request, one slot: the
+    pool's acceptance keeps being measured): PROBE_PERIOD steps after the draft last got
+    passes, then after gaps that double while it still gets none, up to
+    PROBE_PERIOD_MAX. A probe costs a pass and catching its request's draft KV up (the
+    tokens since the request's last slots: its whole context the first time), so a
+    request is probed only once at least that many steps have passed since the last
+    probe: catching up costs at most a draft row per step since."""
+
+    gap: int = PROBE_PERIOD
+    next_step: int = 0
+    last_step: int = 0  # the last probe, or the last step whose draft got passes
+
+    def due(self, step: int, passes: int) -> bool:
+        """Whether step number `step` of the pool, whose draft gets `passes`, probes (a
+        request `affordable` takes the slot: `probed` then)."""
+        if passes > 0:
+            self.gap, self.next_step, self.last_step = PROBE_PERIOD, step + PROBE_PERIOD, step
+            return False
+        return step >= self.next_step
+
+    def affordable(self, step: int, catch_up: int) -> bool:
+        """Whether a request whose draft KV is `catch_up` tokens behind may be probed."""
+        return catch_up <= step - self.last_step
+
+    def probed(self, step: int) -> None:
+        """Step number `step` gave a request the probe's slot."""
+        self.next_step, self.last_step = step + self.gap, step
+        self.gap = min(2 * self.gap, PROBE_PERIOD_MAX)
 
 
-def slot_bar(counts, running, lookahead, step_cost: StepCost, draft_cost: DraftCost):
-    """What a proposal slot must bring in a pool's next step, the pool's acceptance rate,
-    and the slots a request may get (a draft model's passes): (bar, rate, passes).
-    `counts`: the pool's SpecDecodeCounters; `running`: its running requests."""
-    pool_rate = pool_acceptance(counts.num_draft_tokens, counts.num_accepted_tokens)
-    alphas = [acceptance(r, pool_rate) for r in running]
-    k = lookahead.num_speculative_tokens
-    rows = len(running)
-    bar = step_cost.bar(rows, alphas, k)
-    line, per_pass = step_cost.line(), draft_cost.seconds_per_pass
-    return bar, pool_rate, draft_passes(line, per_pass, rows, alphas, bar, k)
+@dataclass
+class SlotPolicy:
+    """A pool's pricing of proposal slots: what a row costs its steps, what its draft's
+    pass costs, and when a draft that earns no pass is probed."""
+
+    step_cost: StepCost = field(default_factory=StepCost)
+    draft_cost: DraftCost = field(default_factory=DraftCost)
+    draft_probe: DraftProbe = field(default_factory=DraftProbe)
+
+    def observe(self, result: StepResult, num_tokens: int) -> None:
+        """A step's result: its rows (`num_tokens` planned, then the proposals) and times."""
+        drafts = sum(c.num_draft_tokens for c in result.spec.values())
+        self.step_cost.observe(num_tokens + drafts, result.execute_seconds - result.propose_seconds)
+        self.draft_cost.observe(result.propose_passes, result.propose_seconds)
+
+    def plan(self, counts, running: list[Request], lookahead, step: int):
+        """(bar, pool rate, passes, probe) for step number `step`: what a proposal slot must
+        bring, the pool's acceptance rate, the slots a request may get (a draft model's
+        passes), and whether the step probes the draft. `counts`: the pool's
+        SpecDecodeCounters; `running`: its running requests."""
+        pool_rate = pool_acceptance(counts.num_draft_tokens, counts.num_accepted_tokens)
+        alphas = [acceptance(r, pool_rate) for r in running]
+        k = lookahead.num_speculative_tokens
+        rows = len(running)
+        bar = self.step_cost.bar(rows, alphas, k)
+        line, per_pass = self.step_cost.line(), self.draft_cost.seconds_per_pass
+        passes = draft_passes(line, per_pass, rows, alphas, bar, k)
+        return bar, pool_rate, passes, self.draft_probe.due(step, passes)

@@ -3,6 +3,7 @@ cost's online fit, the row share a slot must beat, how many slots a request's ac
 earns (all of them at one stream, none in a full batch of poor proposals, a probe now and
 then), a draft model's passes priced in, and the pool scheduler using it."""
 
+import itertools
 import random
 
 import pytest
@@ -12,11 +13,12 @@ from services.scheduler.lookahead import Lookahead
 from services.scheduler.spec_goodput import (
     MARGIN,
     PROBE_PERIOD,
+    PROBE_PERIOD_MAX,
     DraftCost,
+    DraftProbe,
     StepCost,
     acceptance,
     draft_passes,
-    probe_draft,
     worth,
 )
 from tests.unit.test_pool_scheduler import make_request, sched
@@ -107,10 +109,10 @@ def test_the_pool_stops_speculating_for_a_full_batch_of_poor_proposals():
     plan = s.schedule()
     probes = [i for i in plan.scheduled if i.request.num_tokens % PROBE_PERIOD == 0]
     assert sum(i.num_lookahead_tokens for i in plan.scheduled) == len(probes)
-    assert s.step_cost.fitted is not None
-    assert s.step_cost.fitted[1] == pytest.approx(0.0003, rel=0.05)
+    assert s.slot_policy.step_cost.fitted is not None
+    assert s.slot_policy.step_cost.fitted[1] == pytest.approx(0.0003, rel=0.05)
     alone = sched(lookahead=Lookahead(4))
-    alone.step_cost = s.step_cost  # the same worker's costs, one request
+    alone.slot_policy.step_cost = s.slot_policy.step_cost  # the same worker's costs, one request
     request = make_request("solo", 5, 200)
     request.num_draft_tokens, request.num_accepted_tokens = 40, 10
     alone.add(request)
@@ -154,7 +156,27 @@ def test_draft_passes_pay_only_where_the_draft_lands_often_enough_for_its_cost()
     assert worth(request, 4, 0.0, 0.5, 0) == 0 and worth(request, 4, 0.0, 0.5, 2) == 2
     request.output_token_ids = [1] * (PROBE_PERIOD - 6)
     assert worth(request, 4, 0.0, 0.5, 0) == 0
-    assert [probe_draft(n) for n in (0, 1, PROBE_PERIOD - 1, PROBE_PERIOD)] == [1, 0, 0, 1]
+
+
+def test_a_draft_that_keeps_failing_is_probed_ever_more_rarely():
+    """The pool's probes of a draft that earns no pass: at once, then after gaps doubling
+    from PROBE_PERIOD to PROBE_PERIOD_MAX; a due probe no request took stays due; a step
+    whose draft earns passes starts the gaps over; a request's catching up of its draft
+    KV must not exceed the steps since the last probe."""
+    probe, taken = DraftProbe(), []
+    for step in range(40_000):
+        if probe.due(step, 0) and step % 7:  # steps divisible by 7 have no decoding row
+            probe.probed(step)
+            taken.append(step)
+    gaps = [b - a for a, b in itertools.pairwise(taken)]
+    doubling = [PROBE_PERIOD << i for i in range(6)]
+    assert taken[0] == 1 and gaps[:6] == [g + (g % 7 == 0) for g in doubling]
+    assert max(gaps) <= PROBE_PERIOD_MAX + 1 and gaps[-1] >= PROBE_PERIOD_MAX
+    assert not probe.due(50_000, 2) and not probe.due(50_000 + PROBE_PERIOD - 1, 0)
+    assert probe.due(50_000 + PROBE_PERIOD, 0)
+    # A request whose draft KV is 300 tokens behind waits until 300 steps have passed.
+    probe.probed(60_000)
+    assert not probe.affordable(60_299, 300) and probe.affordable(60_300, 300)
 
 
 def test_a_pool_stops_drafting_when_its_draft_model_seldom_lands():
