@@ -340,11 +340,8 @@ class PoolScheduler:
                     )
                     allowed = lookahead
                     lookahead = worth(request, allowed, bar, pool_rate, passes)
-                    if probe and allowed and self.slot_policy.draft_probe.affordable(
-                        self._num_planned, request.num_tokens - request.num_draft_synced_tokens
-                    ):
+                    if probe and allowed and self.slot_policy.take_probe(request):
                         lookahead, probe = 1, False
-                        self.slot_policy.draft_probe.probed(self._num_planned)
             else:  # a prompt chunk leaves one token per decode behind it
                 num_new = min(todo, budget - later_decodes)
                 if num_new <= 0:

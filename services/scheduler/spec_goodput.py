@@ -242,6 +242,7 @@ class SlotPolicy:
     step_cost: StepCost = field(default_factory=StepCost)
     draft_cost: DraftCost = field(default_factory=DraftCost)
     draft_probe: DraftProbe = field(default_factory=DraftProbe)
+    _step: int = 0  # the step `plan` plans
 
     def observe(self, result: StepResult, num_tokens: int) -> None:
         """A step's result: its rows (`num_tokens` planned, then the proposals) and times."""
@@ -261,4 +262,13 @@ class SlotPolicy:
         bar = self.step_cost.bar(rows, alphas, k)
         line, per_pass = self.step_cost.line(), self.draft_cost.seconds_per_pass
         passes = draft_passes(line, per_pass, rows, alphas, bar, k)
+        self._step = step
         return bar, pool_rate, passes, self.draft_probe.due(step, passes)
+
+    def take_probe(self, request: Request) -> bool:
+        """Whether the probe due in the step `plan` planned goes to `request` (taken then)."""
+        catch_up = request.num_tokens - request.num_draft_synced_tokens
+        if not self.draft_probe.affordable(self._step, catch_up):
+            return False
+        self.draft_probe.probed(self._step)
+        return True
