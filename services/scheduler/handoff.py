@@ -5,11 +5,14 @@ A request whose prompt is done waits here, holding its prefill blocks, until a d
 pulls it: each decode pool calls `pull` when it plans a step (as vLLM's scheduler admits
 requests waiting for remote KV inside `schedule()`), and takes the waiting hand-offs that
 choose it, in order. Its full blocks are looked up in each decode pool's prefix cache first,
-then in its offload tier (`handoff_tier`: loaded there); only the blocks that pool lacks are
-allocated and moved, by the peers' connector (`kv_peer_connector`: pulled out of the
-prefill worker's shared pool on one host, else over UCX). The received blocks are written only after
-the decode worker has run every step planned before they were allocated
-(`after_step_id`), so a step still in flight can never write into freshly received KV.
+then in its offload tiers (`handoff_tier`: loaded there, from host memory, or read from its
+disk first); only the blocks that pool lacks are allocated and moved, by the peers'
+connector (`kv_peer_connector`: pulled out of the prefill worker's shared pool on one host,
+else over UCX). The received blocks are written only after the decode worker has run every
+step planned before they were allocated (`after_step_id`), so a step still in flight can
+never write into freshly received KV. With disk reads, the transfer ends only once the
+decode pool's step that read them has answered: the blocks whose read failed then move
+from the prefill worker too (its blocks are held until the request arrives).
 
 Streamed (`stream`): when a step computing a chunk of a prompt is sent and a same-host
 decode pool would take the whole prompt now, the transfer starts at once (every decode
@@ -44,6 +47,7 @@ from dataclasses import dataclass
 
 from common.log import bind_request, get_logger
 from services.scheduler.handle import RequestHandle, Stage, Transfer, TransferPart
+from services.scheduler.handoff_tier import NO_RUN, TierRun
 from services.scheduler.kv_peer_connector import PeerKvConnector
 from services.scheduler.kv_retention import retain_finished
 from services.scheduler.link_breaker import LinkBreaker
@@ -105,6 +109,9 @@ class KvHandoff:
         self.links = links or LinkBreaker()
         self._tag_base = secrets.randbits(31) << 32
         self._tag_counter = 0
+        # request -> the outcome of its decode pool's disk reads (`handoff_tier`), awaited
+        # by its transfer: the places in its table of the blocks that must move after all.
+        self._disk_reads: dict[str, asyncio.Future[list[int]]] = {}
 
     def enqueue(self, handle: RequestHandle) -> None:
         """The request's prompt is done: wait for a decode pool to pull it (or, streamed
@@ -155,14 +162,22 @@ class KvHandoff:
         if free_source:
             transfer.src.blocks.free(rid)
         transfer.dst.scheduler.receives.cancel(transfer.tag, rid)
-        if transfer.dst.scheduler.offload is not None:  # its tier loads, if any
+        if transfer.dst.scheduler.offload is not None:  # its tier loads and reads, if any
             transfer.dst.scheduler.offload.handoff.drop(rid)
+        self._disk_reads.pop(rid, None)
         transfer.src.wakeup.set()
         transfer.dst.wakeup.set()
 
     def pull(self, pool: Pool) -> None:
         """`pool` plans a step: start the waiting hand-offs that choose it, in order. Stops
-        at the first that no pool has room for, or that chooses another pool (woken)."""
+        at the first that no pool has room for, or that chooses another pool (woken).
+        First, the transfers waiting for `pool`'s disk reads learn how they went."""
+        offload = pool.scheduler.offload
+        if offload is not None and offload.handoff.outcomes:
+            for rid, failed in offload.handoff.take_outcomes().items():
+                waiter = self._disk_reads.pop(rid, None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(failed)
         while self.queue and pool.accepting:
             handle = self.queue[0]
             choice = self._choose(handle.request, handle.request.num_computed_tokens, handle.pool)
@@ -196,20 +211,18 @@ class KvHandoff:
                 return
             dst, hits, tier = choice
             whole = dst.blocks.blocks_for_tokens(request.num_known_tokens)
-            if not self.peers.can_pull(src, dst) or len(hits) + len(tier) >= whole:
+            if not self.peers.can_pull(src, dst) or len(hits) + tier.num_blocks >= whole:
                 return
             transfer = self._start(handle, dst, hits, tier, streamed=True)
         computed = handle.request.num_computed_tokens
         table = src.blocks.table(handle.request.request_id)
         transfer.add_part(table, src.blocks.full_blocks(computed), step_id, last)
 
-    def _choose(
-        self, request, computed: int, src: Pool
-    ) -> tuple[Pool, list[int], list[int]] | None:
+    def _choose(self, request, computed: int, src: Pool) -> tuple[Pool, list[int], TierRun] | None:
         """The decode pool placement picks for the request's first `computed` tokens now
-        (held in `src`), its cached blocks, and its offload tier's blocks after those
-        (`handoff_tier`: loaded there, not moved). Links from `src` that just failed a
-        transfer are left out while another is usable."""
+        (held in `src`), its cached blocks, and the run of its offload tiers' blocks after
+        those (`handoff_tier`: loaded there, not moved). Links from `src` that just failed
+        a transfer are left out while another is usable."""
         healthy = [p for p in self.decode_pools if p.accepting]  # draining ones: no
         if not healthy:
             return None
@@ -220,7 +233,7 @@ class KvHandoff:
             for p in healthy
         ]
         tiers = [
-            [] if p.scheduler.offload is None
+            NO_RUN if p.scheduler.offload is None
             else p.scheduler.offload.handoff.hits(request, len(h), computed)
             for p, h in zip(healthy, hits, strict=True)
         ]  # fmt: skip
@@ -228,7 +241,7 @@ class KvHandoff:
         choice = choose_decode(
             [
                 DecodeCandidate(
-                    transfer_blocks=needed - len(h) - len(t),
+                    transfer_blocks=needed - len(h) - t.num_blocks,
                     consumed_blocks=p.blocks.blocks_needed(
                         request.request_id, computed, hits=h, next_position=max(0, computed - 1)
                     ),
@@ -244,10 +257,10 @@ class KvHandoff:
         handle: RequestHandle,
         dst: Pool,
         hits: list[int],
-        tier: list[int],
+        tier: TierRun,
         streamed: bool = False,
     ) -> Transfer | None:
-        """Allocate the request's blocks in `dst`, load the first from its offload tier
+        """Allocate the request's blocks in `dst`, load the first from its offload tiers
         (`tier`) and start moving the rest. Streamed, the prompt still runs: its parts are
         added chunk by chunk (`stream`), and `enqueue` moves it on. Otherwise everything
         moves at once."""
@@ -259,10 +272,17 @@ class KvHandoff:
             rid, num_tokens, hits=hits, next_position=max(0, num_tokens - 1)
         )
         dst.counters.kv_blocks_reused += len(hits)
-        if tier:  # loaded from the decode pool's tier with its next step, not moved
-            dst.scheduler.offload.handoff.hold(rid, tier, dst_blocks[: len(tier)])
-            dst_blocks, hits = dst_blocks[len(tier) :], hits + tier
-        if not dst_blocks:  # the decode pool already holds every block
+        first, reads = len(hits), None
+        if tier.num_blocks:  # loaded from the decode pool's tiers, not moved
+            covered = dst.scheduler.offload.handoff.hold(
+                request, tier, dst_blocks[: tier.num_blocks]
+            )
+            dst_blocks, first = dst_blocks[covered:], first + covered
+            if covered > len(tier.host):  # read from its disk: the transfer waits for them
+                reads = asyncio.get_running_loop().create_future()
+                self._disk_reads[rid] = reads
+                dst.wakeup.set()  # (an idle pool plans the step that reads them)
+        if not dst_blocks and reads is None:  # the decode pool already holds every block
             handle.start_transfer(None)
             self._arrive(handle, src, dst)
             return None
@@ -270,8 +290,10 @@ class KvHandoff:
         tag = self._tag_base | self._tag_counter
         parts: asyncio.Queue[TransferPart] = asyncio.Queue()
         after_step = dst.client.last_sent_step_id
-        task = self._spawn(self._transfer(handle, src, dst, tag, parts, after_step), f"kv-{rid}")
-        transfer = Transfer(task, src, dst, tag, parts, dst_blocks, len(hits), len(hits))
+        task = self._spawn(
+            self._transfer(handle, src, dst, tag, parts, after_step, reads), f"kv-{rid}"
+        )
+        transfer = Transfer(task, src, dst, tag, parts, dst_blocks, first, first)
         if streamed:
             handle.transfer = transfer
         else:
@@ -288,9 +310,12 @@ class KvHandoff:
         tag: int,
         parts: asyncio.Queue[TransferPart],
         after_step: int,
+        reads: asyncio.Future[list[int]] | None = None,
     ) -> None:
-        """Move the parts as they come, in order, until the last. Cancelled (the request
-        ended) it stops the calls under way; `cancel` has released the blocks."""
+        """Move the parts as they come, in order, until the last; then, with disk reads on
+        the decode pool (`reads`), wait for their outcome and move the blocks whose read
+        failed. Cancelled (the request ended) it stops the calls under way; `cancel` has
+        released the blocks."""
         rid = handle.request.request_id
         started = time.perf_counter()
         num_blocks = num_bytes = 0
@@ -307,6 +332,12 @@ class KvHandoff:
                         lag_s = result.source_lag_seconds
                     if part.last:
                         break
+                if reads is not None:
+                    failed = await reads
+                    if failed:  # their KV comes from the prefill worker after all
+                        result = await self._move_failed(handle, src, dst, tag, failed, after_step)
+                        num_blocks += len(failed)
+                        num_bytes += result.num_bytes
                 if current is not None:
                     current.set_attributes(
                         {"tandem.kv.blocks": num_blocks, "tandem.kv.bytes": num_bytes}
@@ -350,6 +381,27 @@ class KvHandoff:
             handle.transfer.done = True
             return
         self._arrive(handle, src, dst)
+
+    async def _move_failed(
+        self,
+        handle: RequestHandle,
+        src: Pool,
+        dst: Pool,
+        tag: int,
+        failed: list[int],
+        after_step: int,
+    ):
+        """Move the request's blocks at places `failed` of its table (their disk read on
+        the decode pool failed) from the source pool, where they are final by now."""
+        rid = handle.request.request_id
+        src_table, dst_table = src.blocks.table(rid), dst.blocks.table(rid)
+        part = TransferPart(
+            [src_table[i] for i in failed],
+            [dst_table[i] for i in failed],
+            handle.ready_step_in(src),
+            last=True,
+        )
+        return await self.peers.move(src, dst, tag, part, after_step)
 
     def _arrive(self, handle: RequestHandle, src: Pool, dst: Pool) -> None:
         request = handle.request

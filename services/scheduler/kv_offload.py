@@ -25,7 +25,8 @@ out. The scheduler decides every copy, so it knows what the host tier holds:
   read into offload blocks held for them (`disk_loads`) and the request waits: the
   step's result says which loaded (they join the host tier, newest) and which failed
   (gone from the index); the request then starts from whatever its tiers hold, and
-  computes the rest. A bad file is never served.
+  computes the rest. A bad file is never served. A decode pool's hand-offs read the
+  same way (`start_read`, `read_over`), through `handoff_tier.HandoffTier`.
 - Retention (`retain`, issue 45's `kv_retention_s`): a finished request's blocks in the
   host tier are retained like the device pool's (`BlockPool.retain`), and a retained
   block the host tier lets go goes to disk with its deadline (`DiskBlock.retain_until`);
@@ -75,8 +76,8 @@ class HostOffload:
         self._held: dict[str, dict[int, None]] = {}
         self.events = TierEvents(block_size)
         self._saved_now: set[int] = set()  # offload blocks this plan writes into
-        # Disk reads under way: block hash -> (offload block held for it, its tokens).
-        self._loading: dict[bytes, tuple[int, tuple[int, ...]]] = {}
+        # Disk reads under way (a request's): hash -> (offload block held for it, its entry).
+        self._loading: dict[bytes, tuple[int, Cached]] = {}
         self.num_saved_blocks = 0
         self.num_loaded_blocks = 0
         self.num_hit_tokens = 0
@@ -139,13 +140,17 @@ class HostOffload:
         self.num_saved_blocks += len(pairs)
         return pairs, disk_saves
 
-    def _demote(self, block: int, evicted: Cached | None, until: float) -> DiskBlock | None:
+    def _demote(
+        self, block: int, evicted: Cached | None, until: float, in_plan: bool = True
+    ) -> DiskBlock | None:
         """The disk write of what `block` held (retained until `until`), when the host
-        tier just let it go; on disk already, only a later deadline is sent."""
+        tier just let it go; on disk already, only a later deadline is sent. `in_plan`:
+        the write goes into the plan being made (not: into the next one, made between
+        plans, when every copy planned so far has run before it)."""
         root = self._roots.pop(block, None)
         if evicted is None or self.disk is None or root is None:
             return None
-        if block in self._saved_now:
+        if in_plan and block in self._saved_now:
             return None  # its bytes land only after this step's forward pass
         until = until if until > self.pool.clock() else 0.0
         key = evicted.key
@@ -186,24 +191,59 @@ class HostOffload:
         reads, writes = [], []
         while index < end and self.disk is not None:
             key = keys[index]
-            if key in self._loading:
+            if self.reading(key):
                 return WAIT
             if key not in self.disk or not self.pool.num_free:
                 break
-            # Held until the read is done; what it held goes to disk first (disk writes run
-            # before disk reads, both before the forward pass).
-            evicted, until = self.pool.next_evicted(), self.pool.next_evicted_until()
-            (block,) = self.pool.allocate(1)
-            demoted = self._demote(block, evicted, until)
-            if demoted is not None:
-                writes.append(demoted)
-            link = BlockLink(keys[index - 1] if index else None, request.chain_origin)
-            entry = Cached(key, tuple(tokens[index * bs : (index + 1) * bs]), link)
-            self._loading[key] = (block, entry)
-            self._roots[block] = request.hash_root
+            block, read = self.start_read(request, index, writes)
+            self._loading[key] = (block, read)
             reads.append(DiskBlock(key, request.hash_root, block))
             index += 1
         return found, reads, writes
+
+    def reading(self, key: bytes) -> bool:
+        """A disk read of the block is under way (a request's, or a hand-off's)."""
+        return key in self._loading or self.handoff.reading(key)
+
+    def start_read(
+        self, request: Request, index: int, writes: list[DiskBlock], in_plan: bool = True
+    ) -> tuple[int, Cached]:
+        """An offload block for a disk read of the request's block `index` (which the disk
+        tier holds), held until the read is over, and what the block will be once read; the
+        disk write of what the offload block held goes to `writes` (disk writes run before
+        disk reads, both before the forward pass). `in_plan`: as `_demote`'s."""
+        keys, bs = request.block_hashes, self.block_size
+        evicted, until = self.pool.next_evicted(), self.pool.next_evicted_until()
+        (block,) = self.pool.allocate(1)
+        demoted = self._demote(block, evicted, until, in_plan)
+        if demoted is not None:
+            writes.append(demoted)
+        link = BlockLink(keys[index - 1] if index else None, request.chain_origin)
+        tokens = tuple(request.all_token_ids[index * bs : (index + 1) * bs])
+        self._roots[block] = request.hash_root
+        return block, Cached(keys[index], tokens, link)
+
+    def read_over(self, block: int, read: Cached, ok: bool, holder: str | None = None) -> None:
+        """A disk read into offload block `block` is over. Loaded (`ok`), the block joins
+        the host tier: held for request `holder`, else free (newest, out last); failed,
+        the block is free and the disk index forgets the block."""
+        if ok:
+            self.pool.cache(block, read.key, read.token_ids, read.link)
+            if holder is None:
+                self.pool.decref([block])
+            else:  # (allocated: held once)
+                self._held.setdefault(holder, {})[block] = None
+            self.num_disk_loaded_blocks += 1
+            return
+        self._roots.pop(block, None)
+        self.pool.decref([block])
+        self._forget_on_disk(read.key)
+        self.num_disk_failed_blocks += 1
+
+    def unread(self, block: int) -> None:
+        """A disk read into `block` is called off before any plan carried it."""
+        self._roots.pop(block, None)
+        self.pool.decref([block])
 
     def loaded(self, num_blocks: int, hit_tokens: bool = True) -> None:
         """A request admitted with `num_blocks` loaded from the host tier (counters; a
@@ -225,19 +265,13 @@ class HostOffload:
     ) -> None:
         """A step's disk reads are done (loaded blocks join the host tier, newest first
         out last; failed ones leave the disk index), and blocks the disk tier let go."""
+        loaded, failed = self.handoff.disk_results(loaded, failed)  # a hand-off's reads
         for key in loaded:
-            block, entry = self._loading.pop(key)
-            self.pool.cache(block, key, entry.token_ids, entry.link)
-            self.pool.decref([block])
-            self.num_disk_loaded_blocks += 1
+            self.read_over(*self._loading.pop(key), ok=True)
         for key in failed:
-            block, _ = self._loading.pop(key)
-            self._roots.pop(block, None)
-            self.pool.decref([block])
-            self._forget_on_disk(key)
-            self.num_disk_failed_blocks += 1
+            self.read_over(*self._loading.pop(key), ok=False)
         for key in removed:
-            if key not in self._loading:
+            if not self.reading(key):
                 self._forget_on_disk(key)
 
     def _forget_on_disk(self, key: bytes) -> None:
@@ -288,6 +322,7 @@ class HostOffload:
         self.pool.check_integrity()
         refs = Counter(b for blocks in self._held.values() for b in blocks)
         refs.update(block for block, _ in self._loading.values())
+        refs.update(self.handoff.read_blocks())
         for block in range(self.pool.num_blocks):
             if self.pool.ref_count(block) != refs[block]:
                 raise AssertionError(f"offload block {block} is held outside a request or read")

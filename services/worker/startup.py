@@ -333,9 +333,7 @@ def kv_offload_disk(
     are this model's, this geometry's, this KV dtype's and this rank's only (each rank of a
     parallel worker keeps its slice of every block in files of its own)."""
     size = parse_size(config.kv_offload_disk_bytes)
-    if size and config.role == "decode":  # (one setting for a whole stack)
-        log.warning("kv_offload_disk_ignored", reason="a decode worker keeps no disk tier yet")
-    if not size or config.role == "decode":
+    if not size:
         return None
     identity = TierIdentity(
         model=model_name,

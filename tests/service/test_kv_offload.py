@@ -135,6 +135,84 @@ def test_a_decode_worker_keeps_a_conversation_for_its_next_turn(tiny_llama_dir, 
         stack.stop()
 
 
+def test_a_decode_worker_reads_a_conversation_back_from_its_disk_tier(tiny_llama_dir, tmp_path):
+    """A decode worker with a host tier of 4 blocks and a disk tier behind it: the first
+    turn's blocks leave its pool and then its host tier (written to disk as the host tier
+    lets them go), and the next turn's hand-off reads them from its disk instead of moving
+    them from the prefill worker. The decode worker then restarts over the same folder,
+    one file damaged meanwhile: the others are read again, the damaged one is a miss
+    (moved from the prefill worker after all); the output stays HF-exact throughout."""
+    disk = tmp_path / "kv"
+    block_bytes = 2 * 2 * BLOCK * 2 * 16 * 4  # tiny llama: layers, K/V, slots, heads, dim
+    pool = ["--max-model-len", "160", "--num-blocks", "10", "--block-size", str(BLOCK)]
+    tiers = [
+        *("--kv-offload-cpu-bytes", str(4 * block_bytes)),
+        *("--kv-offload-dir", str(disk), "--kv-offload-disk-bytes", "4MiB"),
+    ]
+    salt = "decode-disk-test"  # a known deployment salt: the test can name a block's file
+    args = {
+        "prefill": pool,
+        "decode": [*pool, *tiers],
+        "scheduler": ["--prefix-cache-salt", salt],
+    }
+    stack = start_stack(tiny_llama_dir, tmp_path / "run", extra_args=args, prefill=1, decode=1)
+    try:
+        address = stack.spec.gateway_address
+        first = list(range(5, 69))  # 4 full blocks
+        turn1 = generate(address, salted(first, 8))
+        assert turn1.token_ids == hf_greedy(tiny_llama_dir, first, 8)
+        for start in (300, 500):  # 7 full blocks each: its pool and host tier turn over
+            generate(address, salted(list(range(start, start + 120)), 4))
+        before = tier(stack)
+        assert before.role == WorkerRole.WORKER_ROLE_DECODE
+        assert before.num_offload_cpu_blocks == 4 and before.offload_disk_saved_blocks >= 4
+        second = first + list(turn1.token_ids) + list(range(80, 90))  # 82 tokens: 6 blocks
+        turn2 = generate(address, salted(second, 8))
+        assert turn2.token_ids == hf_greedy(tiny_llama_dir, second, 8)
+        after = tier(stack)
+        assert after.offload_disk_loaded_blocks - before.offload_disk_loaded_blocks == 4
+        assert after.offload_disk_failed_blocks == 0
+        assert after.offload_loaded_blocks - before.offload_loaded_blocks == 4  # into its pool
+        assert after.kv_blocks_received - before.kv_blocks_received == 2  # only the rest
+        # Another cache_salt reads nothing from that disk: every block moves.
+        other = generate(address, salted(second, 8, salt="tenant-b"))
+        assert other.token_ids == turn2.token_ids
+        apart = tier(stack)
+        assert apart.offload_disk_loaded_blocks == after.offload_disk_loaded_blocks
+        assert apart.kv_blocks_received - after.kv_blocks_received == 6
+
+        # The decode worker stops and starts again; the file of block 1 is damaged meanwhile.
+        (worker,) = [p.name for p in stack.processes if p.name.startswith("decode")]
+        root = root_hash(salt.encode(), "offload")
+        block1 = extend_block_hashes([], first, BLOCK, root)[1]
+        (damaged,) = disk.rglob(f"{block1.hex()}-0.kv")
+        failures = pool_stats(stack).worker_failures
+        stack.signal(worker, signal.SIGTERM)
+        stack.wait_exit(worker)
+        wait_for(lambda: pool_stats(stack).worker_failures > failures, 60, "worker failed")
+        raw = bytearray(damaged.read_bytes())
+        raw[len(raw) // 2] ^= 0x5A
+        damaged.write_bytes(bytes(raw))
+        stack.restart(worker)
+        wait_healthy_pools(stack)
+        restarted = tier(stack)
+        assert restarted.num_offload_disk_blocks >= 4  # its files, found again
+        third = first + list(range(90, 100))  # 74 tokens: 5 blocks, 4 of them on disk
+        turn3 = generate(address, salted(third, 8))
+        assert turn3.token_ids == hf_greedy(tiny_llama_dir, third, 8)
+        stats = tier(stack)
+        assert stats.offload_disk_loaded_blocks - restarted.offload_disk_loaded_blocks == 3
+        assert stats.offload_disk_failed_blocks - restarted.offload_disk_failed_blocks == 1
+        assert stats.kv_blocks_received - restarted.kv_blocks_received == 2  # 1, and block 4
+        assert not damaged.exists()  # never served, logged once
+        bad = [x for x in log_lines_since(stack, 0, worker) if "kv_offload_bad_file" in x]
+        assert len(bad) == 1 and block1.hex() in bad[0]
+        pools = wait_until_idle(stack).pools
+        assert all(p.num_free_blocks == p.num_blocks for p in pools)  # nothing leaked
+    finally:
+        stack.stop()
+
+
 def test_the_disk_tier_serves_past_the_host_tier_and_a_worker_restart_but_never_a_bad_file(
     tiny_llama_dir, tmp_path
 ):
