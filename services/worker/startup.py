@@ -346,7 +346,7 @@ def kv_offload_disk(
             pp_rank=ranks.stage.stage, pp_size=ranks.stage.size,
         )),
     )  # fmt: skip
-    tier = DiskTier(config.kv_offload_dir, size, identity)
+    tier = DiskTier(config.kv_offload_dir, size, identity, claim=True)
     if not tier.enabled:
         raise ValueError(
             f"--kv-offload-disk-bytes {config.kv_offload_disk_bytes} holds no block "

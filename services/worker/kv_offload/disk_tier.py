@@ -2,9 +2,12 @@
 byte budget (`--kv-offload-dir`, `--kv-offload-disk-bytes`); it survives a restart.
 
 Files (`disk_format`) live in a folder of their own per `TierIdentity` (model, geometry,
-TP rank, PP stage), so workers of different ranks can share `--kv-offload-dir`; two live
-workers of one identity must not (each would manage the other's files against its own
-budget). A write goes to a temporary file renamed into place (`os.replace`): a crash
+TP rank, PP stage), so workers of different ranks can share `--kv-offload-dir`. A worker
+*claims* its folder (`claim=True`, `folder_claim`): two live workers of one identity (a
+prefill and a decode worker of one stack given one `--kv-offload-dir`) take
+`<identity>` and `<identity>.1`, each under its own budget, since a tier manages its
+folder's files as its own. A restarted worker takes the first folder no live worker
+holds (the files there are as good as its own: each is checked on read). A write goes to a temporary file renamed into place (`os.replace`): a crash
 leaves a whole file or none under a block's name, and a stray temporary file that the
 next start removes. No fsync: a file torn by a power cut is caught by its length and
 checksum, and is a miss.
@@ -57,6 +60,7 @@ from services.worker.kv_offload.disk_format import (
 )
 from services.worker.kv_offload.disk_index import DiskFile, DiskIndex
 from services.worker.kv_offload.fault_hooks import DiskWriteStall
+from services.worker.kv_offload.folder_claim import CLAIM_FILE, FolderClaim
 from services.worker.kv_offload.keys import BlockKey, Evicted, TierIdentity, check_root
 from services.worker.kv_offload.views import out_bytes
 
@@ -68,10 +72,12 @@ class DiskTier:
         capacity_bytes: int,
         identity: TierIdentity,
         clock: Callable[[], float] = time.time,
+        claim: bool = False,
     ):
         """Index `folder`'s files of `identity` (making the folder if needed). A budget
         below one file (`file_bytes`: header and block) is a disabled tier. `clock`:
-        wall-clock seconds, for retention deadlines (tests pass their own)."""
+        wall-clock seconds, for retention deadlines (tests pass their own). `claim`: take
+        the first folder of this identity no live process holds, until `close` or exit."""
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be non-negative, got {capacity_bytes}")
         self.identity = identity
@@ -81,6 +87,7 @@ class DiskTier:
         self.capacity_bytes = capacity_bytes
         self.capacity_blocks = capacity_bytes // self.file_bytes
         self.folder = Path(folder) / identity_dir_name(self.fingerprint)
+        self._claim: FolderClaim | None = None
         self._index = DiskIndex()
         self.clock = clock
         self._dropped: list[Evicted] = []
@@ -89,8 +96,17 @@ class DiskTier:
         self._lock = threading.Lock()
         self._fault = DiskWriteStall.from_env()  # tests only (fault_hooks.py)
         if self.enabled:
+            if claim:
+                self._claim = FolderClaim.first_free(self.folder)
+                self.folder = self._claim.folder
             self.folder.mkdir(parents=True, exist_ok=True)
             self._scan()
+
+    def close(self) -> None:
+        """Let another tier claim this folder (the process's exit does it too)."""
+        if self._claim is not None:
+            self._claim.release()
+            self._claim = None
 
     @property
     def enabled(self) -> bool:
@@ -319,6 +335,8 @@ class DiskTier:
         found: dict[BlockKey, tuple[int, str, int]] = {}  # key -> (mtime, path, deadline)
         temporaries = strangers = 0
         for shard in _entries(self.folder):
+            if shard.name == CLAIM_FILE:
+                continue
             if not shard.is_dir(follow_symlinks=False):
                 strangers += 1
                 continue
