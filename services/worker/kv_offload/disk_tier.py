@@ -7,7 +7,8 @@ TP rank, PP stage), so workers of different ranks can share `--kv-offload-dir`. 
 prefill and a decode worker of one stack given one `--kv-offload-dir`) take
 `<identity>` and `<identity>.1`, each under its own budget, since a tier manages its
 folder's files as its own. A restarted worker takes the first folder no live worker
-holds (the files there are as good as its own: each is checked on read). A write goes to a temporary file renamed into place (`os.replace`): a crash
+holds (the files there are as good as its own: each is checked on read).
+A write goes to a temporary file renamed into place (`os.replace`): a crash
 leaves a whole file or none under a block's name, and a stray temporary file that the
 next start removes. No fsync: a file torn by a power cut is caught by its length and
 checksum, and is a miss.
