@@ -59,6 +59,17 @@ class DiskBlock:
 
 
 @dataclass(frozen=True)
+class DiskRetain:
+    """A block the disk tier holds whose deadline moves to `retain_until` (wall-clock
+    seconds; `common.retention`): a finished retained request's block that the host tier no
+    longer holds. Only its file's name changes; a block the disk no longer has is left
+    alone (nothing is written)."""
+
+    block_hash: bytes
+    retain_until: float
+
+
+@dataclass(frozen=True)
 class BlockMoves:
     """Whole-block copies a step makes before its forward pass, in field order, and the
     offload tier's saves after it."""
@@ -70,6 +81,7 @@ class BlockMoves:
     offload_out: Sequence[tuple[int, int]] = ()  # after the forward: (device, offload block)
     disk_saves: Sequence[DiskBlock] = ()  # before disk_loads (both before the forward)
     disk_loads: Sequence[DiskBlock] = ()  # into held offload blocks, before the forward
+    disk_retains: Sequence[DiskRetain] = ()  # deadlines only, before disk_saves
 
     def __bool__(self) -> bool:
         return bool(
@@ -80,6 +92,7 @@ class BlockMoves:
             or self.offload_out
             or self.disk_saves
             or self.disk_loads
+            or self.disk_retains
         )
 
 

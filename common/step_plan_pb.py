@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from common.pb.tandem.internal.v1 import worker_pb2
 from common.sampling_pb import sampling_from_pb, sampling_to_pb
-from common.step_plan import BlockMoves, CachedRequestData, DiskBlock, NewRequestData, StepPlan
+from common.step_plan import (
+    BlockMoves,
+    CachedRequestData,
+    DiskBlock,
+    DiskRetain,
+    NewRequestData,
+    StepPlan,
+)
 from common.structured_output import constraint_from_pb, constraint_to_pb
 
 
@@ -45,6 +52,10 @@ def plan_to_pb(plan: StepPlan) -> worker_pb2.StepRequest:
         offload_out=_copies(plan.moves.offload_out),
         disk_saves=_disk_blocks(plan.moves.disk_saves),
         disk_loads=_disk_blocks(plan.moves.disk_loads),
+        disk_retains=[
+            worker_pb2.DiskRetain(block_hash=r.block_hash, retain_until=r.retain_until)
+            for r in plan.moves.disk_retains
+        ],
     )
     for r in plan.new:
         new = message.new_requests.add(
@@ -111,6 +122,7 @@ def plan_from_pb(plan: worker_pb2.StepRequest) -> StepPlan:
             offload_out=_pairs(plan.offload_out),
             disk_saves=_disk_blocks_from(plan.disk_saves),
             disk_loads=_disk_blocks_from(plan.disk_loads),
+            disk_retains=[DiskRetain(r.block_hash, r.retain_until) for r in plan.disk_retains],
         ),
         cancelled_transfer_tags=list(plan.cancelled_transfer_tags),
     )

@@ -11,7 +11,11 @@ has parked, the policy steps and each new beam is a request forked from its pare
 copied on write when the child writes into it), whose tokens are its parent's chosen
 tokens plus the new one and whose computed tokens are its parent's, so it computes only
 its new token; then the parents are released (`Engine.release_kv`). When the search is
-done the best `n` hypotheses go out whole (index 0 the best), then the request ends.
+done the best `n` hypotheses go out whole (index 0 the best), then the request ends; a
+search that asked for `kv_retention_s` first has the blocks of its prompt and of those
+hypotheses retained where its last beams are parked (`Engine.retain_kv`: found by their
+hashes, so a hypothesis that finished steps ago is kept too), as a finished request's
+are; blocks that only pruned beams held are not (the beams' own requests retain nothing).
 
 A search that loses a beam's KV (preempted, swapped out, its worker failed or its
 transfer did: its requests are not `restartable`, so they end with ABORTED instead of
@@ -184,6 +188,7 @@ class BeamDriver:
             block_hashes=[],
             prompt_logprobs=[],
             trace_context=("", ""),
+            kv_retention_s=0.0,  # what is kept is chosen at the end (`_retain`)
             keep_kv=True,
             restartable=False,
             counted=False,
@@ -235,11 +240,13 @@ class BeamDriver:
         if self.done:
             return
         self.done = True
+        results = self._search.results() if reason is None else []
+        if results and self.template.kv_retention_s > 0:
+            self._retain(results[: self.params.num_return_sequences])
         self._release_all()
         summary = self._summary()
         cached = max(0, summary.num_cached_tokens)
         eos = set(self.params.eos_token_ids)
-        results = self._search.results() if reason is None else []
         for index in range(self.params.num_return_sequences):
             tokens = list(results[index].tokens) if results else []
             why = reason or (FinishReason.STOP if tokens[-1:] and tokens[-1] in eos else
@@ -272,6 +279,27 @@ class BeamDriver:
                 beam_restarts=self.num_restarts,
                 error=error[1] if error else None,
             )
+
+    def _retain(self, hypotheses) -> None:
+        """Keep the prompt's and the returned hypotheses' KV for the search's
+        `kv_retention_s` (before the last beams are released). A hypothesis's last token
+        was chosen from its parent's candidates, never computed: its KV is its other
+        tokens'. A failure is logged, never raised: the results must still go out."""
+        prompt = self.template.prompt_token_ids
+        sequences = [
+            dataclasses.replace(
+                self.template,
+                request_id=self._id(f"kept.{i}"),
+                output_token_ids=list(h.tokens),
+                num_computed_tokens=len(prompt) + len(h.tokens) - 1,
+                block_hashes=[],
+            )
+            for i, h in enumerate(hypotheses)
+        ]
+        try:
+            self.engine.retain_kv(sorted(self._live), sequences)
+        except Exception:
+            log.exception("beam_retain_failed", request_id=self.request_id)
 
     def _summary(self) -> Request:
         """The search as one request (its times are its first prompt run's)."""

@@ -38,6 +38,7 @@ from services.scheduler.admission import (
 from services.scheduler.grammar_gate import GrammarGate
 from services.scheduler.handle import RequestHandle, Stage, Tokens
 from services.scheduler.handoff import KvHandoff, Stranded, TransferFailed
+from services.scheduler.kv_retention import retain_sequence
 from services.scheduler.link_breaker import LinkBreaker
 from services.scheduler.lora_registry import LoraRegistry
 from services.scheduler.pool import Pool, pick_prefill_pool
@@ -478,6 +479,23 @@ class Engine:
     def release_kv(self, request_id: str) -> None:
         """Free what a parked request keeps (nothing if it is not parked)."""
         self.requests.release_kv(request_id)
+
+    def retain_kv(self, parked_ids: Sequence[str], sequences: Sequence[Request]) -> None:
+        """Keep the KV of `sequences` (never submitted: a beam search's hypotheses, with
+        their tokens, computed tokens and `kv_retention_s`) as a finished request's is kept
+        (`kv_retention.retain_sequence`), in each pool where one of `parked_ids` is parked
+        (their chains' hash root). Call before releasing them."""
+        pools: dict[int, RequestHandle] = {}
+        for request_id in parked_ids:
+            handle = self.requests.get(request_id)
+            if handle is not None and handle.stage is Stage.PARKED:
+                pools.setdefault(id(handle.pool), handle)
+        for handle in pools.values():
+            pool = handle.pool
+            for sequence in sequences:
+                sequence.hash_root, sequence.block_hashes = handle.request.hash_root, []
+                retain_sequence(pool.blocks, pool.scheduler.offload, sequence)
+            pool.wakeup.set()  # deadlines of blocks on disk only go with its next plan
 
     def _spawn(self, coro, name: str) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro, name=name)

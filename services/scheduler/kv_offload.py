@@ -31,7 +31,9 @@ out. The scheduler decides every copy, so it knows what the host tier holds:
   host tier are retained like the device pool's (`BlockPool.retain`), and a retained
   block the host tier lets go goes to disk with its deadline (`DiskBlock.retain_until`);
   one the disk holds already is saved again only to extend its deadline there (the
-  worker then writes nothing, `disk_offload.py`).
+  worker then writes nothing, `disk_offload.py`). Its blocks that only the disk holds
+  (the host tier let them go while it ran) get the deadline with the pool's next plan
+  (`disk_retains`: the worker renames their files).
 Pure Python.
 """
 
@@ -42,13 +44,14 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Sequence
 
 from common.kv_events import KvCacheEvent
-from common.step_plan import DiskBlock
+from common.step_plan import DiskBlock, DiskRetain
 from common.step_result import StepResult
 from services.scheduler.block_events import BlockLink, RopeKeyOf, no_rope_key
 from services.scheduler.block_pool import BlockPool, Cached
 from services.scheduler.handoff_tier import HandoffTier
 from services.scheduler.kv_offload_events import TierEvents
 from services.scheduler.request import Request
+from services.scheduler.step_plan import PoolStepPlan
 
 WAIT = None  # `hits_for`: the request waits for blocks being read from disk
 
@@ -72,6 +75,7 @@ class HostOffload:
         )
         self._roots: dict[int, bytes] = {}  # offload block -> its chain's salted root
         self._disk_until: dict[bytes, float] = {}  # deadlines sent with disk saves
+        self._disk_retains: list[DiskRetain] = []  # deadlines for the next plan (`retain`)
         # request -> its offload blocks, in chain order (a dict: a set that keeps order)
         self._held: dict[str, dict[int, None]] = {}
         self.events = TierEvents(block_size)
@@ -101,8 +105,12 @@ class HostOffload:
     def num_disk_blocks(self) -> int:
         return 0 if self.disk is None else len(self.disk)
 
-    def begin_plan(self) -> None:
+    def begin_plan(self, plan: PoolStepPlan) -> None:
+        """A plan starts; the disk deadlines `retain` moved since go in it."""
         self._saved_now.clear()
+        if self._disk_retains:
+            plan.disk_retains.extend(self._disk_retains)
+            self._disk_retains.clear()
 
     # -- saving ------------------------------------------------------------------------------
     def saves(
@@ -300,17 +308,29 @@ class HostOffload:
         self._hold(request_id, blocks)
 
     def retain(self, request: Request, until: float) -> int:
-        """Keep the finished request's blocks in the host tier until wall-clock `until`:
-        those it holds, and its other full computed blocks the tier has (a device prefix
-        hit's). Call before `release`. Returns how many deadlines moved."""
+        """Keep the finished request's blocks until wall-clock `until`: in the host tier
+        those it holds and its other full computed blocks the tier has (a device prefix
+        hit's); on disk those only the disk holds (the next plan's `disk_retains`). Call
+        before `release`. Returns how many deadlines moved."""
         held = self._held.get(request.request_id, {})
         moved = self.pool.retain(held, until)
         keys, tokens, bs = request.block_hashes, request.all_token_ids, self.block_size
         for index in range(min(len(keys), request.num_computed_tokens // bs)):
             block = self.pool.lookup(keys[index], tokens[index * bs : (index + 1) * bs])
-            if block is not None and block not in held:
+            if block is None:
+                moved += self._retain_on_disk(keys[index], until)
+            elif block not in held:
                 moved += self.pool.retain([block], until)
         return moved
+
+    def _retain_on_disk(self, key: bytes, until: float) -> int:
+        """A block the host tier no longer holds: if the disk does, its deadline there
+        moves with the next plan (a later one only; its file is renamed, not rewritten)."""
+        if self.disk is None or key not in self.disk or until <= self._disk_until.get(key, 0.0):
+            return 0
+        self._disk_until[key] = until
+        self._disk_retains.append(DiskRetain(key, until))
+        return 1
 
     def release(self, request_id: str) -> None:
         """The request left the pool (finished, preempted, handed on): its offload blocks

@@ -187,7 +187,7 @@ class PoolScheduler:
         plan.cancelled_transfer_tags = self.receives.take()
         self.batch.drop_departed(self.blocks.has)
         if self.offload is not None:  # (and a hand-off's loads and saves, on a decode pool)
-            self.offload.begin_plan()
+            self.offload.begin_plan(plan)
             self.offload.handoff.take(plan, self.blocks.pool)
         if self.migrating:  # nothing new runs; swapped requests come back to leave with KV
             self._swap_in(plan, self.max_num_batched_tokens)

@@ -101,7 +101,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 return
             try:
                 if request.HasField("beam_search"):
-                    template, params = beam_template_from_pb(request, engine.max_model_len)
+                    template, params = beam_template_from_pb(
+                        request, engine.max_model_len, engine.retention
+                    )
                     driver = BeamDriver(
                         engine, template, params, state.sink(request.request_id), trace
                     )
@@ -295,11 +297,16 @@ def samples_from_pb(
 
 
 def beam_template_from_pb(
-    request: scheduler_pb2.SubmitRequest, max_model_len: int
+    request: scheduler_pb2.SubmitRequest,
+    max_model_len: int,
+    retention: RetentionLimits = RetentionLimits(),  # noqa: B008 (frozen)
 ) -> tuple[Request, BeamParams]:
     """A beam search request: (what each of its requests starts from, greedy with the
     policy's candidates as logprobs; the policy's settings, the stop tokens its EOS ids)."""
     beam = request.beam_search
+    problem = retention.problem(request.kv_retention_s)
+    if problem is not None:
+        raise InvalidRequestError(problem)
     if not 1 <= beam.beam_width <= MAX_BEAM_WIDTH:
         raise InvalidRequestError(
             f"beam_search.beam_width must be in 1..{MAX_BEAM_WIDTH}, got {beam.beam_width}"
@@ -327,6 +334,7 @@ def beam_template_from_pb(
         prompt_token_ids=list(request.prompt_token_ids),
         max_tokens=request.max_tokens,
         cache_salt=request.cache_salt,
+        kv_retention_s=request.kv_retention_s,
         lora_name=request.lora_name,
         max_model_len=max_model_len,
     )

@@ -7,7 +7,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from common.step_plan import BlockMoves, CachedRequestData, DiskBlock, NewRequestData, StepPlan
+from common.step_plan import (
+    BlockMoves,
+    CachedRequestData,
+    DiskBlock,
+    DiskRetain,
+    NewRequestData,
+    StepPlan,
+)
 from services.scheduler.request import FinishReason, Logprob, Request
 
 
@@ -124,6 +131,8 @@ class PoolStepPlan:
     # read from it into held offload blocks.
     disk_saves: list[DiskBlock] = field(default_factory=list)
     disk_loads: list[DiskBlock] = field(default_factory=list)
+    # Before those: later deadlines of blocks on disk only (a retained request finished).
+    disk_retains: list[DiskRetain] = field(default_factory=list)
     # Tags of KV receives given up on: from this step on none may write into the pool.
     cancelled_transfer_tags: list[int] = field(default_factory=list)
 
@@ -146,6 +155,7 @@ class PoolStepPlan:
                 offload_out=self.offload_out,
                 disk_saves=self.disk_saves,
                 disk_loads=self.disk_loads,
+                disk_retains=self.disk_retains,
             ),
             cancelled_transfer_tags=self.cancelled_transfer_tags,
         )
@@ -158,6 +168,7 @@ class PoolStepPlan:
             or self.swap_out
             or self.cancelled_transfer_tags
             or self.disk_loads
+            or self.disk_retains  # sent alone too: a retained request just finished
             or self.offload_in  # a decode pool's loads at a hand-off
             or self.offload_out
         )

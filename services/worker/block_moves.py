@@ -19,9 +19,8 @@ def check_moves(
 ) -> None:
     swap_blocks = 0 if swap_cache is None else swap_cache.num_blocks
     offload_blocks = 0 if offload_cache is None else offload_cache.num_blocks
-    if (moves.offload_in or moves.offload_out or moves.disk_saves or moves.disk_loads) and (
-        not offload_blocks
-    ):
+    tier_moves = moves.offload_in or moves.offload_out or moves.disk_saves or moves.disk_loads
+    if (tier_moves or moves.disk_retains) and not offload_blocks:
         raise PlanError("the plan moves offload blocks but this worker has no offload tier")
     if (moves.swap_out or moves.swap_in) and not swap_blocks:
         raise PlanError("the plan swaps blocks but this worker has no swap space")

@@ -7,6 +7,10 @@ host-memory offload pool and the files of `kv_offload.DiskTier`, and says what h
   the file written on a thread of its own, so the step does not wait for the disk. A
   save carries the block's retention deadline (`DiskBlock.retain_until`); one of a block
   the disk holds already only extends that deadline (no copy, no write).
+- Deadlines (`disk_retains`, before the saves): a finished retained request's blocks
+  that only the disk holds get their later deadline; the file is renamed on the writer
+  thread, in order with the writes before it (nothing is copied or written; a block the
+  tier no longer has is left alone).
 - Loads (before the forward pass, into offload blocks the scheduler holds for them): a
   load first waits for a write of the same block still under way, then reads and
   verifies the file into the offload block. A missing, truncated, corrupt or foreign file
@@ -21,7 +25,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from common.log import get_logger
-from common.step_plan import DiskBlock
+from common.step_plan import DiskBlock, DiskRetain
 from services.worker.kv_cache import KvCache
 from services.worker.kv_offload.disk_tier import DiskTier
 from services.worker.kv_offload.keys import BlockKey, Evicted
@@ -47,6 +51,15 @@ class DiskOffload:
         """The blocks on disk now, oldest first."""
         return [key.block_hash for key in self.tier.keys()]
 
+    def retain(self, blocks: Sequence[DiskRetain]) -> None:
+        """Move each block's deadline on disk (a rename, in the background, after the
+        writes queued before it)."""
+        for block in blocks:
+            key = BlockKey(block.block_hash)
+            self._track(
+                block.block_hash, self._writer.submit(self.tier.retain, key, block.retain_until)
+            )
+
     def save(self, blocks: Sequence[DiskBlock], pool: KvCache) -> None:
         """Copy each block out of its offload block now; write the files in the background
         (in order, on one thread). A retained block on disk already: its deadline only."""
@@ -60,10 +73,15 @@ class DiskOffload:
                     self.tier.put, key, block.root, payload, block.retain_until
                 )
                 self.num_saved += 1
-            older = self._writes.get(block.block_hash)
-            if older is not None:  # its evictions are still to be reported
-                self._older.append(older)
-            self._writes[block.block_hash] = write
+            self._track(block.block_hash, write)
+
+    def _track(self, block_hash: bytes, write: Future) -> None:
+        """The block's latest write (a load of it waits for it; `take_removed` reports
+        what it evicted)."""
+        older = self._writes.get(block_hash)
+        if older is not None:  # its evictions are still to be reported
+            self._older.append(older)
+        self._writes[block_hash] = write
 
     def load(self, blocks: Sequence[DiskBlock], pool: KvCache) -> tuple[list[bytes], list[bytes]]:
         """Read and verify each block into its offload block: (loaded, failed) hashes."""

@@ -107,11 +107,12 @@ class OffloadConnector(KvConnector):
         finished: dict = {}
         if self._side is not None:
             self._side.before_step()
-        if moves.disk_saves or moves.disk_loads:
+        if moves.disk_saves or moves.disk_loads or moves.disk_retains:
             if self.disk is None:
                 raise PlanError("the plan moves disk tier blocks but this worker has none")
             if self._side is not None:
                 self._side.before_host_access()
+            self.disk.retain(moves.disk_retains)  # deadlines first: the saves may evict
             self.disk.save(moves.disk_saves, self.offload_cache)  # reads may reuse them
             started = time.perf_counter()
             loaded, failed = self.disk.load(moves.disk_loads, self.offload_cache)

@@ -2,7 +2,9 @@
 its KV to be kept survives a flood of other requests that evicts a conversation that did
 not ask (its next turn is served from the prefix cache: cached tokens and the pool's hit
 counter; its output HF-exact), and once its retention has expired it is evicted like any
-other; a value over --max-kv-retention-s is INVALID_ARGUMENT naming field and limit. No
+other; a value over --max-kv-retention-s is INVALID_ARGUMENT naming field and limit. A beam
+search that asked keeps its prompt and its best hypothesis the same way (its hypotheses
+equal to transformers' beam search, the next turn's output to its greedy decoding). No
 block is left held in the device pool or the host tier.
 
 Expiry is certain, not timed: the scheduler sets a deadline of (finish + retention)
@@ -16,7 +18,8 @@ import time
 import grpc
 import pytest
 
-from tests.hf_reference import hf_greedy
+from tests.hf_reference import hf_beam_search, hf_greedy, hf_model
+from tests.service.test_e2e_beam_search import beam_request, run_beam
 from tests.stack_client import generate, greedy_request, pool_stats, start_stack, wait_until_idle
 
 BLOCK = 16
@@ -126,5 +129,59 @@ def test_a_retained_prompt_stays_in_the_prefill_pool_after_its_hand_off(tiny_lla
         assert again.usage.cached_tokens == 0
         pools = wait_until_idle(stack).pools
         assert all(p.num_free_blocks == p.num_blocks for p in pools)  # nothing leaked
+    finally:
+        stack.stop()
+
+
+def test_a_retained_beam_search_keeps_its_prompt_and_best_hypothesis_past_a_flood(
+    tiny_llama_dir, tmp_path
+):
+    """A beam search (width 2) over a 56-token prompt asks for retention: its blocks are
+    the prompt's 3 full ones and a 4th holding 8 of the best hypothesis's tokens. A flood
+    that evicts an unretained conversation from both tiers leaves them: the next turn,
+    continuing the best hypothesis, is a 4-block device prefix hit."""
+    args = {
+        "both": [
+            *("--max-model-len", "160", "--num-blocks", "14", "--block-size", str(BLOCK)),
+            *("--kv-offload-cpu-bytes", str(8 * 2 * 2 * BLOCK * 2 * 16 * 4)),
+        ],
+        "scheduler": ["--max-kv-retention-s", "600"],
+    }
+    stack = start_stack(
+        tiny_llama_dir, tmp_path / "run", prefill=0, decode=0, both=1, extra_args=args
+    )
+    address = stack.spec.gateway_address
+
+    def exact(prompt, max_tokens):
+        answer = generate(address, turn(prompt, max_tokens))
+        assert answer.token_ids == hf_greedy(tiny_llama_dir, prompt, max_tokens)
+        return answer
+
+    try:
+        prompt = list(range(5, 61))  # 3 full blocks and 8 tokens
+        search = beam_request(prompt, 2, 1.0, False, 1)
+        search.max_tokens = 12
+        search.cache_salt = "retention"
+        search.kv_retention_s = 600.0
+        got = run_beam(address, search)[0]["tokens"]
+        eos = [hf_model(str(tiny_llama_dir)).generation_config.eos_token_id]
+        ((best, _),) = hf_beam_search(
+            tiny_llama_dir, prompt, num_beams=2, max_new_tokens=12, eos_token_ids=eos
+        )
+        assert got == best and len(best) >= 9  # the 4th block is the hypothesis's too
+        plain_prompt = list(range(205, 269))
+        plain = exact(plain_prompt, 8)
+        for start in range(600, 1000, 100):  # 4 requests of 4 blocks: a pool turns over
+            exact(list(range(start, start + 60)), 4)
+        before = device_hits(stack)
+        follow_up = prompt + best + list(range(80, 88))
+        answer = exact(follow_up, 8)
+        assert answer.usage.cached_tokens == 4 * BLOCK  # prompt + best hypothesis, kept
+        assert device_hits(stack) - before == 4 * BLOCK
+        again = exact(plain_prompt + list(plain.token_ids) + list(range(80, 88)), 8)
+        assert again.usage.cached_tokens == 0  # the flood evicted it, in both tiers
+        (pool,) = wait_until_idle(stack).pools
+        assert pool.num_free_blocks == pool.num_blocks  # nothing leaked
+        pool_stats(stack)  # (asserts the integrity of the pool and its host tier)
     finally:
         stack.stop()

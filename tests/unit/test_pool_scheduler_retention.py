@@ -1,13 +1,16 @@
 """Retention hints as a pool's scheduler applies them (`kv_retention.py`): a finished
 request that asked for `kv_retention_s` keeps its prompt's and output's blocks in the
 device pool and the host tier past a flood of other requests, the disk gets its deadline
-with the save, a later request extends it only by asking, and after the deadline the
-blocks are ordinary LRU blocks. The clock is the test's; no block leaks."""
+with the save (or, for blocks only the disk holds when it finishes, with the next plan),
+a later request extends it only by asking, and after the deadline the blocks are ordinary
+LRU blocks; a sequence no request holds (a beam search's hypothesis) is retained by its
+hashes in every tier. The clock is the test's; no block leaks."""
 
 from __future__ import annotations
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.kv_offload import HostOffload
+from services.scheduler.kv_retention import retain_sequence
 from services.scheduler.pool_scheduler import PoolScheduler
 from services.scheduler.request import Request
 from tests.unit.test_pool_scheduler import ROOT, make_request, result_for, step
@@ -148,3 +151,76 @@ def test_requests_without_retention_retain_nothing():
     s = retention_sched(clock, offload_blocks=6)
     run(s, make_request("a", 9, max_tokens=4))
     assert s.blocks.pool.num_retained_free == 0 and s.offload.pool.num_retained_free == 0
+
+
+def test_a_finished_retained_request_moves_the_disk_deadline_of_its_blocks_on_disk_only():
+    """Its prompt was a device prefix hit whose host copies the tier had let go to disk
+    meanwhile: at its finish, those blocks' disk deadline moves with the next plan (sent
+    on its own: nothing else runs), without a save; its block the host tier holds is
+    retained there. An earlier deadline, or no retention, sends nothing."""
+    clock = Clock()
+    s = retention_sched(clock, num_blocks=40, offload_blocks=3, disk=True)
+    first = make_request("first", 13, max_tokens=1)  # 3 full blocks, into the host tier
+    run(s, first)
+    run(s, make_request("other", 13, max_tokens=1, first=700))  # pushes them to disk
+    on_disk = first.block_hashes[:3]
+    assert set(on_disk) <= set(s.offload.disk)
+    assert all(s.offload.pool.lookup(k, first.all_token_ids[i * 4 : i * 4 + 4]) is None
+               for i, k in enumerate(on_disk))  # fmt: skip
+
+    def finish(rid: str, retention: float):
+        request = Request(rid, [*first.all_token_ids[:12], 60, 61, 62, 63, 64], 1,
+                          hash_root=ROOT, kv_retention_s=retention)  # fmt: skip
+        run(s, request)
+        assert request.num_cached_tokens >= 12  # a device prefix hit
+        plan = s.schedule()
+        if not plan.is_empty:
+            s.update(result_for(plan))
+        s.check_integrity()
+        return plan
+
+    plan = finish("kept", 60.0)
+    assert [(r.block_hash, r.retain_until) for r in plan.disk_retains] == [
+        (k, clock.now + 60.0) for k in on_disk
+    ]
+    assert not plan.scheduled and not plan.disk_saves  # only the deadlines: nothing written
+    assert s.offload.pool.num_retained_free == 1  # its 4th block, held in the host tier
+    clock.now += 5
+    assert finish("shorter", 10.0).disk_retains == []  # an earlier deadline: nothing
+    assert finish("plain", 0.0).disk_retains == []
+    plan = finish("longer", 100.0)
+    assert {r.retain_until for r in plan.disk_retains} == {clock.now + 100.0}
+    assert [r.block_hash for r in plan.disk_retains] == on_disk
+    # A block the disk let go meanwhile gets no deadline.
+    s.offload.disk_results((), (), [on_disk[0]])
+    clock.now += 5
+    assert [r.block_hash for r in finish("after", 200.0).disk_retains] == on_disk[1:]
+
+
+def test_a_sequence_no_request_holds_is_retained_by_its_hashes_in_every_tier():
+    """`retain_sequence` (a beam search's hypotheses: the beams that computed them are
+    gone): each of its computed full blocks is retained where a tier holds it — the
+    device's cached free blocks, the host tier's, and on disk (the next plan) those only
+    the disk holds."""
+    clock = Clock()
+    s = retention_sched(clock, num_blocks=40, offload_blocks=3, disk=True)
+    first = make_request("first", 9, max_tokens=1)  # 2 full blocks, into the host tier
+    run(s, first)
+    run(s, make_request("other", 13, max_tokens=1, first=700))  # pushes them to disk
+    second = Request("second", [*first.all_token_ids[:8], *range(60, 68)], 1, hash_root=ROOT)
+    run(s, second)  # a 2-block device hit; its 2 new blocks go to the host tier
+    assert s.blocks.pool.num_retained_free == s.offload.pool.num_retained_free == 0
+    hypothesis = Request("hyp", second.prompt_token_ids, 2, output_token_ids=[99, 98])
+    hypothesis.hash_root, hypothesis.kv_retention_s = ROOT, 60.0
+    hypothesis.num_computed_tokens = 16 + 2 - 1  # its last token was never computed
+    assert retain_sequence(s.blocks, s.offload, hypothesis) == clock.now + 60.0
+    assert s.blocks.pool.num_retained_free == 4  # 17 computed tokens: 4 full blocks
+    assert s.offload.pool.num_retained_free == 2  # second's, in the host tier
+    plan = s.schedule()
+    assert [r.block_hash for r in plan.disk_retains] == first.block_hashes[:2]
+    assert {r.retain_until for r in plan.disk_retains} == {clock.now + 60.0}
+    s.update(result_for(plan))
+    hypothesis.kv_retention_s = 0.0
+    assert retain_sequence(s.blocks, s.offload, hypothesis) == 0.0
+    s.check_integrity()
+    assert s.blocks.num_free_blocks == 40

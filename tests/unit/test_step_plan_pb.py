@@ -9,7 +9,14 @@ from dataclasses import replace
 
 from common.pb.tandem.internal.v1 import worker_pb2
 from common.sampling import SamplingParams
-from common.step_plan import BlockMoves, CachedRequestData, NewRequestData, StepPlan
+from common.step_plan import (
+    BlockMoves,
+    CachedRequestData,
+    DiskBlock,
+    DiskRetain,
+    NewRequestData,
+    StepPlan,
+)
 from common.step_plan_pb import plan_from_pb, plan_to_pb
 from common.structured_output import Constraint
 from tests.unit.test_pool_scheduler import make_request, result_for, sched
@@ -68,7 +75,17 @@ def test_moves_replaced_tables_and_cancelled_tags_cross_unchanged():
         finished_ids=["x"],
         new=[NewRequestData("n", [1, 2, 3], [4], 0, 3, SamplingParams(top_k=5))],
         cached=[CachedRequestData("c", (), 1, (8, 0, 9), 2)],
-        moves=BlockMoves([(1, 2)], [(3, 4)], [(7, 8)], [(5, 6)], [(9, 10)]),
+        moves=BlockMoves(
+            [(1, 2)],
+            [(3, 4)],
+            [(7, 8)],
+            [(5, 6)],
+            [(9, 10)],
+            disk_saves=[DiskBlock(b"s" * 32, b"r" * 32, 3, 1_800_000_000.5)],
+            disk_loads=[DiskBlock(b"l" * 32, b"r" * 32, 4)],
+            disk_retains=[DiskRetain(b"k" * 32, 1_800_000_060.25)],
+        ),
         cancelled_transfer_tags=[11, 12],
     )
     assert _through_the_wire(plan) == _lists(plan)
+    assert plan_from_pb(plan_to_pb(plan)).moves.disk_retains == plan.moves.disk_retains

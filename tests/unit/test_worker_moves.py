@@ -6,10 +6,11 @@ import asyncio
 import pytest
 import torch
 
-from common.step_plan import BlockMoves, DiskBlock
+from common.step_plan import BlockMoves, DiskBlock, DiskRetain
 from services.worker.batch import PlanError
 from services.worker.config import WorkerConfig
 from services.worker.disk_offload import DiskOffload
+from services.worker.kv_offload.keys import BlockKey
 from services.worker.worker import Worker
 
 
@@ -107,6 +108,42 @@ def test_disk_saves_and_loads_move_offload_blocks_through_verified_files(tiny_ll
             ),
         )
         assert foreign.disk_loaded == () and len(foreign.disk_failed) == 1  # another root
+        await worker.close()
+
+    run(scenario())
+
+
+def test_disk_retains_rename_the_files_and_write_nothing(tiny_llama_dir, tmp_path):
+    """A step's `disk_retains` move deadlines of blocks on disk: the file is renamed to
+    carry it (same inode, same bytes, served as before); a block the disk lacks gets no
+    file; an earlier deadline changes nothing."""
+
+    async def scenario():
+        disk = dict(kv_offload_dir=str(tmp_path), kv_offload_disk_bytes="1MiB")
+        worker = await loaded(tiny_llama_dir, kv_offload_cpu_bytes="512KiB", **disk)
+        tier = worker.offload_cache
+        tier.data.copy_(torch.randn(tier.data.shape))
+        stored = tier.data.clone()
+        root, keys = b"r" * 32, [bytes([i]) * 32 for i in range(2)]
+        await worker.step(1, [], [], [], BlockMoves(disk_saves=[DiskBlock(keys[0], root, 0)]))
+        # A load waits for the block's last write: the file is there after it.
+        await worker.step(2, [], [], [], BlockMoves(disk_loads=[DiskBlock(keys[0], root, 4)]))
+        (before,) = tmp_path.rglob("*.kv")
+        inode, raw = before.stat().st_ino, before.read_bytes()
+        until = 1_900_000_000.5
+        retains = [DiskRetain(keys[0], until), DiskRetain(keys[1], until)]
+        await worker.step(3, [], [], [], BlockMoves(disk_retains=retains))
+        await worker.step(4, [], [], [], BlockMoves(disk_retains=[DiskRetain(keys[0], until - 60)]))
+        result = await worker.step(
+            5, [], [], [], BlockMoves(disk_loads=[DiskBlock(keys[0], root, 5)])
+        )
+        assert result.disk_loaded == (keys[0],)
+        assert torch.equal(tier.data[5], stored[0])
+        (after,) = tmp_path.rglob("*.kv")  # no file for keys[1]
+        assert after.name == f"{keys[0].hex()}-0-r1900000001.kv"  # whole seconds, up
+        assert after.stat().st_ino == inode and after.read_bytes() == raw  # only renamed
+        assert worker.disk_offload.tier.retained_until(BlockKey(keys[0])) == 1_900_000_001
+        assert worker.disk_offload.num_saved == 1
         await worker.close()
 
     run(scenario())

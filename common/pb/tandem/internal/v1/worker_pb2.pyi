@@ -73,7 +73,7 @@ class KvSharedMemory(_message.Message):
     def __init__(self, host_id: _Optional[str] = ..., pid: _Optional[int] = ..., fd: _Optional[int] = ..., num_bytes: _Optional[int] = ..., token: _Optional[bytes] = ..., pool_offset: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "finished_request_ids", "swap_out", "swap_in", "block_copies", "cancelled_transfer_tags", "offload_in", "offload_out", "disk_saves", "disk_loads")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "finished_request_ids", "swap_out", "swap_in", "block_copies", "cancelled_transfer_tags", "offload_in", "offload_out", "disk_saves", "disk_loads", "disk_retains")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class StepRequest(_message.Message):
     OFFLOAD_OUT_FIELD_NUMBER: _ClassVar[int]
     DISK_SAVES_FIELD_NUMBER: _ClassVar[int]
     DISK_LOADS_FIELD_NUMBER: _ClassVar[int]
+    DISK_RETAINS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
@@ -98,7 +99,8 @@ class StepRequest(_message.Message):
     offload_out: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     disk_saves: _containers.RepeatedCompositeFieldContainer[DiskBlock]
     disk_loads: _containers.RepeatedCompositeFieldContainer[DiskBlock]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., cancelled_transfer_tags: _Optional[_Iterable[int]] = ..., offload_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., offload_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., disk_saves: _Optional[_Iterable[_Union[DiskBlock, _Mapping]]] = ..., disk_loads: _Optional[_Iterable[_Union[DiskBlock, _Mapping]]] = ...) -> None: ...
+    disk_retains: _containers.RepeatedCompositeFieldContainer[DiskRetain]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., cancelled_transfer_tags: _Optional[_Iterable[int]] = ..., offload_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., offload_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., disk_saves: _Optional[_Iterable[_Union[DiskBlock, _Mapping]]] = ..., disk_loads: _Optional[_Iterable[_Union[DiskBlock, _Mapping]]] = ..., disk_retains: _Optional[_Iterable[_Union[DiskRetain, _Mapping]]] = ...) -> None: ...
 
 class DiskBlock(_message.Message):
     __slots__ = ("block_hash", "root", "offload_block", "retain_until")
@@ -111,6 +113,14 @@ class DiskBlock(_message.Message):
     offload_block: int
     retain_until: float
     def __init__(self, block_hash: _Optional[bytes] = ..., root: _Optional[bytes] = ..., offload_block: _Optional[int] = ..., retain_until: _Optional[float] = ...) -> None: ...
+
+class DiskRetain(_message.Message):
+    __slots__ = ("block_hash", "retain_until")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    RETAIN_UNTIL_FIELD_NUMBER: _ClassVar[int]
+    block_hash: bytes
+    retain_until: float
+    def __init__(self, block_hash: _Optional[bytes] = ..., retain_until: _Optional[float] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("src", "dst")
