@@ -45,6 +45,27 @@ def tier(stack):
 
 
 @pytest.mark.parametrize("topology", ["both", "prefill-decode", "both-tp2"])
+def restart_with_block1_damaged(stack, role: str, disk, prompt: list[int], salt: str):
+    """Stop the stack's `role` worker (SIGTERM: its disk writes done), damage the disk file
+    of `prompt`'s block 1 meanwhile, and start it again over the same folder. The
+    scheduler sees it gone before it comes back: a new process, an empty pool. Returns
+    (the worker's name, block 1's hash, the damaged file)."""
+    (worker,) = [p.name for p in stack.processes if p.name.startswith(role)]
+    root = root_hash(salt.encode(), "offload")
+    block1 = extend_block_hashes([], prompt, BLOCK, root)[1]
+    (damaged,) = disk.rglob(f"{block1.hex()}-0.kv")
+    failures = pool_stats(stack).worker_failures
+    stack.signal(worker, signal.SIGTERM)
+    stack.wait_exit(worker)
+    wait_for(lambda: pool_stats(stack).worker_failures > failures, 60, "worker failed")
+    raw = bytearray(damaged.read_bytes())
+    raw[len(raw) // 2] ^= 0x5A
+    damaged.write_bytes(bytes(raw))
+    stack.restart(worker)
+    wait_healthy_pools(stack)
+    return worker, block1, damaged
+
+
 def test_an_evicted_conversation_prefix_is_loaded_from_the_offload_tier(
     tiny_llama_dir, tmp_path, topology
 ):
@@ -182,19 +203,7 @@ def test_a_decode_worker_reads_a_conversation_back_from_its_disk_tier(tiny_llama
         assert apart.kv_blocks_received - after.kv_blocks_received == 6
 
         # The decode worker stops and starts again; the file of block 1 is damaged meanwhile.
-        (worker,) = [p.name for p in stack.processes if p.name.startswith("decode")]
-        root = root_hash(salt.encode(), "offload")
-        block1 = extend_block_hashes([], first, BLOCK, root)[1]
-        (damaged,) = disk.rglob(f"{block1.hex()}-0.kv")
-        failures = pool_stats(stack).worker_failures
-        stack.signal(worker, signal.SIGTERM)
-        stack.wait_exit(worker)
-        wait_for(lambda: pool_stats(stack).worker_failures > failures, 60, "worker failed")
-        raw = bytearray(damaged.read_bytes())
-        raw[len(raw) // 2] ^= 0x5A
-        damaged.write_bytes(bytes(raw))
-        stack.restart(worker)
-        wait_healthy_pools(stack)
+        worker, block1, damaged = restart_with_block1_damaged(stack, "decode", disk, first, salt)
         restarted = tier(stack)
         assert restarted.num_offload_disk_blocks >= 4  # its files, found again
         third = first + list(range(90, 100))  # 74 tokens: 5 blocks, 4 of them on disk
@@ -259,20 +268,7 @@ def test_the_disk_tier_serves_past_the_host_tier_and_a_worker_restart_but_never_
 
         # The worker stops (its writes done) and starts again over the same folder; the
         # file of the first turn's block 1 is damaged meanwhile.
-        (worker,) = [p.name for p in stack.processes if p.name.startswith("both")]
-        root = root_hash(salt.encode(), "offload")
-        block1 = extend_block_hashes([], first, BLOCK, root)[1]
-        (damaged,) = disk.rglob(f"{block1.hex()}-0.kv")
-        failures = pool_stats(stack).worker_failures
-        stack.signal(worker, signal.SIGTERM)
-        stack.wait_exit(worker)
-        # (the scheduler sees it gone before it comes back: a new process, an empty pool)
-        wait_for(lambda: pool_stats(stack).worker_failures > failures, 60, "worker failed")
-        raw = bytearray(damaged.read_bytes())
-        raw[len(raw) // 2] ^= 0x5A
-        damaged.write_bytes(bytes(raw))
-        stack.restart(worker)
-        wait_healthy_pools(stack)
+        worker, block1, damaged = restart_with_block1_damaged(stack, "both", disk, first, salt)
         assert tier(stack).num_offload_disk_blocks >= 4  # what the restarted worker holds
         third = first + list(range(90, 100))
         turn3 = generate(address, salted(third, 8))
