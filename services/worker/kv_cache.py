@@ -15,7 +15,10 @@ reads its group's block table. Without groups, layer i is slot i of every block.
 
 The memory may come from outside (`storage`: the shared-memory pool of `kv_shared`). A
 forward pass reports each layer it finishes (`layer_written`) to `on_layer_written`, if
-set: the shared pool's progress header, which same-host peers stream from.
+set: the shared pool's progress header, which same-host peers stream from. Before a layer
+reads the cache it calls `on_layer_needed`, if set: a KV connector's loads still under way
+(`kv_connector.wait_for_layer_load`); a pass that runs no Python per layer (a replayed CUDA
+graph) asks for every layer first (`all_layers_needed`).
 
 The cache does not allocate blocks to sequences; the scheduler owns block ids.
 """
@@ -74,6 +77,7 @@ class KvCache:
         self.device = torch.device(device)
         shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
         self.on_layer_written: Callable[[int], None] | None = None
+        self.on_layer_needed: Callable[[int], None] | None = None  # by this stage's index
         if storage is not None:
             expected = num_blocks * self.bytes_per_block(
                 block_size, num_layers, num_kv_heads, head_dim, dtype
@@ -100,6 +104,12 @@ class KvCache:
         """A forward pass finished layer `index` (its KV is in the pool)."""
         if self.on_layer_written is not None:
             self.on_layer_written(index)
+
+    def all_layers_needed(self) -> None:
+        """A pass is about to read every layer at once (a replayed CUDA graph)."""
+        if self.on_layer_needed is not None:
+            for index in range(len(self.layer_slots)):
+                self.on_layer_needed(index)
 
     @property
     def block_bytes(self) -> int:
