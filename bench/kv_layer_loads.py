@@ -4,10 +4,11 @@ model, pool and host tier (`startup.load_worker`), one prefill step of one reque
 first N blocks are tier hits and whose last M tokens are computed, timed three ways,
 alternated round by round so that a slow spell of the shared box lands on each alike:
 
-    whole   today's path: `KvCache.copy_blocks` from the tier (a gather into a temporary,
-            then one copy per run of consecutive blocks), then the forward pass
-    runs    the same whole-block loads without the temporary (one copy per run, straight
-            from tier to pool): what the copies alone cost
+    whole   the connector's CPU path: `KvCache.copy_blocks` from the tier, then the
+            forward pass (up to 471833f a gather into a temporary, then one copy per run
+            of consecutive blocks; after it, one copy per run straight from the tier)
+    runs    whole-block loads as one copy per run, straight from tier to pool, written
+            out here: the control for `whole`
     layers  a loader thread copies layer slot by layer slot (one copy per run per slot,
             numpy, which drops the GIL and starts no OpenMP team) while the forward pass
             runs; each layer waits for its slot (`KvCache.on_layer_needed`) before attention
@@ -15,7 +16,7 @@ alternated round by round so that a slow spell of the shared box lands on each a
 The step's logits must be bit-equal across the three. Each cell is the median (and min) of
 `--rounds` steps, with the ms the step spent loading (`whole`, `runs`: the copies; `layers`:
 the pass waiting for a slot); tier and pool blocks rotate over a region 4x the loads.
-JSON goes to bench/results/kv_layer_loads_cpu.json.
+JSON goes to bench/results/kv_layer_loads_cpu.json (`--out`).
 
     python -m bench.kv_layer_loads [--models llama-32m,SmolLM2-135M-Instruct]
         [--loads 8,32,64] [--new 16,64] [--rounds 12]

@@ -176,7 +176,11 @@ class KvCache:
         """Copy whole blocks: `self[dst] = source[src]` for each (src, dst) pair.
 
         `source` defaults to this cache (copy-on-write); another cache of the same geometry
-        moves blocks between device and swap space. Destinations must be distinct.
+        moves blocks between device and swap space or the offload tier. Destinations must be
+        distinct. Between two CPU caches each run of consecutive blocks is copied straight
+        (no gathered temporary: the tier's 64-block loads of SmolLM2 took 2.2 ms instead of
+        4.3, `bench.kv_layer_loads`); within one cache the gather comes first, as a
+        destination may be another pair's source.
         """
         if not pairs:
             return
@@ -186,6 +190,10 @@ class KvCache:
         src = source._index([p[0] for p in pairs], unique=False)
         dst_ids = [p[1] for p in pairs]
         dst = self._index(dst_ids, unique=True)
+        if source is not self and self.device.type == source.device.type == "cpu":
+            for s, d, n in block_runs([p[0] for p in pairs], dst_ids):
+                self.bytes[d : d + n].copy_(source.bytes[s : s + n])
+            return
         self._put(dst, dst_ids, source.bytes.index_select(0, src).to(self.device))
 
     def _put(self, index: torch.Tensor, block_ids: Sequence[int], values: torch.Tensor) -> None:
