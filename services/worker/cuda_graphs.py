@@ -130,6 +130,7 @@ class DecodeGraphs:
         self._reset_padding(n, batch)
         if batch in self._graphs:
             graph, output = self._graphs[batch]
+            self.kv_cache.all_layers_needed()  # the graph runs no Python per layer
             graph.replay()
             return output[:n]
         padded = self._meta(batch, list(meta.seq_lens) + [1] * (batch - n))

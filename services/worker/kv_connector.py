@@ -4,8 +4,11 @@ same fixed points of every step, and reports what finished with the step's resul
 
     start_load_kv(moves, step_id)  before the forward pass (after the swaps, before the
                                    copy-on-write copies, which may read a loaded block)
+    wait_for_layer_load(layer)     before a layer's attention reads the pool (only
+                                   connectors with `loads_layers`; this stage's layer
+                                   index, `KvCache.on_layer_needed`)
     save_kv_layer(layer)           as the forward pass writes each layer's KV (only
-                                   connectors with `saves_layers`)
+                                   connectors with `saves_layers`; the model's layer number)
     wait_for_save(moves, step_id)  after the forward pass
     get_finished()                 what finished during the step: `StepResult` fields
 
@@ -30,8 +33,12 @@ class KvConnector:
     """A connector's step hooks; each does nothing unless the connector needs it."""
 
     saves_layers = False  # save_kv_layer is called only when some connector sets this
+    loads_layers = False  # wait_for_layer_load likewise
 
     def start_load_kv(self, moves: BlockMoves, step_id: int) -> None:
+        pass
+
+    def wait_for_layer_load(self, layer: int) -> None:
         pass
 
     def save_kv_layer(self, layer: int) -> None:
@@ -57,10 +64,16 @@ class KvConnectors(KvConnector):
         self.connectors = tuple(connectors)
         self._layers = tuple(c for c in self.connectors if c.saves_layers)
         self.saves_layers = bool(self._layers)
+        self._loaders = tuple(c for c in self.connectors if c.loads_layers)
+        self.loads_layers = bool(self._loaders)
 
     def start_load_kv(self, moves: BlockMoves, step_id: int) -> None:
         for connector in self.connectors:
             connector.start_load_kv(moves, step_id)
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        for connector in self._loaders:
+            connector.wait_for_layer_load(layer)
 
     def save_kv_layer(self, layer: int) -> None:
         for connector in self._layers:

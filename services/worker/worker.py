@@ -112,6 +112,8 @@ class Worker:
         self.kv_connectors = KvConnectors(connectors)
         if self.kv_connectors.saves_layers:
             self.kv_cache.on_layer_written = self.kv_connectors.save_kv_layer
+        if self.kv_connectors.loads_layers:
+            self.kv_cache.on_layer_needed = self.kv_connectors.wait_for_layer_load
 
     def _make_runner(self, parts: WorkerParts) -> ModelRunner:
         """The model runner: the model, its pool, CUDA graphs, the speculative proposer, the

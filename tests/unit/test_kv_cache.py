@@ -133,3 +133,24 @@ def test_constructor_validation(kwargs: dict, message: str) -> None:
 def test_layer_index_validation() -> None:
     with pytest.raises(ValueError, match="layer index"):
         make_cache().layer(3)
+
+
+def test_block_copies_between_two_caches_and_within_one() -> None:
+    """Between caches (the offload tier, swap space) runs copy straight; within one
+    (copy-on-write) every source is read before any destination is written."""
+    pool, tier = make_cache(num_blocks=8), make_cache(num_blocks=6)
+    pool.data.copy_(torch.randn(pool.data.shape))
+    tier.data.copy_(torch.randn(tier.data.shape))
+    before, stored = pool.data.clone(), tier.data.clone()
+    pool.copy_blocks([(0, 2), (1, 3), (2, 4), (5, 0), (5, 7)], source=tier)  # a run of 3
+    for s, d in [(0, 2), (1, 3), (2, 4), (5, 0), (5, 7)]:
+        assert torch.equal(pool.data[d], stored[s])
+    assert torch.equal(pool.data[[1, 5, 6]], before[[1, 5, 6]])
+    assert torch.equal(tier.data, stored)
+    shared = pool.data.clone()
+    pool.copy_blocks([(2, 3), (3, 6)])  # block 3 is written and read
+    assert torch.equal(pool.data[3], shared[2]) and torch.equal(pool.data[6], shared[3])
+    with pytest.raises(ValueError, match="distinct"):
+        pool.copy_blocks([(0, 1), (2, 1)], source=tier)
+    with pytest.raises(ValueError, match="out of range"):
+        pool.copy_blocks([(6, 1)], source=tier)

@@ -52,6 +52,7 @@ def test_offload_loads_run_before_the_forward_pass_and_saves_after_it(tiny_llama
         worker = await loaded(tiny_llama_dir, kv_offload_cpu_bytes="512KiB")
         kv, tier = worker.kv_cache, worker.offload_cache
         assert tier is not None and tier.num_blocks >= 3 and worker.swap_cache is not None
+        assert kv.on_layer_needed is None  # on CPU the tier loads whole blocks before the pass
         tier.data.copy_(torch.randn(tier.data.shape))
         original, stored = kv.data.clone(), tier.data.clone()
         # One step loads tier block 0 into device block 4 and saves device block 4 (as the
@@ -64,7 +65,7 @@ def test_offload_loads_run_before_the_forward_pass_and_saves_after_it(tiny_llama
             await worker.step(3, [], [], [], BlockMoves(offload_in=[(tier.num_blocks, 1)]))
         await worker.close()
         bare = await loaded(tiny_llama_dir)
-        assert bare.offload_cache is None
+        assert bare.offload_cache is None and bare.kv_cache.on_layer_needed is None
         with pytest.raises(PlanError, match="no offload tier"):
             await bare.step(1, [], [], [], BlockMoves(offload_out=[(1, 0)]))
         await bare.close()

@@ -288,7 +288,10 @@ class LlamaModel(nn.Module):
                 input_ids.shape[0], self.hidden_size, self.dtype, input_ids.device
             )
         rope = self.rotary_emb.tables(positions, hidden.dtype, meta.rope_lengths)
+        needed = kv_cache.on_layer_needed  # a KV connector's layer-wise loads, if any
         for index, layer in enumerate(self.layers):
+            if needed is not None:
+                needed(index)  # this layer's KV loaded before its attention reads it
             group = kv_cache.group_of(index) if len(metas) > 1 else 0
             hidden = layer(hidden, rope, kv_cache.layer(index), metas[group])
             kv_cache.layer_written(self.first_layer + index)  # the model's layer number

@@ -57,6 +57,8 @@ def serve_steps(
         offload = OffloadConnector(
             loaded.kv_cache, loaded.offload_cache, loaded.disk_offload, agree
         )
+        if offload.loads_layers:
+            loaded.kv_cache.on_layer_needed = offload.wait_for_layer_load
     for kind, payload in read_messages(step_fd):
         if kind == RESET:
             batch.clear()
