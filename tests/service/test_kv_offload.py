@@ -44,7 +44,6 @@ def tier(stack):
     return pool
 
 
-@pytest.mark.parametrize("topology", ["both", "prefill-decode", "both-tp2"])
 def restart_with_block1_damaged(stack, role: str, disk, prompt: list[int], salt: str):
     """Stop the stack's `role` worker (SIGTERM: its disk writes done), damage the disk file
     of `prompt`'s block 1 meanwhile, and start it again over the same folder. The
@@ -66,6 +65,7 @@ def restart_with_block1_damaged(stack, role: str, disk, prompt: list[int], salt:
     return worker, block1, damaged
 
 
+@pytest.mark.parametrize("topology", ["both", "prefill-decode", "both-tp2"])
 def test_an_evicted_conversation_prefix_is_loaded_from_the_offload_tier(
     tiny_llama_dir, tmp_path, topology
 ):
