@@ -15,6 +15,7 @@ from common.config import (
     setting,
     tokenizer_setting,
 )
+from common.kv_offloading_config import parse_offloading
 from common.parallel_plan import Layout
 from common.speculative_config import SpeculativeConfig, parse_speculative_config
 from services.worker.models.attention_backend import BACKENDS
@@ -130,6 +131,23 @@ class WorkerConfig(ServiceConfig):
         "0",
         "disk budget of the KV offload's disk tier (with --kv-offload-dir)",
         env="TANDEM_KV_OFFLOAD_DISK_BYTES",
+    )
+    kv_offloading_size: float = setting(
+        0.0,
+        "vLLM's --kv-offloading-size: GiB of host memory for the KV offload tier (0 = none; "
+        "the same as --kv-offload-cpu-bytes, common/kv_offloading_config.py)",
+        env="TANDEM_KV_OFFLOADING_SIZE",
+    )
+    kv_offloading_backend: str = setting(
+        "native",
+        "vLLM's --kv-offloading-backend: native (Tandem's tiers; lmcache is refused)",
+        env="TANDEM_KV_OFFLOADING_BACKEND",
+    )
+    kv_transfer_config: str = setting(
+        "",
+        'vLLM\'s --kv-transfer-config JSON with kv_connector "OffloadingConnector": '
+        "cpu_bytes_to_use, and an fs secondary tier (root_dir, max_bytes) for a disk tier",
+        env="TANDEM_KV_TRANSFER_CONFIG",
     )
     gpu_memory_utilization: float = setting(
         0.9, "fraction of GPU memory for weights and KV", env="TANDEM_GPU_MEMORY_UTILIZATION"
@@ -291,6 +309,7 @@ class WorkerConfig(ServiceConfig):
         self._at_least(0, "num_blocks", "max_model_len", "torch_threads")
         self._require(self._size("kv_cache_memory") > 0, "kv_cache_memory", "must be positive")
         self._require(self._size("swap_space") >= 0, "swap_space", "must be >= 0")
+        self._take_vllm_offloading()
         self._require(
             self._size("kv_offload_cpu_bytes") >= 0, "kv_offload_cpu_bytes", "must be >= 0"
         )
@@ -333,6 +352,30 @@ class WorkerConfig(ServiceConfig):
             self._require(
                 spec is None, name, "must be 1 with --speculative-config (not combined yet)"
             )
+
+    def _take_vllm_offloading(self) -> None:
+        """vLLM's offloading flags become Tandem's tier settings (one shape from here on;
+        the vLLM ones are cleared, so a `dataclasses.replace` sees Tandem's only)."""
+        tiers = parse_offloading(
+            self.kv_transfer_config, self.kv_offloading_size, self.kv_offloading_backend
+        )
+        if tiers is None:
+            return
+        own = ("kv_offload_cpu_bytes", "kv_offload_disk_bytes")
+        if any(self._size(name) for name in own) or self.kv_offload_dir:
+            raise ValueError(
+                "--kv-transfer-config / --kv-offloading-size cannot be combined with "
+                "--kv-offload-cpu-bytes, --kv-offload-dir or --kv-offload-disk-bytes (give "
+                "the tiers one way)"
+            )
+        for name, value in (
+            ("kv_offload_cpu_bytes", str(tiers.cpu_bytes)),
+            ("kv_offload_dir", tiers.disk_dir),
+            ("kv_offload_disk_bytes", str(tiers.disk_bytes)),
+            ("kv_transfer_config", ""),
+            ("kv_offloading_size", 0.0),
+        ):
+            object.__setattr__(self, name, value)
 
     def _check_lora(self, spec) -> None:
         self._at_least(1, "max_loras")

@@ -70,12 +70,13 @@ def test_an_evicted_conversation_prefix_is_loaded_from_the_offload_tier(
     tiny_llama_dir, tmp_path, topology
 ):
     """A `both` worker; a prefill worker with the tier beside a decode worker (the prompt's
-    blocks it loads are then sent on as usual); a `both` worker of two tensor-parallel
-    ranks (each loads and saves its own heads' slice)."""
+    blocks it loads are then sent on as usual; its tier given with vLLM's flags); a `both`
+    worker of two tensor-parallel ranks (each loads and saves its own heads' slice)."""
     pool = ["--max-model-len", "160", "--num-blocks", "10", "--block-size", str(BLOCK)]
     offload = [*pool, "--kv-offload-cpu-bytes", "64MiB"]
     if topology == "prefill-decode":
-        shape, args = dict(prefill=1, decode=1), {"prefill": offload, "decode": pool}
+        vllm_flags = [*pool, "--kv-offloading-size", "0.0625", "--kv-offloading-backend", "native"]
+        shape, args = dict(prefill=1, decode=1), {"prefill": vllm_flags, "decode": pool}
     else:
         shape, args = dict(prefill=0, decode=0, both=1), {"both": offload}
         if topology == "both-tp2":
