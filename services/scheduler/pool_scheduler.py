@@ -259,15 +259,8 @@ class PoolScheduler:
             prompt_logprobs = []
             if request.sampling.prompt_logprobs is not None and not request.prompt_logprobs_sent:
                 prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
-            update.tokens.append(
-                SampledToken(
-                    request,
-                    token,
-                    result.logprobs.get(request.request_id),
-                    prompt_logprobs,
-                    reason,
-                )
-            )
+            entry = result.logprobs.get(request.request_id)
+            update.tokens.append(SampledToken(request, token, entry, prompt_logprobs, reason))
         if reason is not None:
             if request.keep_kv:
                 self.detach(request)  # its blocks stay: the engine parks them
