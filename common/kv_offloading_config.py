@@ -95,15 +95,8 @@ def _tiers(config: dict[str, Any]) -> OffloadTiers:
     role = config.get("kv_role", "kv_both")
     if role != "kv_both":
         raise ValueError(f"{CONFIG_FLAG}: kv_role must be 'kv_both' for {CONNECTOR}, got {role!r}")
-    extra = config.get("kv_connector_extra_config") or {}
-    if not isinstance(extra, dict):
-        raise ValueError(f"{CONFIG_FLAG}: kv_connector_extra_config must be a JSON object")
-    unknown = sorted(set(extra) - set(EXTRA_KEYS))
-    if unknown:
-        raise ValueError(
-            f"{CONFIG_FLAG}: kv_connector_extra_config key {unknown[0]!r} is not supported "
-            f"(Tandem reads {', '.join(EXTRA_KEYS)})"
-        )
+    extra = _object(config.get("kv_connector_extra_config") or {}, EXTRA_KEYS,
+                    "kv_connector_extra_config")  # fmt: skip
     if extra.get("eviction_policy", "lru") != "lru":
         raise ValueError(
             f"{CONFIG_FLAG}: eviction_policy {extra['eviction_policy']!r} is not supported "
@@ -126,14 +119,7 @@ def _tiers(config: dict[str, Any]) -> OffloadTiers:
 
 
 def _disk(tier: Any) -> tuple[str, int]:
-    if not isinstance(tier, dict):
-        raise ValueError(f"{CONFIG_FLAG}: a secondary tier must be a JSON object")
-    unknown = sorted(set(tier) - set(TIER_KEYS))
-    if unknown:
-        raise ValueError(
-            f"{CONFIG_FLAG}: secondary tier key {unknown[0]!r} is not supported (Tandem reads "
-            f"{', '.join(TIER_KEYS)})"
-        )
+    tier = _object(tier, TIER_KEYS, "secondary tier")
     if tier.get("type") != "fs":
         raise ValueError(
             f"{CONFIG_FLAG}: secondary tier type {tier.get('type')!r} is not available; "
@@ -149,3 +135,16 @@ def _positive_int(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 2**63:
         raise ValueError(f"{CONFIG_FLAG}: {name} must be a positive number of bytes, got {value!r}")
     return int(value)
+
+
+def _object(value: Any, keys: tuple[str, ...], what: str) -> dict[str, Any]:
+    """`value`, a JSON object of only the `keys` Tandem reads."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{CONFIG_FLAG}: {what} must be a JSON object")
+    unknown = sorted(set(value) - set(keys))
+    if unknown:
+        raise ValueError(
+            f"{CONFIG_FLAG}: {what} key {unknown[0]!r} is not supported (Tandem reads "
+            f"{', '.join(keys)})"
+        )
+    return value
