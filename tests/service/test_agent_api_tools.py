@@ -12,14 +12,13 @@ reasoning items / thinking blocks, and bad tool input as a 400 naming the field.
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 
 import anthropic
 import jsonschema
 import openai
 import pytest
 
+from tests.service.test_openai_api import post as post_raw
 from tests.tool_stack import MODEL, WEATHER_SCHEMA, steering_bias
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather",
@@ -92,8 +91,11 @@ def test_responses_two_step_tool_loop_over_previous_response_id(oai, steer, tool
     stored = oai.responses.retrieve(first.id)
     assert stored.output[0].call_id == call.call_id
     wrong = {**result, "call_id": "call_nope"}
-    status, error = post(tool_stack, "/v1/responses", {"model": MODEL, "input": [wrong],
-                                                       "previous_response_id": first.id})
+    status, error = post(
+        tool_stack,
+        "/v1/responses",
+        {"model": MODEL, "input": [wrong], "previous_response_id": first.id},
+    )
     assert status == 400 and error["error"]["param"] == "input[0].call_id"
 
 
@@ -127,8 +129,11 @@ def test_messages_tool_use_whole_and_streamed(claude, steer):
     starts = [e.content_block for e in events if e.type == "content_block_start"]
     tool_start = [s for s in starts if s.type == "tool_use"][0]
     assert tool_start.name == "get_weather" and tool_start.id.startswith("toolu_")
-    partial = [e.delta.partial_json for e in events
-               if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
+    partial = [
+        e.delta.partial_json
+        for e in events
+        if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+    ]
     assert json.loads("".join(partial)) == block.input
     assert final.stop_reason == "tool_use"
     assert [b.input for b in final.content if b.type == "tool_use"] == [block.input]
@@ -159,12 +164,19 @@ def test_messages_thinking_block(claude):
                                  messages=[{"role": "user", "content": ASK}])  # fmt: skip
     (block,) = got.content
     assert block.type == "thinking" and block.thinking and block.signature
-    with claude.messages.stream(model=MODEL, max_tokens=12, extra_body={"temperature": 0},
-                                messages=[{"role": "user", "content": ASK}]) as stream:
+    with claude.messages.stream(
+        model=MODEL,
+        max_tokens=12,
+        extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": ASK}],
+    ) as stream:
         events = list(stream)
         final = stream.get_final_message()
-    pieces = [e.delta.thinking for e in events
-              if e.type == "content_block_delta" and e.delta.type == "thinking_delta"]
+    pieces = [
+        e.delta.thinking
+        for e in events
+        if e.type == "content_block_delta" and e.delta.type == "thinking_delta"
+    ]
     assert "".join(pieces) == block.thinking == final.content[0].thinking
     assert any(e.type == "content_block_delta" and e.delta.type == "signature_delta"
                for e in events)  # fmt: skip
@@ -172,15 +184,7 @@ def test_messages_thinking_block(claude):
 
 def post(stack, path: str, body: dict) -> tuple[int, dict]:
     """A raw POST with the clients' credentials (a stored response is its owner's)."""
-    request = urllib.request.Request(
-        f"http://{stack.spec.http_address}{path}", data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", "Authorization": "Bearer unused"},
-    )  # fmt: skip
-    try:
-        with urllib.request.urlopen(request, timeout=60) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
+    return post_raw(stack, path, json.dumps(body).encode(), {"Authorization": "Bearer unused"})
 
 
 @pytest.mark.parametrize(
@@ -201,8 +205,11 @@ def post(stack, path: str, body: dict) -> tuple[int, dict]:
     ],
 )  # fmt: skip
 def test_bad_tool_input_is_a_400_naming_the_field(tool_stack, path, body, param):
-    base = ({"model": MODEL, "input": ASK} if path == "/v1/responses" else
-            {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": ASK}]})
+    base = (
+        {"model": MODEL, "input": ASK}
+        if path == "/v1/responses"
+        else {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": ASK}]}
+    )
     status, error = post(tool_stack, path, {**base, **body})
     assert status == 400
     if path == "/v1/responses":

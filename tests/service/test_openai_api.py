@@ -50,10 +50,11 @@ def chat_prompt_ids(model_dir: Path, messages: list[dict]) -> list[int]:
     return list(rendered["input_ids"])
 
 
-def post(stack: Stack, path: str, body: bytes) -> tuple[int, dict]:
+def post(stack: Stack, path: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    """A raw POST of `body` (JSON) with `headers` beside its content type: (status, reply)."""
     request = urllib.request.Request(
         f"http://{stack.spec.http_address}{path}", data=body, method="POST",
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **(headers or {})},
     )  # fmt: skip
     try:
         with urllib.request.urlopen(request, timeout=60) as reply:

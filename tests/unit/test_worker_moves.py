@@ -27,6 +27,16 @@ async def loaded(model, **settings) -> Worker:
     return worker
 
 
+async def with_disk_tier(model, folder) -> tuple[Worker, object, torch.Tensor]:
+    """A worker with a host tier of random blocks and a disk tier under `folder`: (the
+    worker, its host tier, a copy of the tier's bytes)."""
+    disk = dict(kv_offload_dir=str(folder), kv_offload_disk_bytes="1MiB")
+    worker = await loaded(model, kv_offload_cpu_bytes="512KiB", **disk)
+    tier = worker.offload_cache
+    tier.data.copy_(torch.randn(tier.data.shape))
+    return worker, tier, tier.data.clone()
+
+
 def test_swap_out_swap_in_and_copies_move_whole_blocks(tiny_llama_dir):
     async def scenario():
         worker = await loaded(tiny_llama_dir)
@@ -75,11 +85,7 @@ def test_offload_loads_run_before_the_forward_pass_and_saves_after_it(tiny_llama
 
 def test_disk_saves_and_loads_move_offload_blocks_through_verified_files(tiny_llama_dir, tmp_path):
     async def scenario():
-        disk = dict(kv_offload_dir=str(tmp_path), kv_offload_disk_bytes="1MiB")
-        worker = await loaded(tiny_llama_dir, kv_offload_cpu_bytes="512KiB", **disk)
-        tier = worker.offload_cache
-        tier.data.copy_(torch.randn(tier.data.shape))
-        stored = tier.data.clone()
+        worker, tier, stored = await with_disk_tier(tiny_llama_dir, tmp_path)
         root, keys = b"r" * 32, [bytes([i]) * 32 for i in range(3)]
         saves = [DiskBlock(keys[i], root, i) for i in range(3)]
         await worker.step(1, [], [], [], BlockMoves(disk_saves=saves))
@@ -120,11 +126,7 @@ def test_disk_retains_rename_the_files_and_write_nothing(tiny_llama_dir, tmp_pat
     file; an earlier deadline changes nothing."""
 
     async def scenario():
-        disk = dict(kv_offload_dir=str(tmp_path), kv_offload_disk_bytes="1MiB")
-        worker = await loaded(tiny_llama_dir, kv_offload_cpu_bytes="512KiB", **disk)
-        tier = worker.offload_cache
-        tier.data.copy_(torch.randn(tier.data.shape))
-        stored = tier.data.clone()
+        worker, tier, stored = await with_disk_tier(tiny_llama_dir, tmp_path)
         root, keys = b"r" * 32, [bytes([i]) * 32 for i in range(2)]
         await worker.step(1, [], [], [], BlockMoves(disk_saves=[DiskBlock(keys[0], root, 0)]))
         # A load waits for the block's last write: the file is there after it.
