@@ -17,10 +17,11 @@ paths, interleaved so that every path sees the same machine load:
 - `ucx_wire`: `UcxTransport.send` of a preallocated buffer to `UcxTransport.receive` into a
   reused staging buffer (peer-failure handling on, the default): UCX's part alone;
 - `ucx_kv`: what a decode worker waits for when it receives KV from another host
-  (`Worker.send_kv` / `Worker.receive_kv`): the sender gathers its scattered source blocks
-  (every other block of a `KvCache`) into a reused staging buffer on its tensor thread and
-  sends it as one tagged message; the receiver, its receive posted before, gets it into its
-  own staging buffer and scatters it into consecutive blocks on its tensor thread. Split
+  (`PeerKvConnector.send` / `.receive`, what a plan's KV load runs): the sender gathers its
+  scattered source blocks (every other block of a `KvCache`) into a reused staging buffer
+  on its tensor thread and sends it as one tagged message; the receiver, its receive posted
+  before, gets it into its own staging buffer and scatters it into consecutive blocks on
+  its tensor thread. Split
   into gather, message (gathered -> received) and scatter.
 
 Each round is timed from "the sender starts" (the source bytes or blocks are final) to "the

@@ -7,9 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from common.parallel_plan import Layout
 from common.sampling import SamplingParams
 from common.structured_output import Constraint
+
+if TYPE_CHECKING:
+    from common.kv_shared_memory import SharedMemoryInfo
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,44 @@ class BlockMoves:
 
 
 @dataclass(frozen=True)
+class KvSource:
+    """The blocks a same-host pull copies out of a peer's shared pool, final once the peer
+    has run step `ready_step_id` (0: final already)."""
+
+    worker_id: str
+    shared_memory: SharedMemoryInfo  # rank 0's (its progress header speaks for all ranks)
+    block_ids: Sequence[int]
+    ready_step_id: int = 0
+    tensor_parallel_size: int = 1
+    rank_shared_memory: Sequence[SharedMemoryInfo] = ()  # ranks 1..
+    pipeline_parallel_size: int = 1
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(max(1, self.tensor_parallel_size), max(1, self.pipeline_parallel_size))
+
+    @property
+    def rank_pools(self) -> tuple[SharedMemoryInfo, ...]:
+        return (self.shared_memory, *self.rank_shared_memory)
+
+
+@dataclass(frozen=True)
+class KvLoad:
+    """KV from a peer into blocks of this pool (the peers' connector metadata): pulled out
+    of its shared pool (`source`), else one UCX message with this tag from a sender of
+    layout `sender_layout` (which a `SendKv` on it sends). Written only after the steps
+    planned before it have run, never once its tag is cancelled."""
+
+    tag: int
+    block_ids: Sequence[int]
+    source: KvSource | None = None
+    sender_layout: Layout = Layout()
+    # W3C trace context of the scheduler's transfer span ("": not traced).
+    traceparent: str = ""
+    tracestate: str = ""
+
+
+@dataclass(frozen=True)
 class StepPlan:
     step_id: int
     # Requests the worker drops from its persistent batch before running.
@@ -106,3 +149,8 @@ class StepPlan:
     moves: BlockMoves
     # Tags of KV receives given up on: from this step on none may write into the pool.
     cancelled_transfer_tags: Sequence[int] = ()
+    # KV loads from peers, started when the plan arrives (each reported once, with the
+    # first result after it ends: `StepResult.kv_loads_done`).
+    kv_loads: Sequence[KvLoad] = ()
+    # No tokens scheduled: answered once a load ends or the next plan arrives.
+    await_kv: bool = False

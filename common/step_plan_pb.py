@@ -3,6 +3,8 @@ on its `Step` stream, and what a parallel worker's rank 0 hands its other ranks.
 
 from __future__ import annotations
 
+from common.kv_shared_memory import shared_memory_from_pb, shared_memory_to_pb
+from common.parallel_plan import Layout
 from common.pb.tandem.internal.v1 import worker_pb2
 from common.sampling_pb import sampling_from_pb, sampling_to_pb
 from common.step_plan import (
@@ -10,6 +12,8 @@ from common.step_plan import (
     CachedRequestData,
     DiskBlock,
     DiskRetain,
+    KvLoad,
+    KvSource,
     NewRequestData,
     StepPlan,
 )
@@ -40,6 +44,57 @@ def _disk_blocks_from(blocks) -> list[DiskBlock]:
     return [DiskBlock(b.block_hash, b.root, b.offload_block, b.retain_until) for b in blocks]
 
 
+def _kv_load_pb(load: KvLoad) -> worker_pb2.KvLoad:
+    message = worker_pb2.KvLoad(
+        transfer_tag=load.tag,
+        block_ids=load.block_ids,
+        sender_tensor_parallel_size=load.sender_layout.tp,
+        sender_pipeline_parallel_size=load.sender_layout.pp,
+        traceparent=load.traceparent,
+        tracestate=load.tracestate,
+    )
+    source = load.source
+    if source is not None:
+        message.source.CopyFrom(
+            worker_pb2.KvSource(
+                worker_id=source.worker_id,
+                shared_memory=shared_memory_to_pb(source.shared_memory),
+                block_ids=source.block_ids,
+                ready_step_id=source.ready_step_id,
+                tensor_parallel_size=source.tensor_parallel_size,
+                pipeline_parallel_size=source.pipeline_parallel_size,
+                rank_shared_memory=[shared_memory_to_pb(m) for m in source.rank_shared_memory],
+            )
+        )
+    return message
+
+
+def kv_source_from_pb(source: worker_pb2.KvSource) -> KvSource:
+    return KvSource(
+        worker_id=source.worker_id,
+        shared_memory=shared_memory_from_pb(source.shared_memory),
+        block_ids=tuple(source.block_ids),
+        ready_step_id=source.ready_step_id,
+        tensor_parallel_size=max(1, source.tensor_parallel_size),
+        rank_shared_memory=tuple(shared_memory_from_pb(m) for m in source.rank_shared_memory),
+        pipeline_parallel_size=max(1, source.pipeline_parallel_size),
+    )
+
+
+def _kv_load_from(load: worker_pb2.KvLoad) -> KvLoad:
+    """Layouts are checked where the transfer starts (a bad one fails that load alone)."""
+    return KvLoad(
+        tag=load.transfer_tag,
+        block_ids=tuple(load.block_ids),
+        source=kv_source_from_pb(load.source) if load.HasField("source") else None,
+        sender_layout=Layout(
+            max(1, load.sender_tensor_parallel_size), max(1, load.sender_pipeline_parallel_size)
+        ),
+        traceparent=load.traceparent,
+        tracestate=load.tracestate,
+    )
+
+
 def plan_to_pb(plan: StepPlan) -> worker_pb2.StepRequest:
     message = worker_pb2.StepRequest(
         step_id=plan.step_id,
@@ -56,6 +111,8 @@ def plan_to_pb(plan: StepPlan) -> worker_pb2.StepRequest:
             worker_pb2.DiskRetain(block_hash=r.block_hash, retain_until=r.retain_until)
             for r in plan.moves.disk_retains
         ],
+        kv_loads=[_kv_load_pb(load) for load in plan.kv_loads],
+        await_kv=plan.await_kv,
     )
     for r in plan.new:
         new = message.new_requests.add(
@@ -125,4 +182,6 @@ def plan_from_pb(plan: worker_pb2.StepRequest) -> StepPlan:
             disk_retains=[DiskRetain(r.block_hash, r.retain_until) for r in plan.disk_retains],
         ),
         cancelled_transfer_tags=list(plan.cancelled_transfer_tags),
+        kv_loads=[_kv_load_from(load) for load in plan.kv_loads],
+        await_kv=plan.await_kv,
     )

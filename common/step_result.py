@@ -33,6 +33,20 @@ class SpecOutcome:
 
 
 @dataclass(frozen=True)
+class KvLoadDone:
+    """How one KV load of a plan (`StepPlan.kv_loads`) ended: written (no `error`), or not
+    (nothing of it is served); `pull_refused`: the source's shared pool cannot be mapped
+    here, so that pair must use UCX."""
+
+    tag: int
+    num_bytes: int = 0
+    seconds: float = 0.0
+    source_lag_seconds: float = 0.0  # a streamed pull: the source's last layer -> here
+    error: str = ""
+    pull_refused: bool = False
+
+
+@dataclass(frozen=True)
 class StepResult:
     step_id: int
     # request id -> the step's last token for it, in plan order (with speculative decoding
@@ -56,6 +70,8 @@ class StepResult:
     # Seconds spent loading offload blocks into the pool, and reading the disk tier.
     offload_load_seconds: float = 0.0
     disk_read_seconds: float = 0.0
+    # KV loads from peers that ended since the last result.
+    kv_loads_done: tuple[KvLoadDone, ...] = ()
 
     @property
     def accepted_tokens(self) -> dict[str, list[int]]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from common.pb.tandem.internal.v1 import worker_pb2
 from common.sampling_pb import logprob_from_pb, logprob_to_pb
-from common.step_result import PromptLogprobs, SpecOutcome, StepResult
+from common.step_result import KvLoadDone, PromptLogprobs, SpecOutcome, StepResult
 
 
 def _sampled_pb(request_id: str, token: int, entry) -> worker_pb2.SampledToken:
@@ -53,6 +53,18 @@ def result_to_pb(result: StepResult) -> worker_pb2.StepResponse:
         disk_removed=result.disk_removed,
         offload_load_seconds=result.offload_load_seconds,
         disk_read_seconds=result.disk_read_seconds,
+        kv_loads_done=[kv_load_done_pb(done) for done in result.kv_loads_done],
+    )
+
+
+def kv_load_done_pb(done: KvLoadDone) -> worker_pb2.KvLoadDone:
+    return worker_pb2.KvLoadDone(
+        transfer_tag=done.tag,
+        num_bytes=done.num_bytes,
+        seconds=done.seconds,
+        source_lag_seconds=done.source_lag_seconds,
+        error=done.error,
+        pull_refused=done.pull_refused,
     )
 
 
@@ -94,4 +106,15 @@ def result_from_pb(pb: worker_pb2.StepResponse) -> StepResult:
         disk_removed=tuple(pb.disk_removed),
         offload_load_seconds=pb.offload_load_seconds,
         disk_read_seconds=pb.disk_read_seconds,
+        kv_loads_done=tuple(
+            KvLoadDone(
+                d.transfer_tag,
+                d.num_bytes,
+                d.seconds,
+                d.source_lag_seconds,
+                d.error,
+                d.pull_refused,
+            )
+            for d in pb.kv_loads_done
+        ),
     )

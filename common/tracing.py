@@ -165,6 +165,14 @@ def carrier_of(span: Span | None) -> tuple[str, str]:
     return carrier.get(TRACEPARENT, ""), carrier.get(TRACESTATE, "")
 
 
+def current_carrier() -> tuple[str, str]:
+    """`carrier_of` the current span; ("", "") when tracing is off or none is current."""
+    if _tracer is None:
+        return "", ""
+    span = get_current_span()
+    return carrier_of(span) if span.get_span_context().is_valid else ("", "")
+
+
 def trace_id_of(traceparent: str) -> str:
     """The trace id in a W3C `traceparent` (32 lower-case hex digits); "" when it is empty,
     malformed or all zeros. Log lines carry it (`common.log.bind_request`)."""

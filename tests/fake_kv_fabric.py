@@ -1,8 +1,8 @@
 """How the fake workers of one test move KV blocks (`tests/fake_worker.py`): the fabric (the
 UCX address book, tagged messages, one change signal every waiter listens to) and the
-fakes' `SendKv` / `ReceiveKv` / shared-memory pull, with their injected faults. A send
-completes when the receive took the data; the receive waits until its step ran and gives up
-when its tag is cancelled."""
+fakes' `SendKv`, and a plan's KV loads (UCX or a shared-memory pull), with their injected
+faults. A send completes when the load took the data; the load waits until the steps before
+its plan ran, gives up when its tag is cancelled, and is reported with a step result."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from common.step_plan import KvLoad, KvSource
+from common.step_result import KvLoadDone
 from services.scheduler.worker_types import (
-    KvPullSource,
     KvTransferResult,
     WorkerInfo,
     WorkerUnavailableError,
@@ -44,6 +45,9 @@ class FakeFabric:
             self._event.set()
             self._event = None
 
+    def by_id(self, worker_id: str) -> FakeWorker:
+        return next(w for w in self.workers.values() if w.info.worker_id == worker_id)
+
     def next_change(self) -> asyncio.Event:
         """The event the next `notify` sets: take it right after checking a condition (no
         await in between), so no change can slip by."""
@@ -54,6 +58,33 @@ class FakeFabric:
 
 class FakeKvTransfers:
     """The KV half of `FakeWorker` (a mixin over its state)."""
+
+    def _start_load(self, load: KvLoad, step_id: int) -> None:
+        """Plan `step_id`'s load: written once the steps before it ran, reported with the
+        next step result."""
+        tag, blocks, after = load.tag, list(load.block_ids), step_id - 1
+        self.receive_tags.append(tag)
+        if load.source is not None:
+            self.pull_tags.append(tag)
+            if self.refuse_pulls:
+                refused = KvLoadDone(tag, error="cannot map the shared pool", pull_refused=True)
+                self._loads_done.append(refused)
+                self.fabric.notify()
+                return
+            serve = self._serve_pull(tag, blocks, self.kv_load_timeout_s, after, load.source)
+        else:
+            serve = self._serve_receive(tag, blocks, self.kv_load_timeout_s, after)
+        self._receives[tag] = self._spawn(self._report(tag, serve, self._stream))
+
+    async def _report(self, tag: int, serve, stream: int) -> None:
+        try:
+            result = await serve
+            done = KvLoadDone(tag, result.num_bytes, source_lag_seconds=result.source_lag_seconds)
+        except (WorkerUnavailableError, ValueError, asyncio.CancelledError) as exc:
+            done = KvLoadDone(tag, error=str(exc) or "cancelled")
+        if self._stream == stream:  # a new stream (or a kill) forgets the old one's loads
+            self._loads_done.append(done)
+            self.fabric.notify()
 
     def _fault(self, tag: int) -> str | None:
         return "transfer failed (injected)" if self._faulty(tag, "fail") else None
@@ -116,20 +147,19 @@ class FakeKvTransfers:
             await self._until(
                 lambda: not self._faulty(tag, "hang") and slot.payload is not None,
                 deadline,
-                f"ReceiveKv {tag:#x}",
+                f"KV load {tag:#x}",
                 failure=cancelled,
             )
             if len(slot.payload) != len(block_ids):
                 raise WorkerUnavailableError(
-                    f"ReceiveKv {tag:#x}: {len(slot.payload)} blocks sent, "
-                    f"{len(block_ids)} expected"
+                    f"KV load {tag:#x}: {len(slot.payload)} blocks sent, {len(block_ids)} expected"
                 )
             slot.taken = True
             self.fabric.notify()
             await self._until(
                 lambda: self.executed_step_id >= after_step_id,
                 deadline,
-                f"ReceiveKv {tag:#x}",
+                f"KV load {tag:#x}",
                 failure=lambda: (
                     f"transfer {tag:#x} was cancelled" if tag in self._cancelled else None
                 ),
@@ -159,12 +189,12 @@ class FakeKvTransfers:
         block_ids: list[int],
         timeout_s: float,
         after_step_id: int,
-        source: KvPullSource,
+        source: KvSource,
     ) -> KvTransferResult:
         """Copy blocks straight out of a peer's pool once the peer has run the step that
         makes them final (the fake writes a step's KV at once, not layer by layer)."""
         deadline = asyncio.get_running_loop().time() + timeout_s
-        peer = self.fabric.workers[source.worker.ucx_address]
+        peer = self.fabric.by_id(source.worker_id)
 
         def failure() -> str | None:
             if tag in self._cancelled:
@@ -182,7 +212,7 @@ class FakeKvTransfers:
                     and self.executed_step_id >= after_step_id
                 ),
                 deadline,
-                f"ReceiveKv {tag:#x}",
+                f"KV load {tag:#x}",
                 failure=failure,
             )
             for block_id, src in zip(block_ids, source.block_ids, strict=True):

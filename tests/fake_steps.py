@@ -40,6 +40,7 @@ class StepPlan:
     swap_in: list[tuple[int, int]]
     copies: list[tuple[int, int]]
     cancelled_transfer_tags: list[int]
+    await_kv: bool = False
 
 
 @dataclass

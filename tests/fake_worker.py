@@ -14,13 +14,13 @@ deterministic "model" so token streams can be checked exactly:
   then reads the whole sequence back from the blocks, so a wrong block table, a missed
   transfer, a bad prefix-cache hit or a lost copy-on-write / swap changes the token (and is
   recorded in `kv_errors`). Swap space, block copies and swaps are modelled too.
-- `send_kv` / `receive_kv` between fakes of one `FakeFabric` move block contents under a
-  tag (rendezvous: the send completes when the receive took the data). The receive then
-  waits until step `after_step_id` has executed and gives up if its tag was cancelled (by
-  a step's `cancelled_transfer_tags`, a new step stream or a kill). Like a gRPC handler
-  whose cancellation may come late, a call the client cancels keeps running on the
-  "worker" until its tag is cancelled or its deadline passes: only cancelled tags protect
-  the blocks, as in the real protocol.
+- A plan's `kv_loads` and a peer's `send_kv` between fakes of one `FakeFabric` move block
+  contents under a tag (rendezvous: the send completes when the load took the data). A load
+  starts when its plan arrives, writes only once the steps before that plan have executed,
+  gives up if its tag was cancelled (by a plan's `cancelled_transfer_tags`, a new step
+  stream or a kill), and reports its outcome with the next step result (`kv_loads_done`);
+  an `await_kv` plan is answered once a load ends or another plan arrives. Only cancelled
+  tags protect the blocks, as in the real protocol.
 
 Test controls: `kill()` / `revive()`, `set_health()`, `step_delay_s`, `hold_steps()` /
 `release_steps()`, `hang_transfers()` / `fail_transfers()` / `heal_transfers()` (all
@@ -48,8 +48,6 @@ from common.sampling import Logprob
 from common.step_result import StepResult
 from services.scheduler.worker_types import (
     ConstraintRefusedError,
-    KvPullRefusedError,
-    KvPullSource,
     KvTransferResult,
     LoraRefusedError,
     ModelShape,
@@ -134,7 +132,8 @@ class FakeWorker(FakeStepExecution, FakeKvTransfers):
         self.after_kv_received: Callable[[int], Awaitable[None]] | None = None
         # Awaited by send_step with the plan once it is queued, before the call returns.
         self.during_send: Callable[[Any], Awaitable[None]] | None = None
-        self.refuse_pulls = False  # receive_kv with a source: the pool cannot be mapped
+        self.refuse_pulls = False  # a load with a source: the pool cannot be mapped
+        self.kv_load_timeout_s = 30.0  # a load's own deadline on the "worker"
         self.refuse_lora: str | None = None  # add_lora refuses, saying this
         # LoRA adapters held (name -> folder; "" for those of its start), like --lora-modules
         self.lora_adapters: dict[str, str] = dict.fromkeys(info.model.lora_adapters, "")
@@ -154,15 +153,16 @@ class FakeWorker(FakeStepExecution, FakeKvTransfers):
         self._stream_error: str | None = None
         self._cancelled: set[int] = set()
         self._receives: dict[int, asyncio.Task] = {}
+        self._loads_done: list = []  # KvLoadDone, for the next step result
         self._tasks: set[asyncio.Task] = set()
         self._stepper: asyncio.Task | None = None
         # -- what the tests look at
         self.steps: list[StepRecord] = []  # every executed step
         self.planned_request_ids: set[str] = set()  # requests some sent plan scheduled
         self.cancelled_tags_received: list[int] = []  # from plans, in arrival order
-        self.receive_tags: list[int] = []  # tags of receive_kv calls
+        self.receive_tags: list[int] = []  # tags of kv_loads started
         self.send_tags: list[int] = []  # tags of send_kv calls
-        self.pull_tags: list[int] = []  # receive_kv calls that copy from a peer's pool
+        self.pull_tags: list[int] = []  # kv_loads that copy from a peer's pool
         self.kv_blocks_received = 0
         self.kv_errors: list[str] = []  # a sample read KV that does not match its tokens
         self.plan_errors: list[str] = []  # plans that do not fit the batch (engine bugs)
@@ -202,7 +202,8 @@ class FakeWorker(FakeStepExecution, FakeKvTransfers):
         self.fabric.notify()
 
     def hold_steps(self) -> None:
-        """Plans are accepted but no step runs until `release_steps`."""
+        """Plans are accepted but no step that computes tokens runs until `release_steps`
+        (nor any after it; plans that only move KV or await loads still run)."""
         self._held = True
 
     def release_steps(self) -> None:
@@ -210,13 +211,13 @@ class FakeWorker(FakeStepExecution, FakeKvTransfers):
         self.fabric.notify()
 
     def hang_transfers(self, tags: Iterable[int] | None = None) -> None:
-        """send_kv / receive_kv on this worker (only for `tags`, if given) never move data
+        """send_kv / KV loads on this worker (only for `tags`, if given) never move data
         until healed, cancelled, killed or past their deadline."""
         self._transfer_fault, self._fault_tags = "hang", None if tags is None else set(tags)
         self.fabric.notify()
 
     def fail_transfers(self, tags: Iterable[int] | None = None) -> None:
-        """send_kv / receive_kv on this worker (only for `tags`, if given) fail at once."""
+        """send_kv / KV loads on this worker (only for `tags`, if given) fail at once."""
         self._transfer_fault, self._fault_tags = "fail", None if tags is None else set(tags)
         self.fabric.notify()
 
@@ -290,6 +291,8 @@ class FakeWorker(FakeStepExecution, FakeKvTransfers):
         # A real worker cancels the receives when the plan arrives, before it runs.
         self._cancel_transfers(cancelled_transfer_tags)
         self.cancelled_tags_received.extend(cancelled_transfer_tags)
+        for load in plan.kv_loads:
+            self._start_load(load, self._step_id)
         items = []
         for s in plan.scheduled:
             r = s.request
@@ -318,6 +321,7 @@ class FakeWorker(FakeStepExecution, FakeKvTransfers):
                 swap_in=list(plan.swap_in),
                 copies=list(plan.block_copies),
                 cancelled_transfer_tags=list(cancelled_transfer_tags),
+                await_kv=plan.await_kv and not plan.scheduled,
             )
         )
         self.fabric.notify()
@@ -348,29 +352,6 @@ class FakeWorker(FakeStepExecution, FakeKvTransfers):
         self._check_alive()
         self.send_tags.append(tag)
         task = self._spawn(self._serve_send(tag, peer, list(block_ids), timeout_s))
-        return await asyncio.shield(task)
-
-    async def receive_kv(
-        self,
-        tag: int,
-        block_ids: list[int],
-        timeout_s: float,
-        after_step_id: int,
-        source: KvPullSource | None = None,
-        sender: WorkerInfo | None = None,
-    ) -> KvTransferResult:
-        """`sender`: the UCX sender (fakes hold one-process pools; its layout is unused)."""
-        self._check_alive()
-        self.receive_tags.append(tag)
-        if source is not None:
-            self.pull_tags.append(tag)
-            if self.refuse_pulls:
-                raise KvPullRefusedError(f"{self.address}: cannot map the shared pool")
-            serve = self._serve_pull(tag, list(block_ids), timeout_s, after_step_id, source)
-        else:
-            serve = self._serve_receive(tag, list(block_ids), timeout_s, after_step_id)
-        task = self._spawn(serve)
-        self._receives[tag] = task
         return await asyncio.shield(task)
 
     async def add_lora(self, name: str, path: str, timeout_s: float) -> None:
@@ -414,6 +395,7 @@ class FakeWorker(FakeStepExecution, FakeKvTransfers):
         self._plans.clear()
         self._results.clear()
         self._stream_error = None
+        self._loads_done.clear()
         self._step_id = 0
         self.executed_step_id = 0
         self._cancel_transfers(list(self._receives))
@@ -480,7 +462,10 @@ class FakeWorker(FakeStepExecution, FakeKvTransfers):
         try:
             while True:
                 await self._until(
-                    lambda: bool(self._plans) and not self._held, None, "step", stream=stream
+                    lambda: bool(self._plans) and not (self._held and self._plans[0].items),
+                    None,
+                    "step",
+                    stream=stream,
                 )
                 started = time.perf_counter()
                 if self.step_delay_s:
@@ -495,7 +480,15 @@ class FakeWorker(FakeStepExecution, FakeKvTransfers):
                     self._stream_error = f"FAILED_PRECONDITION {exc}"
                     self.fabric.notify()
                     return
+                if plan.await_kv:  # until a load ends or another plan comes
+                    await self._until(
+                        lambda: bool(self._loads_done or self._plans or not self._receives),
+                        None,
+                        "await_kv",
+                        stream=stream,
+                    )
                 accepted, spec = self.spec_results.pop(plan.step_id, ({}, {}))
+                done, self._loads_done = tuple(self._loads_done), []
                 self._results.append(
                     StepResult(
                         step_id=plan.step_id,
@@ -504,6 +497,7 @@ class FakeWorker(FakeStepExecution, FakeKvTransfers):
                         logprobs=self.logprob_results.pop(plan.step_id, {}),
                         spec=spec,
                         draining=self._health == "NOT_SERVING",  # as a real worker says
+                        kv_loads_done=done,
                     )
                 )
                 self.executed_step_id = plan.step_id

@@ -1,8 +1,10 @@
 """Receiving side of the KV-transfer test, run as its own process.
 
 Loads a real decode Worker, prints its UCX address, then for each JSON command on stdin
-(`{"tag": int, "blocks": [...], "out": path}`) receives one transfer into those blocks and
-writes the raw bytes of the blocks to `out`. Prints one JSON line per finished command.
+(`{"tag": int, "blocks": [...], "out": path, "sender_tp": int}`) receives one transfer into
+those blocks as a step plan's KV load does (`PeerKvConnector.start_loads`, its outcome as
+the step result reports it) and writes the raw bytes of the blocks to `out`. Prints one
+JSON line per finished command (the outcome's error, if any).
 """
 
 import asyncio
@@ -10,6 +12,8 @@ import json
 import sys
 
 from common.log import setup_logging
+from common.parallel_plan import Layout
+from common.step_plan import KvLoad
 from services.worker.config import WorkerConfig
 from services.worker.worker import Worker
 
@@ -37,7 +41,13 @@ async def main(model: str, dtype: str, error_handling: bool) -> None:
     loop = asyncio.get_running_loop()
     while line := await loop.run_in_executor(None, sys.stdin.readline):
         command = json.loads(line)
-        result = await worker.peer_kv.receive(command["tag"], command["blocks"])
+        layout = Layout(command.get("sender_tp", 1))
+        worker.peer_kv.start_loads([KvLoad(command["tag"], command["blocks"], None, layout)], 1)
+        await worker.peer_kv.load_ended.wait()
+        ((_, _, result),) = worker.peer_kv.take_done()
+        if result.error:
+            print(json.dumps({"error": result.error}), flush=True)
+            continue
         data = worker.kv_cache.gather_blocks(command["blocks"]).numpy().tobytes()
         with open(command["out"], "wb") as f:
             f.write(data)

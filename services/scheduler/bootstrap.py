@@ -72,7 +72,7 @@ def check_worker_limits(config: SchedulerConfig, info: WorkerInfo) -> None:
     - A step may schedule up to max_num_batched_tokens tokens on any worker (prefill chunks,
       recomputes, swap-ins); a GPU worker left room for the activations of a step of
       profile_num_tokens tokens only, so a larger step could run it out of memory.
-    - Our kv_transfer_timeout_s is the deadline of the whole SendKv/ReceiveKv call (gather,
+    - Our kv_transfer_timeout_s is the deadline of the whole SendKv call and KV load (gather,
       UCX, waiting for the planned steps, scatter); the worker's bounds the UCX part only.
       Longer than ours, it could never fire: our deadline would always cancel a stuck
       transfer first, so the worker could neither report it nor drop its broken UCX endpoint

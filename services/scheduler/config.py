@@ -45,7 +45,8 @@ class SchedulerConfig(ServiceConfig):
     kv_transfer_timeout_s: float = setting(
         60.0,
         "seconds before a prefill -> decode KV transfer is given up (the deadline of the "
-        "workers' SendKv/ReceiveKv calls); must be >= the workers' --kv-transfer-timeout-s, "
+        "sender's SendKv and of the receiver's KV load); must be >= the workers' "
+        "--kv-transfer-timeout-s, "
         "which bounds only the UCX part of the transfer (checked when the workers connect)",
         env="TANDEM_KV_TRANSFER_TIMEOUT_S",
     )

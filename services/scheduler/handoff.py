@@ -7,10 +7,10 @@ requests waiting for remote KV inside `schedule()`), and takes the waiting hand-
 choose it, in order. Its full blocks are looked up in each decode pool's prefix cache first,
 then in its offload tiers (`handoff_tier`: loaded there, from host memory, or read from its
 disk first); only the blocks that pool lacks are allocated and moved, by the peers'
-connector (`kv_peer_connector`: pulled out of the prefill worker's shared pool on one host,
-else over UCX). The received blocks are written only after the decode worker has run every
-step planned before they were allocated (`after_step_id`), so a step still in flight can
-never write into freshly received KV. With disk reads, the transfer ends only once the
+connector (`kv_peer_connector`: loads in the decode pool's plans, pulled out of the prefill
+worker's shared pool on one host, else over UCX). A load is written only after the decode
+worker has run the steps planned before it, so a step still in flight can never write
+into freshly received KV. With disk reads, the transfer ends only once the
 decode pool's step that read them has answered: the blocks whose read failed then move
 from the prefill worker too (its blocks are held until the request arrives).
 
@@ -31,9 +31,9 @@ on (cancelled, started over) meanwhile.
 
 A transfer that is cancelled (the request ended) or fails (a peer died, a timeout) frees
 the prefill side's blocks at once. Its tag goes to the decode worker with that pool's next
-step (sent even if nothing else runs), and the decode side's blocks stay held until that
-step is planned: a receive still under way on the worker may write into them until it
-learns the tag, and any later receive into them waits for a step at or after that one.
+plan (sent even if nothing else runs), and the decode side's blocks stay held until that
+plan is made (`PeerLoads.cancel`): a load still under way on the worker may write into
+them until it learns the tag, and any later load into them comes in a later plan.
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ class KvHandoff:
         rid = handle.request.request_id
         if free_source:
             transfer.src.blocks.free(rid)
-        transfer.dst.scheduler.receives.cancel(transfer.tag, rid)
+        transfer.dst.scheduler.peer_loads.cancel(transfer.tag, rid)
         if transfer.dst.scheduler.offload is not None:  # its tier loads and reads, if any
             transfer.dst.scheduler.offload.handoff.drop(rid)
         self._disk_reads.pop(rid, None)
@@ -289,10 +289,7 @@ class KvHandoff:
         self._tag_counter += 1
         tag = self._tag_base | self._tag_counter
         parts: asyncio.Queue[TransferPart] = asyncio.Queue()
-        after_step = dst.client.last_sent_step_id
-        task = self._spawn(
-            self._transfer(handle, src, dst, tag, parts, after_step, reads), f"kv-{rid}"
-        )
+        task = self._spawn(self._transfer(handle, src, dst, tag, parts, reads), f"kv-{rid}")
         transfer = Transfer(task, src, dst, tag, parts, dst_blocks, first, first)
         if streamed:
             handle.transfer = transfer
@@ -309,7 +306,6 @@ class KvHandoff:
         dst: Pool,
         tag: int,
         parts: asyncio.Queue[TransferPart],
-        after_step: int,
         reads: asyncio.Future[list[int]] | None = None,
     ) -> None:
         """Move the parts as they come, in order, until the last; then, with disk reads on
@@ -326,7 +322,7 @@ class KvHandoff:
                 while True:
                     part = await parts.get()
                     if part.dst_blocks:
-                        result = await self.peers.move(src, dst, tag, part, after_step)
+                        result = await self.peers.move(src, dst, tag, part)
                         num_blocks += len(part.dst_blocks)
                         num_bytes += result.num_bytes
                         lag_s = result.source_lag_seconds
@@ -335,7 +331,7 @@ class KvHandoff:
                 if reads is not None:
                     failed = await reads
                     if failed:  # their KV comes from the prefill worker after all
-                        result = await self._move_failed(handle, src, dst, tag, failed, after_step)
+                        result = await self._move_failed(handle, src, dst, tag, failed)
                         num_blocks += len(failed)
                         num_bytes += result.num_bytes
                 if current is not None:
@@ -389,7 +385,6 @@ class KvHandoff:
         dst: Pool,
         tag: int,
         failed: list[int],
-        after_step: int,
     ):
         """Move the request's blocks at places `failed` of its table (their disk read on
         the decode pool failed) from the source pool, where they are final by now."""
@@ -401,7 +396,7 @@ class KvHandoff:
             handle.ready_step_in(src),
             last=True,
         )
-        return await self.peers.move(src, dst, tag, part, after_step)
+        return await self.peers.move(src, dst, tag, part)
 
     def _arrive(self, handle: RequestHandle, src: Pool, dst: Pool) -> None:
         request = handle.request

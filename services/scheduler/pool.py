@@ -91,10 +91,10 @@ class Pool:
 
     async def next_result(self, max_steps_in_flight: int) -> StepResult | None:
         """The oldest step's result; None when, waiting for it with room for another plan,
-        the pool has cancelled transfers to report: a worker that stops answering must
-        still get the plan that carries their tags, since their blocks are held until it
-        goes. (Other wake-ups wait for the result, as before: planning more eagerly would
-        take CPU turns from the other workers' steps.)"""
+        the pool has KV loads to start or cancelled ones to report: a worker that stops
+        answering must still get the plan that carries their tags, since their blocks are
+        held until it goes. (Other wake-ups wait for the result, as before: planning more
+        eagerly would take CPU turns from the other workers' steps.)"""
         if self.receiving is None:
             if self.scheduler.num_steps_in_flight >= max_steps_in_flight:
                 return await self.client.receive_step()  # no room to plan: just wait
@@ -102,7 +102,7 @@ class Pool:
         receiving = self.receiving
         while not receiving.done():
             room = self.scheduler.num_steps_in_flight < max_steps_in_flight
-            if room and self.scheduler.receives.pending:
+            if room and self.scheduler.peer_loads.pending:
                 return None  # (without room the plan after this result carries them)
             self.wakeup.clear()  # a plan follows the result anyway
             woken = asyncio.ensure_future(self.wakeup.wait())

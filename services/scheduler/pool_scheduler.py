@@ -28,11 +28,11 @@ from collections import deque
 
 from common.step_result import StepResult
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.cancelled_receives import CancelledReceives
 from services.scheduler.join_rules import awaits_prompt, lora_fits
 from services.scheduler.kv_offload import WAIT, HostOffload
 from services.scheduler.kv_retention import retain_finished
 from services.scheduler.lookahead import Lookahead, SpecDecodeCounters
+from services.scheduler.peer_loads import PeerLoads
 from services.scheduler.request import Request
 from services.scheduler.spec_goodput import SlotPolicy, worth
 from services.scheduler.step_plan import Placed, PoolStepPlan, SampledToken, StepUpdate, scheduled
@@ -75,7 +75,7 @@ class PoolScheduler:
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.batch = WorkerBatch()
-        self.receives = CancelledReceives(blocks)  # given up: their tags go with a plan
+        self.peer_loads = PeerLoads(blocks)  # KV from peers, carried by plans
         # Per step sent and not yet answered, oldest first: its number, the requests it
         # computes, their proposal slots (those with any), and the tokens it computes.
         self._in_flight: deque[tuple[int, dict[str, Request], dict[str, int], int]] = deque()
@@ -184,7 +184,7 @@ class PoolScheduler:
     def schedule(self) -> PoolStepPlan:
         plan = PoolStepPlan()
         # This step tells the worker; blocks it allocates are written only after that.
-        plan.cancelled_transfer_tags = self.receives.take()
+        self.peer_loads.take(plan, idle=not self._in_flight)
         self.batch.drop_departed(self.blocks.has)
         if self.offload is not None:  # (and a hand-off's loads and saves, on a decode pool)
             self.offload.begin_plan(plan)
@@ -220,6 +220,7 @@ class PoolScheduler:
         if not self._in_flight:
             raise ValueError(f"step {result.step_id}: no step of this pool is in flight")
         _, scheduled, slots, num_tokens = self._in_flight.popleft()
+        self.peer_loads.finished(result.kv_loads_done)
         if self.offload is not None:  # disk reads done (their requests may start now)
             self.offload.record(result)
         if self.lookahead is not None:

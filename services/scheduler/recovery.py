@@ -26,7 +26,7 @@ from services.scheduler.pool import Pool
 from services.scheduler.pool_scheduler import PoolScheduler
 from services.scheduler.request import FinishReason
 from services.scheduler.request_table import RequestTable
-from services.scheduler.worker_types import WorkerInfo
+from services.scheduler.worker_types import WorkerInfo, WorkerUnavailableError
 
 log = get_logger(__name__)
 
@@ -116,8 +116,9 @@ class Recovery:
         for handle in affected:
             self.restart(handle, f"worker {pool.info.worker_id} failed: {why}")
         self._forget_lost_tokens(pool)
-        # Its transfers are cancelled now; the worker forgets every receive anyway.
-        pool.scheduler.receives.take()
+        # Its loads fail (their transfers were restarted above: cancelled already); the
+        # worker forgets every load anyway.
+        pool.scheduler.peer_loads.fail_all(WorkerUnavailableError(f"worker failed: {why}"))
         self.plan_migrations()
         if not self.handoff.fail_if_stranded():
             self.handoff.wake_decode_pools()

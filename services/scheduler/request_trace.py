@@ -2,10 +2,10 @@
 of the gateway's span (the submit's `traceparent` field): the request's stage changes
 (`handle.py`: prefill when queued again, handoff, transfer, decode, released, done) and
 `scheduled` (a step takes it into a worker's batch) are timestamped events on it (its start
-is the arrival), each KV
-transfer is a child span (`kv_transfer`, current while its SendKv / ReceiveKv calls run, so
-they carry it to the workers in their metadata), and the workers continue the trace from
-the `traceparent` sent once in each sample's NewRequest. The span ends when the request's
+is the arrival), each KV transfer is a child span (`kv_transfer`, current while its SendKv
+call and its loads run, so they carry it to the workers: in the call's metadata, in the
+load's `traceparent`), and the workers continue the trace from the `traceparent` sent once
+in each sample's NewRequest. The span ends when the request's
 last sample does, with its usage.
 
 With tracing off no RequestTrace exists (`start` returns None) and the callers' checks are

@@ -12,6 +12,7 @@ from common.step_plan import (
     CachedRequestData,
     DiskBlock,
     DiskRetain,
+    KvLoad,
     NewRequestData,
     StepPlan,
 )
@@ -135,6 +136,10 @@ class PoolStepPlan:
     disk_retains: list[DiskRetain] = field(default_factory=list)
     # Tags of KV receives given up on: from this step on none may write into the pool.
     cancelled_transfer_tags: list[int] = field(default_factory=list)
+    # KV from peers (`peer_loads`); with no token scheduled, `await_kv` asks the worker to
+    # answer once a load ends or the next plan arrives.
+    kv_loads: list[KvLoad] = field(default_factory=list)
+    await_kv: bool = False
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -158,6 +163,8 @@ class PoolStepPlan:
                 disk_retains=self.disk_retains,
             ),
             cancelled_transfer_tags=self.cancelled_transfer_tags,
+            kv_loads=self.kv_loads,
+            await_kv=self.await_kv and not self.scheduled,
         )
 
     @property
@@ -167,6 +174,8 @@ class PoolStepPlan:
             or self.dropped_request_ids
             or self.swap_out
             or self.cancelled_transfer_tags
+            or self.kv_loads
+            or self.await_kv
             or self.disk_loads
             or self.disk_retains  # sent alone too: a retained request just finished
             or self.offload_in  # a decode pool's loads at a hand-off

@@ -14,7 +14,6 @@ import grpc
 from common.config import KV_TRANSFER_TIMEOUT_METADATA, PROFILE_NUM_TOKENS_METADATA
 from common.grpc_server import open_channel
 from common.healthcheck import channel_health, channel_health_status
-from common.kv_shared_memory import shared_memory_to_pb
 from common.pb.tandem.internal.v1 import worker_pb2, worker_pb2_grpc
 from common.step_plan_pb import plan_to_pb
 from common.step_result import StepResult
@@ -25,8 +24,6 @@ from services.scheduler.pool_scheduler import PoolStepPlan
 from services.scheduler.step_codec import worker_info_from_pb
 from services.scheduler.worker_types import (
     ConstraintRefusedError,
-    KvPullRefusedError,
-    KvPullSource,
     KvTransferResult,
     LoraRefusedError,
     WorkerInfo,
@@ -165,49 +162,6 @@ class WorkerClient:
                 f"SendKv on {self.address} failed: {exc.code().name} {exc.details()}"
             ) from exc
         return KvTransferResult(num_bytes=response.num_bytes)
-
-    async def receive_kv(
-        self,
-        tag: int,
-        block_ids: list[int],
-        timeout_s: float,
-        after_step_id: int,
-        source: KvPullSource | None = None,
-        sender: WorkerInfo | None = None,
-    ) -> KvTransferResult:
-        """`source`: pulled out of that worker's shared pool; otherwise received over UCX
-        from `sender` (its layout says which of its ranks send which KV heads)."""
-        request = worker_pb2.ReceiveKvRequest(
-            transfer_tag=tag, block_ids=block_ids, after_step_id=after_step_id
-        )
-        if sender is not None:
-            request.sender_tensor_parallel_size = sender.tensor_parallel_size
-            request.sender_pipeline_parallel_size = sender.pipeline_parallel_size
-        if source is not None:
-            request.source.CopyFrom(
-                worker_pb2.KvSource(
-                    worker_id=source.worker.worker_id,
-                    shared_memory=shared_memory_to_pb(source.worker.shared_memory),
-                    block_ids=source.block_ids,
-                    ready_step_id=source.ready_step_id,
-                    tensor_parallel_size=source.worker.tensor_parallel_size,
-                    pipeline_parallel_size=source.worker.pipeline_parallel_size,
-                    rank_shared_memory=[
-                        shared_memory_to_pb(m) for m in source.worker.rank_shared_memory
-                    ],
-                )
-            )
-        try:
-            response = await self._stub.ReceiveKv(
-                request, timeout=timeout_s, metadata=outgoing_metadata()
-            )
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() is grpc.StatusCode.FAILED_PRECONDITION and source is not None:
-                raise KvPullRefusedError(f"ReceiveKv on {self.address}: {exc.details()}") from exc
-            raise WorkerUnavailableError(
-                f"ReceiveKv on {self.address} failed: {exc.code().name} {exc.details()}"
-            ) from exc
-        return KvTransferResult(response.num_bytes, response.source_lag_seconds)
 
     async def add_lora(self, name: str, path: str, timeout_s: float) -> None:
         await self._lora_call(

@@ -127,16 +127,6 @@ class KvTransferResult:
     source_lag_seconds: float = 0.0
 
 
-@dataclass(frozen=True)
-class KvPullSource:
-    """A receive that copies blocks out of a same-host worker's shared pool; the blocks are
-    final once that worker has run step `ready_step_id` (0: final already)."""
-
-    worker: WorkerInfo
-    block_ids: list[int]
-    ready_step_id: int = 0
-
-
 class WorkerConnection(Protocol):
     """What a pool needs from its worker. Every call raises WorkerUnavailableError when
     the worker is gone or broken."""
@@ -167,15 +157,6 @@ class WorkerConnection(Protocol):
 
     async def send_kv(
         self, tag: int, peer: WorkerInfo, block_ids: list[int], timeout_s: float
-    ) -> KvTransferResult: ...
-
-    async def receive_kv(
-        self,
-        tag: int,
-        block_ids: list[int],
-        timeout_s: float,
-        after_step_id: int,
-        source: KvPullSource | None = None,
     ) -> KvTransferResult: ...
 
     async def add_lora(self, name: str, path: str, timeout_s: float) -> None:

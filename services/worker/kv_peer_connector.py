@@ -1,18 +1,21 @@
 """The peers' connector: KV between this worker and another, three ways, chosen per
-transfer from what the scheduler's call says and what the two workers are.
+transfer from what the step plan's load (`KvLoad`) says and what the two workers are.
 
-- **The same-host pull** (`ReceiveKv` with a source, `kv_pull`): copied straight out of the
+- **The same-host pull** (a load with a source, `kv_pull`): copied straight out of the
   peer's shared pool, layer by layer as it reports them written (a prefill worker reports
   them: `save_kv_layer`, with the step's start and end, in its pool's header).
-- **UCX** (`SendKv` + `ReceiveKv` with one tag, `kv_transfer`): gathered into a staging
-  buffer, sent, received into a staging buffer and scattered into the blocks once the
-  steps planned before they were allocated have run (`after_step_id`).
+- **UCX** (a load without one, matched by a `SendKv` on the peer with its tag,
+  `kv_transfer`): gathered into a staging buffer, sent, received into a staging buffer and
+  scattered into the blocks.
 - **UCX between workers of different layouts** (`kv_layout_transfer`): every rank sends
   and receives its own part.
 
-A receive is never written into the pool after its transfer was cancelled: the scheduler's
-cancels come with its next plan (`cancel`), and each copy or scatter checks first, on the
-tensor thread, ordered with the steps.
+Loads come in the step plan (`start_loads`, when the plan arrives) and write only once the
+steps before it have run here (steps planned before their blocks were allocated may still
+write into them); each one's outcome (`KvLoadDone`) goes back with the first step result
+after it ends (`take_done`). A load is never written into the pool after its transfer was
+cancelled: the scheduler's cancels come with its next plan (`cancel`), and each copy or
+scatter checks first, on the tensor thread, ordered with the steps.
 """
 
 from __future__ import annotations
@@ -25,13 +28,16 @@ from dataclasses import dataclass
 
 import torch
 
+from common.log import get_logger
 from common.parallel_plan import Layout
-from common.step_plan import BlockMoves
+from common.step_plan import BlockMoves, KvLoad
+from common.step_result import KvLoadDone
+from common.tracing import context_from_fields, end_span, start_span
 from services.worker.config import WorkerConfig
 from services.worker.kv_cache import KvCache
 from services.worker.kv_connector import KvConnector
 from services.worker.kv_layout_transfer import LayoutTransfers
-from services.worker.kv_pull import KvPuller, KvSource, PullResult
+from services.worker.kv_pull import KvMapError, KvPuller, KvSource, PullResult
 from services.worker.kv_shared import SharedPool
 from services.worker.kv_transfer import (
     KvTransferCancelled,
@@ -43,6 +49,7 @@ from services.worker.parallel.kv_ranks import KvGeometry, RankPools
 from services.worker.parallel.peer_ranks import PeerRanks
 from services.worker.staging import StagingBuffers
 
+log = get_logger(__name__)
 ONE_PROCESS = Layout()
 # Cancelled transfer tags remembered (a cancel may arrive before its receive does).
 MAX_CANCELLED_TAGS = 65536
@@ -82,6 +89,12 @@ class PeerKvConnector(KvConnector):
         self.staging = StagingBuffers(device=kv_cache.device)
         self._cancelled: OrderedDict[int, None] = OrderedDict()
         self._receives: dict[int, asyncio.Task] = {}
+        self._loads: set[asyncio.Task] = set()
+        # Ended loads not yet reported: (direction, how: ok, cancelled or failed, outcome);
+        # `load_ended` is set when one is added.
+        self._done: list[tuple[str, str, KvLoadDone]] = []
+        self.load_ended = asyncio.Event()
+        self._generation = 0  # a reset forgets what loads of before it report
         self.puller = KvPuller(
             kv_cache, copy_on_tensor_thread, self.is_cancelled, config.kv_transfer_timeout_s,
             config.kv_transfer_stream_min_copy_bytes, rank_pools, geometry.groups,
@@ -109,7 +122,69 @@ class PeerKvConnector(KvConnector):
 
     @property
     def receiving(self) -> bool:
-        return bool(self._receives)
+        return bool(self._receives or self._loads)
+
+    # -- loads from a step plan -------------------------------------------------------------
+    def start_loads(self, loads: Sequence[KvLoad], step_id: int) -> None:
+        """Start plan `step_id`'s loads (on the event loop, once the plan is queued on the
+        tensor thread); each writes only after step `step_id - 1` has run here."""
+        for load in loads:
+            task = asyncio.ensure_future(self._load(load, step_id - 1, self._generation))
+            self._loads.add(task)
+            task.add_done_callback(self._loads.discard)
+
+    def take_done(self) -> list[tuple[str, str, KvLoadDone]]:
+        """Loads that ended since the last call, as (direction, how, outcome): each once."""
+        done, self._done = self._done, []
+        self.load_ended.clear()
+        return done
+
+    def forget_loads(self) -> None:
+        """A new step stream: the loads of the old one are cancelled and never reported."""
+        self.cancel_all()
+        self._generation += 1
+        self.take_done()
+
+    async def _load(self, load: KvLoad, after_step_id: int, generation: int) -> None:
+        direction = "receive" if load.source is None else "pull"
+        span = start_span(
+            "kv_receive",
+            context_from_fields(load.traceparent, load.tracestate),
+            attributes={
+                "tandem.kv.transfer_tag": f"{load.tag:016x}",
+                "tandem.kv.blocks": len(load.block_ids),
+                "tandem.kv.mode": "ucx" if load.source is None else "pull",
+            },
+        )
+        outcome, how = KvLoadDone(load.tag), "failed"
+        try:
+            if load.source is None:
+                result = await self.receive(
+                    load.tag, load.block_ids, after_step_id, load.sender_layout
+                )
+                outcome = KvLoadDone(load.tag, result.num_bytes, result.seconds)
+            else:
+                pulled = await self.pull(load.tag, load.source, load.block_ids, after_step_id)
+                outcome = KvLoadDone(
+                    load.tag, pulled.num_bytes, pulled.seconds, pulled.source_lag_seconds
+                )
+            how = "ok"
+        except KvMapError as exc:  # this pair of workers must use UCX
+            outcome = KvLoadDone(load.tag, error=str(exc), pull_refused=True)
+        except (KvTransferCancelled, asyncio.CancelledError):  # its tag came with a plan
+            how = "cancelled"
+            outcome = KvLoadDone(load.tag, error=f"transfer {load.tag:#x} was cancelled")
+        except ValueError as exc:  # a sender layout this model cannot have
+            outcome = KvLoadDone(load.tag, error=f"sender layout: {exc}")
+        except KvTransferError as exc:
+            outcome = KvLoadDone(load.tag, error=str(exc))
+        except Exception as exc:  # a bug: this load fails, never the worker's steps
+            log.exception("kv_load_failed", tag=f"{load.tag:#x}")
+            outcome = KvLoadDone(load.tag, error=f"{type(exc).__name__}: {exc}")
+        end_span(span, error=outcome.error or None)
+        if generation == self._generation:
+            self._done.append((direction, how, outcome))
+            self.load_ended.set()
 
     def is_cancelled(self, tag: int) -> bool:
         return tag in self._cancelled
@@ -128,6 +203,8 @@ class PeerKvConnector(KvConnector):
 
     def cancel_all(self) -> None:
         self.cancel(list(self._receives))
+        for task in self._loads:
+            task.cancel()
 
     async def send(
         self,

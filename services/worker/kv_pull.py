@@ -1,9 +1,10 @@
 """Receiving KV by copying it out of a same-host peer's shared pool (see `kv_shared`).
 
-The receive waits until the steps planned before its blocks were allocated have run here
-(`after_step_id`), then copies the layers of the source blocks into its own blocks as the
-peer reports them final: the layers the peer has finished go in one copy, the rest follow
-as it finishes them (in copies of at least 2 MiB, or all at the end for a small transfer;
+The receive waits until the steps before its plan have run here (`after_step_id`: steps
+planned before its blocks were allocated may still write into them), then copies the layers
+of the source blocks into its own blocks as the peer reports them final: the layers the
+peer has finished go in one copy, the rest follow as it finishes them (in copies of at
+least 2 MiB, or all at the end for a small transfer;
 the waiting is `kv_progress_watch`'s, one poll loop per peer). Copies run on the tensor
 thread, so they are ordered with this worker's steps, and each first checks the transfer
 was not cancelled.
@@ -23,6 +24,7 @@ from common.kv_groups import KvGroups
 from common.kv_shared_memory import SharedMemoryInfo
 from common.log import get_logger
 from common.parallel_plan import Layout
+from common.step_plan import KvSource
 from services.worker.kv_cache import KvCache
 from services.worker.kv_progress_watch import ProgressWatch
 from services.worker.kv_shared import PeerPool, block_runs
@@ -41,25 +43,6 @@ class KvMapError(KvTransferError):
 # this (and more layers are coming): a small transfer is one copy at the end, a large one
 # is copied layer by layer.
 MIN_STREAMED_COPY_BYTES = 2 << 20
-
-
-@dataclass(frozen=True)
-class KvSource:
-    worker_id: str
-    shared_memory: SharedMemoryInfo  # rank 0's (its progress header speaks for all ranks)
-    block_ids: tuple[int, ...]
-    ready_step_id: int = 0
-    tensor_parallel_size: int = 1
-    rank_shared_memory: tuple[SharedMemoryInfo, ...] = ()  # ranks 1..
-    pipeline_parallel_size: int = 1
-
-    @property
-    def layout(self) -> Layout:
-        return Layout(max(1, self.tensor_parallel_size), max(1, self.pipeline_parallel_size))
-
-    @property
-    def rank_pools(self) -> tuple[SharedMemoryInfo, ...]:
-        return (self.shared_memory, *self.rank_shared_memory)
 
 
 @dataclass(frozen=True)

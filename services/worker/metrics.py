@@ -2,8 +2,8 @@
 direction) and model step time, labelled `model_name`, `worker_id`, `role`. One
 observation per transfer or per step, none per token.
 
-Directions: `send` (SendKv, UCX), `receive` (ReceiveKv over UCX), `pull` (ReceiveKv copying
-from a same-host worker's shared pool).
+Directions: `send` (SendKv, UCX), `receive` (a step plan's KV load over UCX), `pull` (a load
+copying from a same-host worker's shared pool).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """WorkerService servicer: translates protobuf to the Worker's domain calls and back (and
-continues a traced request's trace: its span per step stream, `request_spans.py`, and a
-span per SendKv / ReceiveKv)."""
+continues a traced request's trace: its span per step stream, `request_spans.py`, a span
+per SendKv, and one per KV load of a plan, `kv_peer_connector`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import asyncio
 import grpc
 
 from common.config import KV_TRANSFER_TIMEOUT_METADATA, PROFILE_NUM_TOKENS_METADATA
-from common.kv_shared_memory import shared_memory_from_pb, shared_memory_to_pb
+from common.kv_shared_memory import shared_memory_to_pb
 from common.lifecycle import wait_until
 from common.log import get_logger
 from common.parallel_plan import Layout
@@ -17,11 +17,10 @@ from common.pb.tandem.internal.v1 import types_pb2, worker_pb2, worker_pb2_grpc
 from common.rope_config import rope_length_threshold
 from common.sampling_pb import ROLE_TO_PB
 from common.step_plan_pb import plan_from_pb
-from common.step_result_pb import result_to_pb
+from common.step_result_pb import kv_load_done_pb, result_to_pb
 from common.structured_output import ConstraintError, constraint_from_pb
 from common.tracing import rpc_span
 from services.worker.batch import PlanError
-from services.worker.kv_pull import KvMapError, KvSource
 from services.worker.kv_transfer import KvTransferCancelled, KvTransferError
 from services.worker.metrics import WorkerMetrics
 from services.worker.request_spans import RequestSpans
@@ -31,27 +30,12 @@ log = get_logger(__name__)
 SLOW_STEP_S = 2.0  # a step this slow is logged with what it ran
 
 
-def kv_source_from_pb(source: worker_pb2.KvSource) -> KvSource:
-    return KvSource(
-        worker_id=source.worker_id,
-        shared_memory=shared_memory_from_pb(source.shared_memory),
-        block_ids=tuple(source.block_ids),
-        ready_step_id=source.ready_step_id,
-        tensor_parallel_size=max(1, source.tensor_parallel_size),
-        pipeline_parallel_size=max(1, source.pipeline_parallel_size),
-        rank_shared_memory=tuple(shared_memory_from_pb(m) for m in source.rank_shared_memory),
-    )
-
-
 def _kv_attributes(request) -> dict:
-    """A SendKv / ReceiveKv span's attributes (the tag in hex: it is a uint64)."""
-    attributes = {
+    """A SendKv span's attributes (the tag in hex: it is a uint64)."""
+    return {
         "tandem.kv.transfer_tag": f"{request.transfer_tag:016x}",
         "tandem.kv.blocks": len(request.block_ids),
     }
-    if isinstance(request, worker_pb2.ReceiveKvRequest):
-        attributes["tandem.kv.mode"] = "pull" if request.HasField("source") else "ucx"
-    return attributes
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -190,20 +174,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         """Plans are queued on the tensor thread as soon as they arrive (a step follows the
         previous one without waiting for this loop); results go back in order."""
         submitted: asyncio.Queue = asyncio.Queue()
+        arrived = asyncio.Event()  # set as each plan is queued
         reader = asyncio.ensure_future(
-            self._submit_plans(worker, stream_id, spans, request_iterator, submitted)
+            self._submit_plans(worker, stream_id, spans, request_iterator, submitted, arrived)
         )
         try:
             while (item := await submitted.get()) is not None:
                 if isinstance(item, str):
                     await context.abort(grpc.StatusCode.ABORTED, item)
-                step_id, new, future = item
+                step_id, new, future, await_kv = item
                 try:
                     output = await future
                 except PlanError as exc:
                     log.error("bad_step_plan", step_id=step_id, error=str(exc))
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
                 await worker.mark_executed(step_id)
+                if await_kv:
+                    await self._await_kv(worker, submitted, arrived)
                 self.metrics.step(output.execute_seconds)
                 if output.execute_seconds > SLOW_STEP_S:
                     log.warning(
@@ -215,9 +202,38 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     )
                 response = result_to_pb(output)
                 response.draining = self.draining
+                if worker.peer_kv.load_ended.is_set():  # (some load ended since)
+                    response.kv_loads_done.extend(self._loads_done(worker))
                 yield response
         finally:
             reader.cancel()
+
+    @staticmethod
+    async def _await_kv(worker: Worker, submitted: asyncio.Queue, arrived: asyncio.Event):
+        """An `await_kv` plan: return once a KV load ended or the next plan arrived (or no
+        load is left to end)."""
+        peer = worker.peer_kv
+        while submitted.empty() and not peer.load_ended.is_set() and peer.receiving:
+            arrived.clear()
+            waits = [asyncio.ensure_future(e.wait()) for e in (arrived, peer.load_ended)]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for wait in waits:
+                    wait.cancel()
+
+    def _loads_done(self, worker: Worker) -> list:
+        """The KV loads that ended since the last result (counted in the metrics)."""
+        done = []
+        for direction, how, outcome in worker.peer_kv.take_done():
+            if how == "ok":
+                self.metrics.transfer(direction, outcome.num_bytes, outcome.seconds)
+            elif how == "cancelled":
+                self.metrics.transfer_cancelled(direction)
+            else:
+                self.metrics.transfer_failed(direction)
+            done.append(kv_load_done_pb(outcome))
+        return done
 
     async def _submit_plans(
         self,
@@ -226,6 +242,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         spans: RequestSpans,
         request_iterator,
         submitted: asyncio.Queue,
+        arrived: asyncio.Event,
     ) -> None:
         try:
             async for plan in request_iterator:
@@ -238,9 +255,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 future = worker.submit_step(
                     step.finished_ids, step.new, step.cached, step.moves, step.step_id, wire=plan
                 )
-                submitted.put_nowait((step.step_id, step.new, asyncio.wrap_future(future)))
+                worker.peer_kv.start_loads(step.kv_loads, step.step_id)  # (after the step)
+                item = (step.step_id, step.new, asyncio.wrap_future(future), step.await_kv)
+                submitted.put_nowait(item)
+                arrived.set()
         finally:
             submitted.put_nowait(None)
+            arrived.set()
 
     async def SendKv(self, request, context):
         worker = await self._ready(context)
@@ -271,50 +292,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         self.metrics.transfer("send", result.num_bytes, result.seconds)
         return worker_pb2.SendKvResponse(num_bytes=result.num_bytes, seconds=result.seconds)
-
-    async def ReceiveKv(self, request, context):
-        worker = await self._ready(context)
-        with rpc_span("kv_receive", context, _kv_attributes(request)):
-            return await self._receive_kv(worker, request, context)
-
-    async def _receive_kv(self, worker: Worker, request, context):
-        direction = "pull" if request.HasField("source") else "receive"
-        try:
-            if request.HasField("source"):
-                result = await worker.peer_kv.pull(
-                    request.transfer_tag,
-                    kv_source_from_pb(request.source),
-                    list(request.block_ids),
-                    request.after_step_id,
-                )
-                self.metrics.transfer(direction, result.num_bytes, result.seconds)
-                return worker_pb2.ReceiveKvResponse(
-                    num_bytes=result.num_bytes,
-                    seconds=result.seconds,
-                    source_lag_seconds=result.source_lag_seconds,
-                )
-            sender_layout = Layout(
-                max(1, request.sender_tensor_parallel_size),
-                max(1, request.sender_pipeline_parallel_size),
-            )
-            result = await worker.peer_kv.receive(
-                request.transfer_tag,
-                list(request.block_ids),
-                request.after_step_id,
-                sender_layout,
-            )
-        except ValueError as exc:  # a layout this model cannot have
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sender layout: {exc}")
-        except KvMapError as exc:  # this pair of workers must use UCX
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except KvTransferCancelled as exc:
-            self.metrics.transfer_cancelled(direction)
-            await context.abort(grpc.StatusCode.CANCELLED, str(exc))
-        except KvTransferError as exc:
-            self.metrics.transfer_failed(direction)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        self.metrics.transfer(direction, result.num_bytes, result.seconds)
-        return worker_pb2.ReceiveKvResponse(num_bytes=result.num_bytes, seconds=result.seconds)
 
     async def AddLora(self, request, context):
         worker = await self._ready(context)

@@ -317,7 +317,7 @@ class Worker:
         tensor thread, after any step still queued there."""
         self._executor.submit(self._clear)
         self.executed_step_id = 0
-        self.peer_kv.cancel_all()
+        self.peer_kv.forget_loads()
 
     def _clear(self) -> None:
         self.batch.clear()

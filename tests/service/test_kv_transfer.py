@@ -1,4 +1,5 @@
-"""KV blocks sent over UCX between two worker processes arrive bit-identical.
+"""KV blocks sent over UCX between two worker processes arrive bit-identical (received as a
+step plan's KV load), and a load from a sender layout the model cannot have fails alone.
 
 Both sides are real `Worker`s (model loaded, KV pool allocated, UCX worker started); the
 receiver runs in its own process, as in production. The sender fills its pool with random
@@ -79,6 +80,11 @@ async def _send_and_compare(model, dtype, error_handling, peer, hello, tmp_path)
         assert done["num_bytes"] == sent.num_bytes == len(src) * sender.kv_cache.block_bytes
         expected = sender.kv_cache.gather_blocks(src).numpy().tobytes()
         assert out.read_bytes() == expected
+    # A sender layout this model cannot have (3 tensor ranks) fails that load alone, named.
+    peer.stdin.write(json.dumps({"tag": 2000, "blocks": [4], "sender_tp": 3}) + "\n")
+    peer.stdin.flush()
+    refused = json.loads(await asyncio.to_thread(peer.stdout.readline))
+    assert "sender layout" in refused["error"] and "3" in refused["error"]
     await sender.close()
 
 

@@ -449,10 +449,10 @@ def test_cancels_arriving_with_every_step_slot_taken_wait_for_a_result_without_s
             p = prompt(7, 5)
             handle = submit(c, "a", p, 2)  # one decode step, then nothing left to plan
             await until(lambda: pool.scheduler.num_steps_in_flight == 1 and pool.receiving)
-            pool.scheduler.receives.cancel(0xA1, "nobody")  # frees a plan with the tag
+            pool.scheduler.peer_loads.cancel(0xA1, "nobody")  # frees a plan with the tag
             pool.wakeup.set()
             await until(lambda: pool.scheduler.num_steps_in_flight == 2, what="second plan")
-            pool.scheduler.receives.cancel(0xA2, "nobody")  # no slot left now
+            pool.scheduler.peer_loads.cancel(0xA2, "nobody")  # no slot left now
             pool.wakeup.set()
             await asyncio.sleep(0.05)  # froze here before
             d0.release_steps()

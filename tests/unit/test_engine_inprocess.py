@@ -252,8 +252,8 @@ def test_abort_while_decoding():
 
 
 def test_stale_receive_cannot_overwrite_blocks_reused_by_the_next_transfer():
-    """Worst case of the tag protocol: the aborted request's ReceiveKv keeps running on the
-    decode worker (its cancel has not reached the handler) and its data arrives right after
+    """Worst case of the tag protocol: the aborted request's KV load keeps running on the
+    decode worker (its cancel has not reached it) and its data arrives right after
     a second transfer wrote the same, reused blocks, before any step was sent."""
 
     async def scenario():

@@ -1,8 +1,15 @@
-"""Requests and blocks leaving a pool: a cancelled KV receive holds its blocks until a step
-carries its tag (or the worker is lost), and a draining decode pool hands its requests on
-with their KV once no step in flight computes for them."""
+"""Requests and blocks leaving or entering a pool: KV loads from peers ride in its plans
+(an idle pool's plan awaits them) and end with its step results; a cancelled load holds its
+blocks until a plan carries its tag (or the worker is lost); and a draining decode pool
+hands its requests on with their KV once no step in flight computes for them."""
 
-from services.scheduler.worker_types import StepResult
+import asyncio
+
+import pytest
+
+from common.step_plan import KvLoad
+from common.step_result import KvLoadDone
+from services.scheduler.worker_types import StepResult, WorkerUnavailableError
 from tests.unit.test_pool_scheduler import (
     arrived,
     make_request,
@@ -15,23 +22,106 @@ from tests.unit.test_pool_scheduler import (
 
 
 def test_blocks_of_a_cancelled_receive_are_held_until_a_step_carries_its_tag():
-    s = sched(num_blocks=4, block_size=4)
-    s.blocks.allocate("moving", 12)  # a receive into three blocks, then given up
-    s.receives.cancel(0xAB, "moving")
-    assert not s.blocks.has("moving") and s.blocks.num_free_blocks == 1  # still held
-    plan = s.schedule()  # nothing runs, yet the tag must reach the worker
-    assert not plan.is_empty and plan.cancelled_transfer_tags == [0xAB]
-    assert s.blocks.num_free_blocks == 4 and s.blocks.num_requests == 0
-    s.update(StepResult(step_id=1, sampled={}, execute_seconds=0.0))
-    assert s.schedule().is_empty
+    async def run():
+        s = sched(num_blocks=4, block_size=4)
+        s.blocks.allocate("moving", 12)  # a receive into three blocks, then given up
+        s.peer_loads.start(KvLoad(0xAB, s.blocks.table("moving")))
+        assert s.schedule().kv_loads  # sent: it may run on the worker now
+        s.update(StepResult(step_id=1, sampled={}, execute_seconds=0.0))
+        s.peer_loads.cancel(0xAB, "moving")
+        assert not s.blocks.has("moving") and s.blocks.num_free_blocks == 1  # still held
+        plan = s.schedule()  # nothing runs, yet the tag must reach the worker
+        assert not plan.is_empty and plan.cancelled_transfer_tags == [0xAB]
+        assert not plan.await_kv and plan.kv_loads == []
+        assert s.blocks.num_free_blocks == 4 and s.blocks.num_requests == 0
+        s.update(StepResult(step_id=2, sampled={}, execute_seconds=0.0))
+        assert s.schedule().is_empty
+
+    asyncio.run(run())
 
 
-def test_a_lost_worker_frees_blocks_held_for_cancelled_receives_at_once():
-    s = sched(num_blocks=4, block_size=4)
-    s.blocks.allocate("moving", 8)
-    s.receives.cancel(7, "moving")
-    s.receives.take()
-    assert s.blocks.num_free_blocks == 4 and s.schedule().is_empty
+def test_a_load_cancelled_before_any_plan_carried_it_is_never_sent_and_frees_at_once():
+    async def run():
+        s = sched(num_blocks=4, block_size=4)
+        s.blocks.allocate("moving", 12)
+        outcome = s.peer_loads.start(KvLoad(0xAC, s.blocks.table("moving")))
+        s.peer_loads.cancel(0xAC, "moving")  # e.g. a deadline while both steps were in flight
+        assert outcome.cancelled() and s.blocks.num_free_blocks == 4
+        plan = s.schedule()
+        assert plan.kv_loads == [] and not plan.await_kv
+
+    asyncio.run(run())
+
+
+def test_a_lost_worker_fails_its_loads_and_frees_blocks_held_for_cancelled_ones():
+    async def run():
+        s = sched(num_blocks=4, block_size=4)
+        s.blocks.allocate("moving", 8)
+        s.blocks.allocate("loading", 4)
+        s.peer_loads.cancel(7, "moving")
+        outcome = s.peer_loads.start(KvLoad(8, s.blocks.table("loading")))
+        s.peer_loads.fail_all(WorkerUnavailableError("gone"))
+        with pytest.raises(WorkerUnavailableError):
+            await outcome
+        s.blocks.free("loading")
+        assert s.blocks.num_free_blocks == 4 and s.schedule().is_empty
+
+    asyncio.run(run())
+
+
+def test_a_load_rides_in_the_next_plan_and_an_idle_pool_awaits_its_outcome():
+    async def run():
+        s = sched(num_blocks=8, block_size=4)
+        s.blocks.allocate("moving", 8)
+        load = KvLoad(0x51, s.blocks.table("moving"))
+        outcome = s.peer_loads.start(load)
+        assert s.peer_loads.pending and not s.peer_loads.waiting
+        first = s.schedule()  # nothing else runs: the plan carries the load and awaits it
+        assert first.kv_loads == [load] and not first.is_empty
+        worker_plan = first.worker_plan(1)
+        assert worker_plan.kv_loads == [load] and worker_plan.await_kv
+        assert s.peer_loads.waiting and not s.peer_loads.pending
+        assert s.schedule().is_empty  # a step in flight: no second await plan
+        s.update(StepResult(1, {}, 0.0))  # answered with no load ended yet
+        assert not outcome.done()
+        again = s.schedule()  # idle again, the load still runs: await it again
+        assert again.await_kv and again.kv_loads == [] and not again.is_empty
+        done = KvLoadDone(0x51, num_bytes=512)
+        s.update(StepResult(2, {}, 0.0, kv_loads_done=(done, KvLoadDone(0x99))))  # 0x99: unknown
+        assert await outcome == done
+        assert not s.peer_loads.waiting and s.schedule().is_empty
+
+    asyncio.run(run())
+
+
+def test_a_cancelled_load_is_no_longer_awaited_and_its_late_outcome_is_dropped():
+    async def run():
+        s = sched(num_blocks=8, block_size=4)
+        s.blocks.allocate("moving", 8)
+        outcome = s.peer_loads.start(KvLoad(0x52, s.blocks.table("moving")))
+        s.schedule()
+        s.update(StepResult(1, {}, 0.0))
+        s.peer_loads.cancel(0x52, "moving")
+        assert outcome.cancelled() and not s.peer_loads.waiting
+        plan = s.schedule()
+        assert plan.cancelled_transfer_tags == [0x52] and not plan.await_kv
+        s.update(StepResult(2, {}, 0.0, kv_loads_done=(KvLoadDone(0x52, error="cancelled"),)))
+        assert s.blocks.num_free_blocks == 8 and s.schedule().is_empty
+
+    asyncio.run(run())
+
+
+def test_a_plan_that_schedules_tokens_never_asks_the_worker_to_wait():
+    async def run():
+        s = sched(num_blocks=16, block_size=4)
+        s.blocks.allocate("moving", 4)
+        s.peer_loads.start(KvLoad(0x53, s.blocks.table("moving")))
+        s.add(make_request("r", 5))
+        plan = s.schedule()
+        assert scheduled(plan) == [("r", 5)] and plan.kv_loads
+        assert not plan.worker_plan(1).await_kv
+
+    asyncio.run(run())
 
 
 # -- a draining decode pool hands its requests on with their KV ------------------------------

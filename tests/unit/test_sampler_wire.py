@@ -6,7 +6,7 @@ from common.pb.tandem.internal.v1 import types_pb2
 from common.pb.tandem.v1 import generate_pb2
 from common.sampling import Logprob, SamplingParams
 from common.sampling_pb import sampling_from_pb
-from common.step_result import PromptLogprobs, SpecOutcome, StepResult
+from common.step_result import KvLoadDone, PromptLogprobs, SpecOutcome, StepResult
 from common.step_result_pb import result_from_pb, result_to_pb
 
 
@@ -77,7 +77,8 @@ def test_step_response_carries_logprobs_only_where_asked():
 
 def test_step_result_round_trips_through_the_wire():
     """What a worker sends the scheduler, and the last pipeline stage the other ranks: the
-    same result, logprobs, prompt logprobs, verified proposals and draining included."""
+    same result, logprobs, prompt logprobs, verified proposals, draining and the KV loads
+    that ended included."""
 
     entry = Logprob(11, -0.25, ((11, -0.25), (4, -1.5)))
     output = StepResult(
@@ -88,6 +89,10 @@ def test_step_result_round_trips_through_the_wire():
         prompt_logprobs={"c": PromptLogprobs(14, (Logprob(8, -2.0), entry))},
         spec={"s": SpecOutcome([5, 6], 3, [None, None]), "b": SpecOutcome([], 2, [])},
         draining=True,
+        kv_loads_done=(
+            KvLoadDone(0xFFFF_0000_0000_0002, 4096, 0.25, 0.125),
+            KvLoadDone(3, error="the peer exited", pull_refused=True),
+        ),
     )
     assert result_from_pb(result_to_pb(output)) == output
     assert result_from_pb(result_to_pb(StepResult(1, {}, 0.0))) == StepResult(1, {}, 0.0)

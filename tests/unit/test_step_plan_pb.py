@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import replace
 
+from common.kv_shared_memory import SharedMemoryInfo
+from common.parallel_plan import Layout
 from common.pb.tandem.internal.v1 import worker_pb2
 from common.sampling import SamplingParams
 from common.step_plan import (
@@ -14,6 +16,8 @@ from common.step_plan import (
     CachedRequestData,
     DiskBlock,
     DiskRetain,
+    KvLoad,
+    KvSource,
     NewRequestData,
     StepPlan,
 )
@@ -38,6 +42,7 @@ def _lists(plan: StepPlan) -> StepPlan:
             *(list(getattr(plan.moves, f.name)) for f in dataclasses.fields(BlockMoves))
         ),
         cancelled_transfer_tags=list(plan.cancelled_transfer_tags),
+        kv_loads=list(plan.kv_loads),
     )
 
 
@@ -89,3 +94,19 @@ def test_moves_replaced_tables_and_cancelled_tags_cross_unchanged():
     )
     assert _through_the_wire(plan) == _lists(plan)
     assert plan_from_pb(plan_to_pb(plan)).moves.disk_retains == plan.moves.disk_retains
+
+
+def test_kv_loads_cross_unchanged_with_their_source_layouts_and_trace():
+    pool = SharedMemoryInfo("host-a", 41, 7, 1 << 20, b"t" * 16)
+    rank1 = SharedMemoryInfo("host-a", 42, 8, 1 << 20, b"u" * 16, pool_offset=8192)
+    pull = KvLoad(
+        0xFFFF_0000_0000_0001,
+        (3, 4, 5),
+        KvSource("p0", pool, (9, 10, 11), ready_step_id=12, tensor_parallel_size=2,
+                 rank_shared_memory=(rank1,)),
+        traceparent="00-" + "a" * 32 + "-" + "b" * 16 + "-01",
+        tracestate="k=v",
+    )  # fmt: skip
+    ucx = KvLoad(7, (1,), sender_layout=Layout(2, 2))
+    plan = StepPlan(3, [], [], [], BlockMoves(), kv_loads=[pull, ucx], await_kv=True)
+    assert _through_the_wire(plan) == _lists(plan)

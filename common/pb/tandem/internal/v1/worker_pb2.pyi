@@ -73,7 +73,7 @@ class KvSharedMemory(_message.Message):
     def __init__(self, host_id: _Optional[str] = ..., pid: _Optional[int] = ..., fd: _Optional[int] = ..., num_bytes: _Optional[int] = ..., token: _Optional[bytes] = ..., pool_offset: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "finished_request_ids", "swap_out", "swap_in", "block_copies", "cancelled_transfer_tags", "offload_in", "offload_out", "disk_saves", "disk_loads", "disk_retains")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "finished_request_ids", "swap_out", "swap_in", "block_copies", "cancelled_transfer_tags", "offload_in", "offload_out", "disk_saves", "disk_loads", "disk_retains", "kv_loads", "await_kv")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,8 @@ class StepRequest(_message.Message):
     DISK_SAVES_FIELD_NUMBER: _ClassVar[int]
     DISK_LOADS_FIELD_NUMBER: _ClassVar[int]
     DISK_RETAINS_FIELD_NUMBER: _ClassVar[int]
+    KV_LOADS_FIELD_NUMBER: _ClassVar[int]
+    AWAIT_KV_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
@@ -100,7 +102,43 @@ class StepRequest(_message.Message):
     disk_saves: _containers.RepeatedCompositeFieldContainer[DiskBlock]
     disk_loads: _containers.RepeatedCompositeFieldContainer[DiskBlock]
     disk_retains: _containers.RepeatedCompositeFieldContainer[DiskRetain]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., cancelled_transfer_tags: _Optional[_Iterable[int]] = ..., offload_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., offload_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., disk_saves: _Optional[_Iterable[_Union[DiskBlock, _Mapping]]] = ..., disk_loads: _Optional[_Iterable[_Union[DiskBlock, _Mapping]]] = ..., disk_retains: _Optional[_Iterable[_Union[DiskRetain, _Mapping]]] = ...) -> None: ...
+    kv_loads: _containers.RepeatedCompositeFieldContainer[KvLoad]
+    await_kv: bool
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., cancelled_transfer_tags: _Optional[_Iterable[int]] = ..., offload_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., offload_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., disk_saves: _Optional[_Iterable[_Union[DiskBlock, _Mapping]]] = ..., disk_loads: _Optional[_Iterable[_Union[DiskBlock, _Mapping]]] = ..., disk_retains: _Optional[_Iterable[_Union[DiskRetain, _Mapping]]] = ..., kv_loads: _Optional[_Iterable[_Union[KvLoad, _Mapping]]] = ..., await_kv: _Optional[bool] = ...) -> None: ...
+
+class KvLoad(_message.Message):
+    __slots__ = ("transfer_tag", "block_ids", "source", "sender_tensor_parallel_size", "sender_pipeline_parallel_size", "traceparent", "tracestate")
+    TRANSFER_TAG_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SENDER_TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SENDER_PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    TRACESTATE_FIELD_NUMBER: _ClassVar[int]
+    transfer_tag: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    source: KvSource
+    sender_tensor_parallel_size: int
+    sender_pipeline_parallel_size: int
+    traceparent: str
+    tracestate: str
+    def __init__(self, transfer_tag: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., source: _Optional[_Union[KvSource, _Mapping]] = ..., sender_tensor_parallel_size: _Optional[int] = ..., sender_pipeline_parallel_size: _Optional[int] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
+
+class KvLoadDone(_message.Message):
+    __slots__ = ("transfer_tag", "num_bytes", "seconds", "source_lag_seconds", "error", "pull_refused")
+    TRANSFER_TAG_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_LAG_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    PULL_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    transfer_tag: int
+    num_bytes: int
+    seconds: float
+    source_lag_seconds: float
+    error: str
+    pull_refused: bool
+    def __init__(self, transfer_tag: _Optional[int] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., source_lag_seconds: _Optional[float] = ..., error: _Optional[str] = ..., pull_refused: _Optional[bool] = ...) -> None: ...
 
 class DiskBlock(_message.Message):
     __slots__ = ("block_hash", "root", "offload_block", "retain_until")
@@ -173,7 +211,7 @@ class CachedRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., num_lookahead_tokens: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "sampled_tokens", "execute_seconds", "prompt_logprobs", "spec_decode", "draining", "propose_seconds", "propose_passes", "disk_loaded", "disk_failed", "disk_removed", "offload_load_seconds", "disk_read_seconds")
+    __slots__ = ("step_id", "sampled_tokens", "execute_seconds", "prompt_logprobs", "spec_decode", "draining", "propose_seconds", "propose_passes", "disk_loaded", "disk_failed", "disk_removed", "offload_load_seconds", "disk_read_seconds", "kv_loads_done")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +225,7 @@ class StepResponse(_message.Message):
     DISK_REMOVED_FIELD_NUMBER: _ClassVar[int]
     OFFLOAD_LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DISK_READ_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_LOADS_DONE_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
     execute_seconds: float
@@ -200,7 +239,8 @@ class StepResponse(_message.Message):
     disk_removed: _containers.RepeatedScalarFieldContainer[bytes]
     offload_load_seconds: float
     disk_read_seconds: float
-    def __init__(self, step_id: _Optional[int] = ..., sampled_tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_seconds: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., spec_decode: _Optional[_Iterable[_Union[SpecDecodeCounts, _Mapping]]] = ..., draining: _Optional[bool] = ..., propose_seconds: _Optional[float] = ..., propose_passes: _Optional[int] = ..., disk_loaded: _Optional[_Iterable[bytes]] = ..., disk_failed: _Optional[_Iterable[bytes]] = ..., disk_removed: _Optional[_Iterable[bytes]] = ..., offload_load_seconds: _Optional[float] = ..., disk_read_seconds: _Optional[float] = ...) -> None: ...
+    kv_loads_done: _containers.RepeatedCompositeFieldContainer[KvLoadDone]
+    def __init__(self, step_id: _Optional[int] = ..., sampled_tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_seconds: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., spec_decode: _Optional[_Iterable[_Union[SpecDecodeCounts, _Mapping]]] = ..., draining: _Optional[bool] = ..., propose_seconds: _Optional[float] = ..., propose_passes: _Optional[int] = ..., disk_loaded: _Optional[_Iterable[bytes]] = ..., disk_failed: _Optional[_Iterable[bytes]] = ..., disk_removed: _Optional[_Iterable[bytes]] = ..., offload_load_seconds: _Optional[float] = ..., disk_read_seconds: _Optional[float] = ..., kv_loads_done: _Optional[_Iterable[_Union[KvLoadDone, _Mapping]]] = ...) -> None: ...
 
 class SpecDecodeCounts(_message.Message):
     __slots__ = ("request_id", "num_draft_tokens", "num_accepted_tokens")
@@ -258,22 +298,6 @@ class SendKvResponse(_message.Message):
     seconds: float
     def __init__(self, num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
-class ReceiveKvRequest(_message.Message):
-    __slots__ = ("transfer_tag", "block_ids", "after_step_id", "source", "sender_tensor_parallel_size", "sender_pipeline_parallel_size")
-    TRANSFER_TAG_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    AFTER_STEP_ID_FIELD_NUMBER: _ClassVar[int]
-    SOURCE_FIELD_NUMBER: _ClassVar[int]
-    SENDER_TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
-    SENDER_PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
-    transfer_tag: int
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
-    after_step_id: int
-    source: KvSource
-    sender_tensor_parallel_size: int
-    sender_pipeline_parallel_size: int
-    def __init__(self, transfer_tag: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., after_step_id: _Optional[int] = ..., source: _Optional[_Union[KvSource, _Mapping]] = ..., sender_tensor_parallel_size: _Optional[int] = ..., sender_pipeline_parallel_size: _Optional[int] = ...) -> None: ...
-
 class KvSource(_message.Message):
     __slots__ = ("worker_id", "shared_memory", "block_ids", "ready_step_id", "tensor_parallel_size", "rank_shared_memory", "pipeline_parallel_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -291,16 +315,6 @@ class KvSource(_message.Message):
     rank_shared_memory: _containers.RepeatedCompositeFieldContainer[KvSharedMemory]
     pipeline_parallel_size: int
     def __init__(self, worker_id: _Optional[str] = ..., shared_memory: _Optional[_Union[KvSharedMemory, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., ready_step_id: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., rank_shared_memory: _Optional[_Iterable[_Union[KvSharedMemory, _Mapping]]] = ..., pipeline_parallel_size: _Optional[int] = ...) -> None: ...
-
-class ReceiveKvResponse(_message.Message):
-    __slots__ = ("num_bytes", "seconds", "source_lag_seconds")
-    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
-    SECONDS_FIELD_NUMBER: _ClassVar[int]
-    SOURCE_LAG_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    num_bytes: int
-    seconds: float
-    source_lag_seconds: float
-    def __init__(self, num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., source_lag_seconds: _Optional[float] = ...) -> None: ...
 
 class AddLoraRequest(_message.Message):
     __slots__ = ("lora_name", "lora_path")

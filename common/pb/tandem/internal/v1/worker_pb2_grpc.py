@@ -52,11 +52,6 @@ class WorkerServiceStub:
                 request_serializer=tandem_dot_internal_dot_v1_dot_worker__pb2.SendKvRequest.SerializeToString,
                 response_deserializer=tandem_dot_internal_dot_v1_dot_worker__pb2.SendKvResponse.FromString,
                 _registered_method=True)
-        self.ReceiveKv = channel.unary_unary(
-                '/tandem.internal.v1.WorkerService/ReceiveKv',
-                request_serializer=tandem_dot_internal_dot_v1_dot_worker__pb2.ReceiveKvRequest.SerializeToString,
-                response_deserializer=tandem_dot_internal_dot_v1_dot_worker__pb2.ReceiveKvResponse.FromString,
-                _registered_method=True)
         self.AddLora = channel.unary_unary(
                 '/tandem.internal.v1.WorkerService/AddLora',
                 request_serializer=tandem_dot_internal_dot_v1_dot_worker__pb2.AddLoraRequest.SerializeToString,
@@ -99,16 +94,8 @@ class WorkerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SendKv(self, request, context):
-        """SendKv sends the listed blocks to a peer over UCX as one tagged message.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ReceiveKv(self, request, context):
-        """ReceiveKv fills the listed blocks: from one tagged UCX message (matched
-        by a SendKv on the peer), or, when `source` is set, by copying them
-        straight out of a same-host peer's shared-memory pool (no SendKv).
+        """SendKv sends the listed blocks to a peer over UCX as one tagged message
+        (received by the peer's StepRequest.kv_loads entry with the same tag).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -160,11 +147,6 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.SendKv,
                     request_deserializer=tandem_dot_internal_dot_v1_dot_worker__pb2.SendKvRequest.FromString,
                     response_serializer=tandem_dot_internal_dot_v1_dot_worker__pb2.SendKvResponse.SerializeToString,
-            ),
-            'ReceiveKv': grpc.unary_unary_rpc_method_handler(
-                    servicer.ReceiveKv,
-                    request_deserializer=tandem_dot_internal_dot_v1_dot_worker__pb2.ReceiveKvRequest.FromString,
-                    response_serializer=tandem_dot_internal_dot_v1_dot_worker__pb2.ReceiveKvResponse.SerializeToString,
             ),
             'AddLora': grpc.unary_unary_rpc_method_handler(
                     servicer.AddLora,
@@ -266,33 +248,6 @@ class WorkerService:
             '/tandem.internal.v1.WorkerService/SendKv',
             tandem_dot_internal_dot_v1_dot_worker__pb2.SendKvRequest.SerializeToString,
             tandem_dot_internal_dot_v1_dot_worker__pb2.SendKvResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ReceiveKv(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/tandem.internal.v1.WorkerService/ReceiveKv',
-            tandem_dot_internal_dot_v1_dot_worker__pb2.ReceiveKvRequest.SerializeToString,
-            tandem_dot_internal_dot_v1_dot_worker__pb2.ReceiveKvResponse.FromString,
             options,
             channel_credentials,
             insecure,
