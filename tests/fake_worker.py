@@ -279,6 +279,7 @@ class FakeWorker(FakeStepExecution, FakeKvTransfers):
 
     @property
     def last_sent_step_id(self) -> int:
+        """(Tests only: the scheduler no longer asks.)"""
         return self._step_id
 
     async def send_step(self, plan: Any) -> int:

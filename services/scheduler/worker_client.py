@@ -103,10 +103,6 @@ class WorkerClient:
             self._step_call.cancel()
             self._step_call = None
 
-    @property
-    def last_sent_step_id(self) -> int:
-        return self._step_id
-
     async def send_step(self, plan: PoolStepPlan) -> int:
         """Write a plan on the Step stream without waiting for its result; returns its id."""
         self._step_id += 1

@@ -146,9 +146,6 @@ class WorkerConnection(Protocol):
 
     def close_step_stream(self) -> None: ...
 
-    @property
-    def last_sent_step_id(self) -> int: ...
-
     async def send_step(self, plan: PoolStepPlan) -> int:
         """Write a plan on the step stream without waiting for its result; its id."""
 
