@@ -88,8 +88,7 @@ class PeerKvConnector(KvConnector):
         )
         self.staging = StagingBuffers(device=kv_cache.device)
         self._cancelled: OrderedDict[int, None] = OrderedDict()
-        self._receives: dict[int, asyncio.Task] = {}
-        self._loads: set[asyncio.Task] = set()
+        self._receives: dict[int, asyncio.Task] = {}  # tag -> its load, while it runs
         # Ended loads not yet reported: (direction, how: ok, cancelled or failed, outcome);
         # `load_ended` is set when one is added.
         self._done: list[tuple[str, str, KvLoadDone]] = []
@@ -122,7 +121,7 @@ class PeerKvConnector(KvConnector):
 
     @property
     def receiving(self) -> bool:
-        return bool(self._receives or self._loads)
+        return bool(self._receives)
 
     # -- loads from a step plan -------------------------------------------------------------
     def start_loads(self, loads: Sequence[KvLoad], step_id: int) -> None:
@@ -130,8 +129,12 @@ class PeerKvConnector(KvConnector):
         tensor thread); each writes only after step `step_id - 1` has run here."""
         for load in loads:
             task = asyncio.ensure_future(self._load(load, step_id - 1, self._generation))
-            self._loads.add(task)
-            task.add_done_callback(self._loads.discard)
+            self._receives[load.tag] = task
+            task.add_done_callback(lambda done, tag=load.tag: self._ended(tag, done))
+
+    def _ended(self, tag: int, task: asyncio.Task) -> None:
+        if self._receives.get(tag) is task:  # (a later part may reuse the tag)
+            del self._receives[tag]
 
     def take_done(self) -> list[tuple[str, str, KvLoadDone]]:
         """Loads that ended since the last call, as (direction, how, outcome): each once."""
@@ -203,8 +206,6 @@ class PeerKvConnector(KvConnector):
 
     def cancel_all(self) -> None:
         self.cancel(list(self._receives))
-        for task in self._loads:
-            task.cancel()
 
     async def send(
         self,
@@ -253,21 +254,18 @@ class PeerKvConnector(KvConnector):
         cancelled, and a late message must never land in blocks given to someone else.
         Where either worker is parallel, every rank receives its own messages."""
         started = time.perf_counter()
-        self._start_receive(tag, block_ids)
-        try:
-            if self.layout != ONE_PROCESS or sender_layout != ONE_PROCESS:
-                nbytes = await self.layouts.receive(
-                    tag, sender_layout, block_ids, lambda: self._wait_for_step(after_step_id),
-                    self.is_cancelled,
-                )  # fmt: skip
-                return TransferResult(nbytes, time.perf_counter() - started)
-            nbytes = len(block_ids) * self.kv_cache.block_bytes
-            # A cancelled or failed receive's buffer is not reused: UCX may still write it.
-            buffer = self.staging.acquire(nbytes)
-            await self.transport.receive(tag, nbytes, out=buffer)
-            await self._wait_for_step(after_step_id)
-        finally:
-            self._receives.pop(tag, None)
+        self._check_start(tag, block_ids)
+        if self.layout != ONE_PROCESS or sender_layout != ONE_PROCESS:
+            nbytes = await self.layouts.receive(
+                tag, sender_layout, block_ids, lambda: self._wait_for_step(after_step_id),
+                self.is_cancelled,
+            )  # fmt: skip
+            return TransferResult(nbytes, time.perf_counter() - started)
+        nbytes = len(block_ids) * self.kv_cache.block_bytes
+        # A cancelled or failed receive's buffer is not reused: UCX may still write it.
+        buffer = self.staging.acquire(nbytes)
+        await self.transport.receive(tag, nbytes, out=buffer)
+        await self._wait_for_step(after_step_id)
         # Checked and queued in one go (no await between): a cancel that reaches this
         # worker later comes with a step queued behind this scatter on the tensor thread.
         if tag in self._cancelled:
@@ -290,19 +288,15 @@ class PeerKvConnector(KvConnector):
         """Copy blocks out of a same-host peer's shared pool (see kv_pull)."""
         if self.peers is not None and self.puller.ranks is None:
             raise KvTransferError("a parallel worker without shared pools cannot pull KV")
-        self._start_receive(tag, block_ids)
-        try:
-            return await self.puller.pull(
-                tag, source, block_ids, lambda: self._wait_for_step(after_step_id)
-            )
-        finally:
-            self._receives.pop(tag, None)
+        self._check_start(tag, block_ids)
+        return await self.puller.pull(
+            tag, source, block_ids, lambda: self._wait_for_step(after_step_id)
+        )
 
-    def _start_receive(self, tag: int, block_ids: Sequence[int]) -> None:
+    def _check_start(self, tag: int, block_ids: Sequence[int]) -> None:
         self._check_blocks(block_ids)
         if tag in self._cancelled:
             raise KvTransferCancelled(f"transfer {tag:#x} was cancelled")
-        self._receives[tag] = asyncio.current_task()
 
     def _check_blocks(self, block_ids: Sequence[int]) -> None:
         if not block_ids:
