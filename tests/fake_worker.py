@@ -322,7 +322,7 @@ class FakeWorker(FakeStepExecution, FakeKvTransfers):
                 swap_in=list(plan.swap_in),
                 copies=list(plan.block_copies),
                 cancelled_transfer_tags=list(cancelled_transfer_tags),
-                await_kv=plan.await_kv and not plan.scheduled,
+                await_kv=plan.only_awaits_kv,
             )
         )
         self.fabric.notify()

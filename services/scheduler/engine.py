@@ -363,7 +363,7 @@ class Engine:
             if not plan.is_empty:
                 chunks = self._prompt_chunks(pool, plan)  # noted before the send's await
                 step_id = await pool.client.send_step(plan)
-                if plan.await_kv and not plan.scheduled:  # idle, waiting on its KV loads
+                if plan.only_awaits_kv:  # idle, waiting on its KV loads
                     pool.idle_since_last_result = True  # (its wait is no step overhead)
                 if tracing_enabled():  # one check per step
                     note_scheduled(plan, self.requests.handles, pool.info.worker_id, step_id)

@@ -99,7 +99,7 @@ class PeerKvConnector:
         outcome_of = dst.scheduler.peer_loads.start(load)
         dst.wakeup.set()  # an idle pool plans the step that carries it
         try:
-            outcome = await asyncio.wait_for(asyncio.shield(outcome_of), self.timeout_s)
+            outcome = await asyncio.wait_for(outcome_of, self.timeout_s)
         except TimeoutError:
             raise WorkerUnavailableError(
                 f"KV load {load.tag:#x} on {dst.info.address}: no outcome in {self.timeout_s}s"

@@ -47,28 +47,23 @@ class PeerLoads:
         future = self._running.pop(tag, None)
         if future is not None and not future.done():
             future.cancel()
-        queued = [load for load in self._queued if load.tag == tag]
+        sent = future is not None and all(load.tag != tag for load in self._queued)
+        self._queued = [load for load in self._queued if load.tag != tag]
         self._tags.append(tag)  # (the worker ignores a tag it never saw)
-        if queued or future is None:  # nothing of it runs on the worker
-            self._queued = [load for load in self._queued if load.tag != tag]
-            if self.blocks.has(request_id):
-                self.blocks.free(request_id)
+        if not self.blocks.has(request_id):
             return
-        if self.blocks.has(request_id):
-            key = f"\0cancelled-transfer-{tag:x}"
-            self.blocks.fork(request_id, key)
+        if not sent:  # nothing of it runs on the worker
             self.blocks.free(request_id)
-            self._held.append(key)
+            return
+        key = f"\0cancelled-transfer-{tag:x}"
+        self.blocks.fork(request_id, key)
+        self.blocks.free(request_id)
+        self._held.append(key)
 
     @property
     def pending(self) -> bool:
         """Loads or cancels the next plan must carry."""
         return bool(self._queued or self._tags)
-
-    @property
-    def waiting(self) -> bool:
-        """Loads sent whose outcome has not come back."""
-        return len(self._running) > len(self._queued)
 
     def take(self, plan, idle: bool) -> None:
         """Put what the next plan carries into `plan` (a `PoolStepPlan`): the cancelled tags

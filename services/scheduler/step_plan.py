@@ -164,8 +164,14 @@ class PoolStepPlan:
             ),
             cancelled_transfer_tags=self.cancelled_transfer_tags,
             kv_loads=self.kv_loads,
-            await_kv=self.await_kv and not self.scheduled,
+            await_kv=self.only_awaits_kv,
         )
+
+    @property
+    def only_awaits_kv(self) -> bool:
+        """An `await_kv` plan whose result nothing waits for (no tokens, no disk reads):
+        the worker answers it once a KV load ends or the next plan arrives."""
+        return self.await_kv and not (self.scheduled or self.disk_loads)
 
     @property
     def is_empty(self) -> bool:

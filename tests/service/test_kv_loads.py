@@ -73,20 +73,17 @@ def test_a_load_in_a_plan_arrives_bit_identical_and_ends_with_a_step_result(tiny
             )
             assert torch.equal(decode.kv_cache.gather_blocks([0, 3]), before)  # untouched
 
-            # No sender for this one: the await plan ends when the next plan arrives, the
-            # cancelled load reports so and writes nothing.
+            # No sender for this one: the await plan is answered when the next plan arrives,
+            # and the load goes on; cancelled, it reports so and writes nothing.
             waiting, target = 0xB22, [6, 8]
             untouched = decode.kv_cache.gather_blocks(target).clone()
             await client.send_step(_plan([KvLoad(waiting, target)], await_kv=True))
-            await asyncio.sleep(0.2)
-            await client.send_step(_plan(cancelled=[waiting]))
-            first = await client.receive_step()
-            assert first.kv_loads_done == ()  # answered for the next plan, nothing ended
-            ended = (await client.receive_step()).kv_loads_done
-            if not ended:  # (the cancel may end the load just after that step's result)
-                await client.send_step(_plan(await_kv=True))
-                ended = (await client.receive_step()).kv_loads_done
-            (cancelled,) = ended
+            await client.send_step(_plan(cancelled=[0xDEAD]))  # a plan about something else
+            assert (await client.receive_step()).kv_loads_done == ()  # answered, none ended
+            assert (await client.receive_step()).kv_loads_done == ()
+            assert decode.peer_kv.receiving  # still under way
+            await client.send_step(_plan(cancelled=[waiting], await_kv=True))
+            (cancelled,) = (await client.receive_step()).kv_loads_done
             assert cancelled.tag == waiting and "cancelled" in cancelled.error
             assert torch.equal(decode.kv_cache.gather_blocks(target), untouched)
 

@@ -33,6 +33,32 @@ def turn(prompt: list[int], max_tokens: int, retention: float | None = None):
     return request
 
 
+def retention_stack(model, run_dir, num_blocks: int):
+    """One `both` worker: `num_blocks` blocks of 16 tokens, a host tier of 8 blocks, and
+    retention allowed up to 600 s."""
+    args = {
+        "both": [
+            *("--max-model-len", "160", "--num-blocks", str(num_blocks)),
+            *("--block-size", str(BLOCK)),
+            *("--kv-offload-cpu-bytes", str(8 * 2 * 2 * BLOCK * 2 * 16 * 4)),
+        ],
+        "scheduler": ["--max-kv-retention-s", "600"],
+    }
+    return start_stack(model, run_dir, prefill=0, decode=0, both=1, extra_args=args)
+
+
+def exact_turns(model, address):
+    """`exact(prompt, max_tokens, retention=None)`: a salted greedy turn on the stack at
+    `address`, its output checked against HF."""
+
+    def exact(prompt: list[int], max_tokens: int, retention=None):
+        answer = generate(address, turn(prompt, max_tokens, retention))
+        assert answer.token_ids == hf_greedy(model, prompt, max_tokens)
+        return answer
+
+    return exact
+
+
 def device_hits(stack) -> int:
     (pool,) = wait_until_idle(stack).pools
     return pool.prefix_hit_tokens
@@ -43,22 +69,10 @@ def test_a_retained_conversation_survives_a_flood_and_expires_after_its_time(
 ):
     # 10 blocks of 16 tokens: a conversation's 4 blocks and one flood request's 4 fit
     # together, two conversations and a flood request do not. A host tier of 8 blocks.
-    args = {
-        "both": [
-            *("--max-model-len", "160", "--num-blocks", "10", "--block-size", str(BLOCK)),
-            *("--kv-offload-cpu-bytes", str(8 * 2 * 2 * BLOCK * 2 * 16 * 4)),
-        ],
-        "scheduler": ["--max-kv-retention-s", "600"],
-    }
-    stack = start_stack(
-        tiny_llama_dir, tmp_path / "run", prefill=0, decode=0, both=1, extra_args=args
-    )
+    stack = retention_stack(tiny_llama_dir, tmp_path / "run", 10)
     address = stack.spec.gateway_address
 
-    def exact(prompt, max_tokens, retention=None):
-        answer = generate(address, turn(prompt, max_tokens, retention))
-        assert answer.token_ids == hf_greedy(tiny_llama_dir, prompt, max_tokens)
-        return answer
+    exact = exact_turns(tiny_llama_dir, address)
 
     def flood(first: int) -> None:
         for start in range(first, first + 3 * 100, 100):  # 3 requests of 4 blocks each
@@ -110,12 +124,7 @@ def test_a_retained_prompt_stays_in_the_prefill_pool_after_its_hand_off(tiny_lla
     pool = ["--max-model-len", "160", "--num-blocks", "10", "--block-size", str(BLOCK)]
     args = {"prefill": pool, "decode": pool, "scheduler": ["--max-kv-retention-s", "600"]}
     stack = start_stack(tiny_llama_dir, tmp_path / "run", prefill=1, decode=1, extra_args=args)
-    address = stack.spec.gateway_address
-
-    def exact(prompt, max_tokens, retention=None):
-        answer = generate(address, turn(prompt, max_tokens, retention))
-        assert answer.token_ids == hf_greedy(tiny_llama_dir, prompt, max_tokens)
-        return answer
+    exact = exact_turns(tiny_llama_dir, stack.spec.gateway_address)
 
     try:
         kept_prompt, plain_prompt = list(range(5, 69)), list(range(205, 269))  # 4 blocks
@@ -140,22 +149,9 @@ def test_a_retained_beam_search_keeps_its_prompt_and_best_hypothesis_past_a_floo
     the prompt's 3 full ones and a 4th holding 8 of the best hypothesis's tokens. A flood
     that evicts an unretained conversation from both tiers leaves them: the next turn,
     continuing the best hypothesis, is a 4-block device prefix hit."""
-    args = {
-        "both": [
-            *("--max-model-len", "160", "--num-blocks", "14", "--block-size", str(BLOCK)),
-            *("--kv-offload-cpu-bytes", str(8 * 2 * 2 * BLOCK * 2 * 16 * 4)),
-        ],
-        "scheduler": ["--max-kv-retention-s", "600"],
-    }
-    stack = start_stack(
-        tiny_llama_dir, tmp_path / "run", prefill=0, decode=0, both=1, extra_args=args
-    )
+    stack = retention_stack(tiny_llama_dir, tmp_path / "run", 14)
     address = stack.spec.gateway_address
-
-    def exact(prompt, max_tokens):
-        answer = generate(address, turn(prompt, max_tokens))
-        assert answer.token_ids == hf_greedy(tiny_llama_dir, prompt, max_tokens)
-        return answer
+    exact = exact_turns(tiny_llama_dir, address)
 
     try:
         prompt = list(range(5, 61))  # 3 full blocks and 8 tokens

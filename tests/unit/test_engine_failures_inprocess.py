@@ -448,7 +448,14 @@ def test_cancels_arriving_with_every_step_slot_taken_wait_for_a_result_without_s
             d0.hold_steps()
             p = prompt(7, 5)
             handle = submit(c, "a", p, 2)  # one decode step, then nothing left to plan
-            await until(lambda: pool.scheduler.num_steps_in_flight == 1 and pool.receiving)
+            # Its KV arrived (the load's await plan answered) and its decode step is held.
+            await until(
+                lambda: (
+                    "a" in d0.planned_request_ids
+                    and pool.scheduler.num_steps_in_flight == 1
+                    and pool.receiving
+                )
+            )
             pool.scheduler.peer_loads.cancel(0xA1, "nobody")  # frees a plan with the tag
             pool.wakeup.set()
             await until(lambda: pool.scheduler.num_steps_in_flight == 2, what="second plan")

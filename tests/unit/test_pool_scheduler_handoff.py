@@ -7,8 +7,9 @@ import asyncio
 
 import pytest
 
-from common.step_plan import KvLoad
+from common.step_plan import DiskBlock, KvLoad
 from common.step_result import KvLoadDone
+from services.scheduler.step_plan import PoolStepPlan
 from services.scheduler.worker_types import StepResult, WorkerUnavailableError
 from tests.unit.test_pool_scheduler import (
     arrived,
@@ -75,12 +76,12 @@ def test_a_load_rides_in_the_next_plan_and_an_idle_pool_awaits_its_outcome():
         s.blocks.allocate("moving", 8)
         load = KvLoad(0x51, s.blocks.table("moving"))
         outcome = s.peer_loads.start(load)
-        assert s.peer_loads.pending and not s.peer_loads.waiting
+        assert s.peer_loads.pending
         first = s.schedule()  # nothing else runs: the plan carries the load and awaits it
         assert first.kv_loads == [load] and not first.is_empty
         worker_plan = first.worker_plan(1)
         assert worker_plan.kv_loads == [load] and worker_plan.await_kv
-        assert s.peer_loads.waiting and not s.peer_loads.pending
+        assert not s.peer_loads.pending
         assert s.schedule().is_empty  # a step in flight: no second await plan
         s.update(StepResult(1, {}, 0.0))  # answered with no load ended yet
         assert not outcome.done()
@@ -89,7 +90,7 @@ def test_a_load_rides_in_the_next_plan_and_an_idle_pool_awaits_its_outcome():
         done = KvLoadDone(0x51, num_bytes=512)
         s.update(StepResult(2, {}, 0.0, kv_loads_done=(done, KvLoadDone(0x99))))  # 0x99: unknown
         assert await outcome == done
-        assert not s.peer_loads.waiting and s.schedule().is_empty
+        assert s.schedule().is_empty  # nothing left to await
 
     asyncio.run(run())
 
@@ -102,7 +103,7 @@ def test_a_cancelled_load_is_no_longer_awaited_and_its_late_outcome_is_dropped()
         s.schedule()
         s.update(StepResult(1, {}, 0.0))
         s.peer_loads.cancel(0x52, "moving")
-        assert outcome.cancelled() and not s.peer_loads.waiting
+        assert outcome.cancelled()
         plan = s.schedule()
         assert plan.cancelled_transfer_tags == [0x52] and not plan.await_kv
         s.update(StepResult(2, {}, 0.0, kv_loads_done=(KvLoadDone(0x52, error="cancelled"),)))
@@ -111,7 +112,7 @@ def test_a_cancelled_load_is_no_longer_awaited_and_its_late_outcome_is_dropped()
     asyncio.run(run())
 
 
-def test_a_plan_that_schedules_tokens_never_asks_the_worker_to_wait():
+def test_a_plan_whose_result_is_awaited_never_asks_the_worker_to_wait():
     async def run():
         s = sched(num_blocks=16, block_size=4)
         s.blocks.allocate("moving", 4)
@@ -120,6 +121,10 @@ def test_a_plan_that_schedules_tokens_never_asks_the_worker_to_wait():
         plan = s.schedule()
         assert scheduled(plan) == [("r", 5)] and plan.kv_loads
         assert not plan.worker_plan(1).await_kv
+        # Nor one with disk reads: a request may be waiting for their outcome.
+        reads = PoolStepPlan(await_kv=True, disk_loads=[DiskBlock(b"h" * 32, b"r" * 32, 0)])
+        assert not reads.worker_plan(2).await_kv
+        assert PoolStepPlan(await_kv=True).worker_plan(3).await_kv
 
     asyncio.run(run())
 
