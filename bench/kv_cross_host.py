@@ -136,7 +136,7 @@ def receiver(args) -> None:
     import torch
 
     from services.worker.kv_transfer import UcxTransport
-    from services.worker.staging import StagingBuffers
+    from services.worker.parallel.kv_message_io import StagingBuffers
 
     listener = socket.socket()
     listener.bind(("0.0.0.0", 0))
@@ -210,7 +210,7 @@ def sender(args) -> None:
     import torch
 
     from services.worker.kv_transfer import UcxTransport
-    from services.worker.staging import StagingBuffers
+    from services.worker.parallel.kv_message_io import StagingBuffers
 
     control = socket.create_connection((args.peer, args.port))
     data = socket.create_connection((args.peer, args.port))

@@ -127,7 +127,7 @@ def measure_pull(sizes: list[int], rounds: int) -> dict[int, dict]:
             times, copies = [], []
             for r in range(rounds + 1):  # memcpy rounds interleaved: the same conditions
                 start = time.perf_counter()
-                await puller.pull(r, KvSource("owner", info, tuple(src)), dst, no_wait)
+                await puller.pull(r, KvSource("owner", (info,), tuple(src)), dst, no_wait)
                 times.append(time.perf_counter() - start)
                 copies.append(await on_thread(memcpy.time))
             intact = await on_thread(same_blocks, cache, dst, reference, src)
@@ -150,7 +150,7 @@ def measure_pull(sizes: list[int], rounds: int) -> dict[int, dict]:
 # -- UCX (staging buffers, gather / scatter) ------------------------------------------------
 def ucx_receiver(conn, num_blocks: int, sizes: list[int], rounds: int, error_handling: bool):
     from services.worker.kv_transfer import UcxTransport
-    from services.worker.staging import StagingBuffers
+    from services.worker.parallel.kv_message_io import StagingBuffers
 
     async def run() -> None:
         cache = make_cache(num_blocks)
@@ -185,7 +185,7 @@ def ucx_receiver(conn, num_blocks: int, sizes: list[int], rounds: int, error_han
 def ucx_sender(conn, sizes: list[int], rounds: int, error_handling: bool) -> None:
     """Runs in its own process (one UCX context per process), spawning the receiver."""
     from services.worker.kv_transfer import UcxTransport
-    from services.worker.staging import StagingBuffers
+    from services.worker.parallel.kv_message_io import StagingBuffers
 
     num_blocks = 2 * max(sizes) + 1
     ctx = mp.get_context("spawn")

@@ -23,7 +23,7 @@ RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
         "step inputs",
         ("attention_metadata.py", "worker/batch.py", "worker/runner.py", "step_inputs"),
     ),
-    ("KV transfer", ("kv_transfer.py", "staging.py", "ucxx", "ucp/")),
+    ("KV transfer", ("kv_transfer.py", "kv_message_io.py", "ucxx", "ucp/")),
     ("scheduler bookkeeping", ("services/scheduler/",)),
     ("detokenization", ("detokenizer.py", "tokenizers", "gateway/prompts.py")),
     ("stop strings + output", ("gateway/output.py", "stop_strings.py")),

@@ -28,9 +28,9 @@ class RankMessage:
     dst_rank: int
     pieces: tuple[KvSlice, ...]
 
-    def bytes_per_block(self, block_size: int, head_dim: int, itemsize: int) -> int:
-        """Bytes one transferred block contributes to this message."""
-        return sum(
+    def nbytes(self, num_blocks: int, block_size: int, head_dim: int, itemsize: int) -> int:
+        """This message's bytes for a transfer of `num_blocks` blocks."""
+        return num_blocks * sum(
             len(p.layers) * 2 * block_size * len(p.heads) * head_dim * itemsize for p in self.pieces
         )
 
@@ -71,9 +71,3 @@ def slices_from_wire(rows: Sequence[Sequence[int]]) -> tuple[KvSlice, ...]:
         s, d, l0, l1, h0, h1, sh, dh = row
         out.append(KvSlice(s, d, range(l0, l1), range(h0, h1), sh, dh))
     return tuple(out)
-
-
-def message_nbytes(
-    message: RankMessage, num_blocks: int, block_size: int, head_dim: int, itemsize: int
-) -> int:
-    return num_blocks * message.bytes_per_block(block_size, head_dim, itemsize)

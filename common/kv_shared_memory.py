@@ -4,7 +4,7 @@ see it (`KvSharedMemory` in worker.proto), and its protobuf conversions."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from common.pb.tandem.internal.v1 import worker_pb2
 
@@ -13,6 +13,8 @@ HEADER_BYTES = 4096  # the progress header before the pool
 
 @dataclass(frozen=True)
 class SharedMemoryInfo:
+    """The fields of `KvSharedMemory`, by name."""
+
     host_id: str  # equal on two workers that can open each other's memfd by /proc path
     pid: int
     fd: int
@@ -25,8 +27,8 @@ class SharedMemoryInfo:
 
     @classmethod
     def from_json(cls, data: bytes) -> SharedMemoryInfo:
-        fields = json.loads(data)
-        return cls(**{**fields, "token": bytes.fromhex(fields["token"])})
+        values = json.loads(data)
+        return cls(**{**values, "token": bytes.fromhex(values["token"])})
 
     def reachable_from(self, other: SharedMemoryInfo | None) -> bool:
         """A worker described by `other` can map this pool."""
@@ -34,22 +36,8 @@ class SharedMemoryInfo:
 
 
 def shared_memory_to_pb(info: SharedMemoryInfo) -> worker_pb2.KvSharedMemory:
-    return worker_pb2.KvSharedMemory(
-        host_id=info.host_id,
-        pid=info.pid,
-        fd=info.fd,
-        num_bytes=info.num_bytes,
-        token=info.token,
-        pool_offset=info.pool_offset,
-    )
+    return worker_pb2.KvSharedMemory(**asdict(info))
 
 
 def shared_memory_from_pb(message: worker_pb2.KvSharedMemory) -> SharedMemoryInfo:
-    return SharedMemoryInfo(
-        message.host_id,
-        message.pid,
-        message.fd,
-        message.num_bytes,
-        message.token,
-        message.pool_offset,
-    )
+    return SharedMemoryInfo(*(getattr(message, f.name) for f in fields(SharedMemoryInfo)))

@@ -103,24 +103,15 @@ class BlockMoves:
 
 @dataclass(frozen=True)
 class KvSource:
-    """The blocks a same-host pull copies out of a peer's shared pool, final once the peer
-    has run step `ready_step_id` (0: final already)."""
+    """The blocks a same-host pull copies out of a peer's shared pools (one per rank of its
+    `layout`, rank 0's first: its progress header speaks for all), final once the peer has
+    run step `ready_step_id` (0: final already)."""
 
     worker_id: str
-    shared_memory: SharedMemoryInfo  # rank 0's (its progress header speaks for all ranks)
+    rank_pools: Sequence[SharedMemoryInfo]
     block_ids: Sequence[int]
     ready_step_id: int = 0
-    tensor_parallel_size: int = 1
-    rank_shared_memory: Sequence[SharedMemoryInfo] = ()  # ranks 1..
-    pipeline_parallel_size: int = 1
-
-    @property
-    def layout(self) -> Layout:
-        return Layout(max(1, self.tensor_parallel_size), max(1, self.pipeline_parallel_size))
-
-    @property
-    def rank_pools(self) -> tuple[SharedMemoryInfo, ...]:
-        return (self.shared_memory, *self.rank_shared_memory)
+    layout: Layout = Layout()
 
 
 @dataclass(frozen=True)

@@ -45,39 +45,37 @@ def _disk_blocks_from(blocks) -> list[DiskBlock]:
 
 
 def _kv_load_pb(load: KvLoad) -> worker_pb2.KvLoad:
-    message = worker_pb2.KvLoad(
+    source, s = None, load.source  # (None: no source field)
+    if s is not None:
+        source = worker_pb2.KvSource(
+            worker_id=s.worker_id,
+            shared_memory=shared_memory_to_pb(s.rank_pools[0]),
+            block_ids=s.block_ids,
+            ready_step_id=s.ready_step_id,
+            tensor_parallel_size=s.layout.tp,
+            pipeline_parallel_size=s.layout.pp,
+            rank_shared_memory=[shared_memory_to_pb(m) for m in s.rank_pools[1:]],
+        )
+    return worker_pb2.KvLoad(
         transfer_tag=load.tag,
         block_ids=load.block_ids,
+        source=source,
         sender_tensor_parallel_size=load.sender_layout.tp,
         sender_pipeline_parallel_size=load.sender_layout.pp,
         traceparent=load.traceparent,
         tracestate=load.tracestate,
     )
-    source = load.source
-    if source is not None:
-        message.source.CopyFrom(
-            worker_pb2.KvSource(
-                worker_id=source.worker_id,
-                shared_memory=shared_memory_to_pb(source.shared_memory),
-                block_ids=source.block_ids,
-                ready_step_id=source.ready_step_id,
-                tensor_parallel_size=source.tensor_parallel_size,
-                pipeline_parallel_size=source.pipeline_parallel_size,
-                rank_shared_memory=[shared_memory_to_pb(m) for m in source.rank_shared_memory],
-            )
-        )
-    return message
 
 
 def kv_source_from_pb(source: worker_pb2.KvSource) -> KvSource:
     return KvSource(
         worker_id=source.worker_id,
-        shared_memory=shared_memory_from_pb(source.shared_memory),
+        rank_pools=tuple(
+            shared_memory_from_pb(m) for m in (source.shared_memory, *source.rank_shared_memory)
+        ),
         block_ids=tuple(source.block_ids),
         ready_step_id=source.ready_step_id,
-        tensor_parallel_size=max(1, source.tensor_parallel_size),
-        rank_shared_memory=tuple(shared_memory_from_pb(m) for m in source.rank_shared_memory),
-        pipeline_parallel_size=max(1, source.pipeline_parallel_size),
+        layout=Layout(max(1, source.tensor_parallel_size), max(1, source.pipeline_parallel_size)),
     )
 
 

@@ -12,11 +12,7 @@ from typing import TYPE_CHECKING
 
 from common.step_plan import KvLoad, KvSource
 from common.step_result import KvLoadDone
-from services.scheduler.worker_types import (
-    KvTransferResult,
-    WorkerInfo,
-    WorkerUnavailableError,
-)
+from services.scheduler.worker_types import WorkerInfo, WorkerUnavailableError
 
 if TYPE_CHECKING:
     from tests.fake_worker import FakeWorker
@@ -78,8 +74,7 @@ class FakeKvTransfers:
 
     async def _report(self, tag: int, serve, stream: int) -> None:
         try:
-            result = await serve
-            done = KvLoadDone(tag, result.num_bytes, source_lag_seconds=result.source_lag_seconds)
+            done = await serve
         except (WorkerUnavailableError, ValueError, asyncio.CancelledError) as exc:
             done = KvLoadDone(tag, error=str(exc) or "cancelled")
         if self._stream == stream:  # a new stream (or a kill) forgets the old one's loads
@@ -91,7 +86,7 @@ class FakeKvTransfers:
 
     async def _serve_send(
         self, tag: int, peer: WorkerInfo, block_ids: list[int], timeout_s: float
-    ) -> KvTransferResult:
+    ) -> KvLoadDone:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         target = self.fabric.workers.get(peer.ucx_address)
@@ -127,11 +122,11 @@ class FakeKvTransfers:
         except WorkerUnavailableError:
             slot.dead = True
             raise
-        return KvTransferResult(num_bytes=len(block_ids) * self.info.block_bytes)
+        return KvLoadDone(tag, num_bytes=len(block_ids) * self.info.block_bytes)
 
     async def _serve_receive(
         self, tag: int, block_ids: list[int], timeout_s: float, after_step_id: int
-    ) -> KvTransferResult:
+    ) -> KvLoadDone:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         key = (self.info.ucx_address, tag)
@@ -172,7 +167,7 @@ class FakeKvTransfers:
             self.kv_blocks_received += len(block_ids)
             if self.after_kv_received is not None:
                 await self.after_kv_received(tag)
-            return KvTransferResult(num_bytes=len(block_ids) * self.info.block_bytes)
+            return KvLoadDone(tag, num_bytes=len(block_ids) * self.info.block_bytes)
         except BaseException:
             slot.dead = True
             self.fabric.notify()
@@ -190,7 +185,7 @@ class FakeKvTransfers:
         timeout_s: float,
         after_step_id: int,
         source: KvSource,
-    ) -> KvTransferResult:
+    ) -> KvLoadDone:
         """Copy blocks straight out of a peer's pool once the peer has run the step that
         makes them final (the fake writes a step's KV at once, not layer by layer)."""
         deadline = asyncio.get_running_loop().time() + timeout_s
@@ -220,7 +215,7 @@ class FakeKvTransfers:
             self.kv_blocks_received += len(block_ids)
             if self.after_kv_received is not None:
                 await self.after_kv_received(tag)
-            return KvTransferResult(num_bytes=len(block_ids) * self.info.block_bytes)
+            return KvLoadDone(tag, num_bytes=len(block_ids) * self.info.block_bytes)
         finally:
             if self._receives.get(tag) is asyncio.current_task():
                 del self._receives[tag]

@@ -45,10 +45,9 @@ from typing import Any
 
 from common.kv_shared_memory import SharedMemoryInfo
 from common.sampling import Logprob
-from common.step_result import StepResult
+from common.step_result import KvLoadDone, StepResult
 from services.scheduler.worker_types import (
     ConstraintRefusedError,
-    KvTransferResult,
     LoraRefusedError,
     ModelShape,
     SpeculativeInfo,
@@ -349,7 +348,7 @@ class FakeWorker(FakeStepExecution, FakeKvTransfers):
 
     async def send_kv(
         self, tag: int, peer: WorkerInfo, block_ids: list[int], timeout_s: float
-    ) -> KvTransferResult:
+    ) -> KvLoadDone:
         self._check_alive()
         self.send_tags.append(tag)
         task = self._spawn(self._serve_send(tag, peer, list(block_ids), timeout_s))

@@ -1,39 +1,16 @@
-"""The prefill → decode handoff: choose a decode pool, reuse what it already holds, move
-the rest of the request's KV, and hand the request to the decode pool.
+"""The prefill → decode hand-off (docs/architecture.md, "A request's path" and "KV
+connectors"): which decode pool pulls a finished prompt, which of its blocks that pool
+already holds (prefix cache, offload tiers: `handoff_tier`), and moving the rest with the
+peers' connector (`kv_peer_connector`), at once or streamed chunk by chunk (`stream`).
 
-A request whose prompt is done waits here, holding its prefill blocks, until a decode pool
-pulls it: each decode pool calls `pull` when it plans a step (as vLLM's scheduler admits
-requests waiting for remote KV inside `schedule()`), and takes the waiting hand-offs that
-choose it, in order. Its full blocks are looked up in each decode pool's prefix cache first,
-then in its offload tiers (`handoff_tier`: loaded there, from host memory, or read from its
-disk first); only the blocks that pool lacks are allocated and moved, by the peers'
-connector (`kv_peer_connector`: loads in the decode pool's plans, pulled out of the prefill
-worker's shared pool on one host, else over UCX). A load is written only after the decode
-worker has run the steps planned before it, so a step still in flight can never write
-into freshly received KV. With disk reads, the transfer ends only once the
-decode pool's step that read them has answered: the blocks whose read failed then move
-from the prefill worker too (its blocks are held until the request arrives).
-
-Streamed (`stream`): when a step computing a chunk of a prompt is sent and a same-host
-decode pool would take the whole prompt now, the transfer starts at once (every decode
-block of the prompt allocated) and moves in parts, one per chunk: the blocks a chunk
-completes, final once its step has run, pulled layer by layer as the prefill worker writes
-them (the prompt's last part takes its partial last block); not for a request whose first
-token ends it by length (`max_tokens=1`). The request moves on when both
-the transfer and the prompt's result are in. A streamed transfer that fails before the
-result only drops its decode side: the prompt is then handed off as usual.
-
-The hand-off calls nothing back: what happened that the engine must act on goes into
-`events` (a request no decode pool is left for, a failed transfer, a finished request whose
-KV arrived to be kept),
-each with the request's `moves` then, so the engine ignores it once the request has moved
-on (cancelled, started over) meanwhile.
-
-A transfer that is cancelled (the request ended) or fails (a peer died, a timeout) frees
-the prefill side's blocks at once. Its tag goes to the decode worker with that pool's next
-plan (sent even if nothing else runs), and the decode side's blocks stay held until that
-plan is made (`PeerLoads.cancel`): a load still under way on the worker may write into
-them until it learns the tag, and any later load into them comes in a later plan.
+Hazards:
+- A load is written only after the decode worker has run the steps planned before it, so
+  a step still in flight never writes into freshly received KV.
+- A cancelled or failed transfer frees the prefill side at once; the decode side's blocks
+  stay held until that pool's next plan carries the tag (`PeerLoads.cancel`): a load still
+  under way on the worker may write into them until it learns the tag.
+- Nothing is called back: what the engine must act on goes into `events`, each with the
+  request's `moves` then, so the engine ignores it once the request has moved on.
 """
 
 from __future__ import annotations
@@ -44,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from itertools import count
 
 from common.log import bind_request, get_logger
 from services.scheduler.handle import RequestHandle, Stage, Transfer, TransferPart
@@ -107,8 +85,7 @@ class KvHandoff:
         self.queue: deque[RequestHandle] = deque()
         # (source, receiver) links whose last transfer failed with both workers alive.
         self.links = links or LinkBreaker()
-        self._tag_base = secrets.randbits(31) << 32
-        self._tag_counter = 0
+        self._tags = count((secrets.randbits(31) << 32) + 1)
         # request -> the outcome of its decode pool's disk reads (`handoff_tier`), awaited
         # by its transfer: the places in its table of the blocks that must move after all.
         self._disk_reads: dict[str, asyncio.Future[list[int]]] = {}
@@ -146,7 +123,7 @@ class KvHandoff:
         self.queue.remove(handle)
 
     def cancel(self, handle: RequestHandle, free_source: bool = True) -> None:
-        """Give up the handle's transfer now: stop both calls and release both sides (the
+        """Give up the handle's transfer now: stop its calls and release both sides (the
         source side only when `free_source`: a prompt still running keeps its blocks in
         its pool's scheduler, which frees them)."""
         transfer = handle.transfer
@@ -156,7 +133,7 @@ class KvHandoff:
 
     def _release(self, handle: RequestHandle, free_source: bool = True) -> None:
         """Free the transfer's blocks: the prefill side's now, the decode side's once the
-        step that tells the worker the tag is dead is planned (see the module docstring)."""
+        plan that tells the worker the tag is dead is made."""
         transfer, handle.transfer = handle.transfer, None
         rid = handle.request.request_id
         if free_source:
@@ -192,18 +169,14 @@ class KvHandoff:
 
     def stream(self, handle: RequestHandle, step_id: int, last: bool) -> None:
         """Step `step_id`, just sent to the handle's prefill pool, computes a chunk of its
-        prompt (the last one when `last`). Blocks that chunk completes stream to the decode
-        pool now: if no transfer runs yet and a same-host decode pool would take the whole
-        prompt now, one starts (allocating every decode block of the prompt), and the
-        decode worker copies each layer of a chunk's blocks as the prefill worker
-        finishes it. Otherwise (or with a hand-off queue ahead of it) the prompt waits
-        to be handed off as usual."""
-        transfer, src = handle.transfer, handle.pool
+        prompt (the last one when `last`): the blocks it completes move as one part, which
+        the decode worker pulls layer by layer as the prefill worker writes them. The first
+        chunk starts the transfer only if a same-host decode pool would take the whole
+        prompt now and no hand-off waits ahead; otherwise the prompt is handed off as usual."""
+        request, transfer, src = handle.request, handle.transfer, handle.pool
         if transfer is None:
-            if not self.streaming or self.queue:
-                return
-            request = handle.request
-            if request.ends_at_its_next_token:  # no decode step would ever use the KV
+            # Not for a request whose first token ends it: no decode step would use the KV.
+            if not self.streaming or self.queue or request.ends_at_its_next_token:
                 return
             # The whole prompt: every known token (not the one its last step samples).
             choice = self._choose(request, request.num_known_tokens, handle.pool)
@@ -214,9 +187,8 @@ class KvHandoff:
             if not self.peers.can_pull(src, dst) or len(hits) + tier.num_blocks >= whole:
                 return
             transfer = self._start(handle, dst, hits, tier, streamed=True)
-        computed = handle.request.num_computed_tokens
-        table = src.blocks.table(handle.request.request_id)
-        transfer.add_part(table, src.blocks.full_blocks(computed), step_id, last)
+        table = src.blocks.table(request.request_id)
+        transfer.add_part(table, src.blocks.full_blocks(request.num_computed_tokens), step_id, last)
 
     def _choose(self, request, computed: int, src: Pool) -> tuple[Pool, list[int], TierRun] | None:
         """The decode pool placement picks for the request's first `computed` tokens now
@@ -261,9 +233,8 @@ class KvHandoff:
         streamed: bool = False,
     ) -> Transfer | None:
         """Allocate the request's blocks in `dst`, load the first from its offload tiers
-        (`tier`) and start moving the rest. Streamed, the prompt still runs: its parts are
-        added chunk by chunk (`stream`), and `enqueue` moves it on. Otherwise everything
-        moves at once."""
+        (`tier`) and start moving the rest: at once, or streamed part by part (`stream`;
+        `enqueue` moves the request on once its prompt is done)."""
         request, src = handle.request, handle.pool
         rid = request.request_id
         num_tokens = request.num_known_tokens if streamed else request.num_computed_tokens
@@ -286,8 +257,7 @@ class KvHandoff:
             handle.start_transfer(None)
             self._arrive(handle, src, dst)
             return None
-        self._tag_counter += 1
-        tag = self._tag_base | self._tag_counter
+        tag = next(self._tags)
         parts: asyncio.Queue[TransferPart] = asyncio.Queue()
         task = self._spawn(self._transfer(handle, src, dst, tag, parts, reads), f"kv-{rid}")
         transfer = Transfer(task, src, dst, tag, parts, dst_blocks, first, first)
@@ -306,19 +276,20 @@ class KvHandoff:
         dst: Pool,
         tag: int,
         parts: asyncio.Queue[TransferPart],
-        reads: asyncio.Future[list[int]] | None = None,
+        reads: asyncio.Future[list[int]] | None,
     ) -> None:
         """Move the parts as they come, in order, until the last; then, with disk reads on
-        the decode pool (`reads`), wait for their outcome and move the blocks whose read
-        failed. Cancelled (the request ended) it stops the calls under way; `cancel` has
-        released the blocks."""
-        rid = handle.request.request_id
+        the decode pool (`reads`), wait for their outcome (the decode pool's step that read
+        them has answered) and move the blocks whose read failed. Cancelled (the request
+        ended) it stops the calls under way; `cancel` has released the blocks."""
+        request = handle.request
+        rid, src_id, dst_id = request.request_id, src.info.worker_id, dst.info.worker_id
         started = time.perf_counter()
         num_blocks = num_bytes = 0
         lag_s = 0.0
-        span = transfer_span(handle.trace, handle.request, src.info.worker_id, dst.info.worker_id)
         try:
-            with span as current:  # current while the calls run: they carry it to workers
+            # current while the calls run: they carry it to workers
+            with transfer_span(handle.trace, request, src_id, dst_id) as current:
                 while True:
                     part = await parts.get()
                     if part.dst_blocks:
@@ -328,46 +299,41 @@ class KvHandoff:
                         lag_s = result.source_lag_seconds
                     if part.last:
                         break
-                if reads is not None:
-                    failed = await reads
-                    if failed:  # their KV comes from the prefill worker after all
-                        result = await self._move_failed(handle, src, dst, tag, failed)
-                        num_blocks += len(failed)
-                        num_bytes += result.num_bytes
+                if reads is not None and (failed := await reads):
+                    # Their KV comes from the prefill worker after all: final there by now.
+                    tables = src.blocks.table(rid), dst.blocks.table(rid)
+                    src_blocks, dst_blocks = ([table[i] for i in failed] for table in tables)
+                    ready = handle.ready_step_in(src)
+                    part = TransferPart(src_blocks, dst_blocks, ready, last=True)
+                    num_blocks += len(failed)
+                    num_bytes += (await self.peers.move(src, dst, tag, part)).num_bytes
                 if current is not None:
                     current.set_attributes(
                         {"tandem.kv.blocks": num_blocks, "tandem.kv.bytes": num_bytes}
                     )
-        except asyncio.CancelledError:
-            raise
         except Exception as error:
             self.peers.failed(src, dst, error)
             if handle.stage is Stage.PREFILL:
                 # Streamed while the prompt still runs: drop the decode side; the finished
                 # prompt is handed off as usual (a dead worker is found by its step stream).
                 self._release(handle, free_source=False)
-                with bind_request(rid, handle.request.trace_id):
-                    log.warning("kv_stream_failed", dst=dst.info.worker_id, error=str(error))
+                with bind_request(rid, request.trace_id):
+                    log.warning("kv_stream_failed", dst=dst_id, error=str(error))
                 return
             self._release(handle)
-            cool_down = self.links.failed(src.info.worker_id, dst.info.worker_id)
-            log.warning(
-                "kv_link_avoided",
-                src=src.info.worker_id,
-                dst=dst.info.worker_id,
-                seconds=cool_down,
-            )
+            cool_down = self.links.failed(src_id, dst_id)
+            log.warning("kv_link_avoided", src=src_id, dst=dst_id, seconds=cool_down)
             self.events.put_nowait(TransferFailed(handle, handle.moves, src, dst, error))
             return
-        self.links.succeeded(src.info.worker_id, dst.info.worker_id)
+        self.links.succeeded(src_id, dst_id)
         dst.counters.kv_blocks_received += num_blocks
         dst.counters.kv_transfers += 1
         dst.counters.kv_source_lag_s += lag_s
-        with bind_request(rid, handle.request.trace_id):
+        with bind_request(rid, request.trace_id):
             log.debug(
                 "kv_transferred",
-                src=src.info.worker_id,
-                dst=dst.info.worker_id,
+                src=src_id,
+                dst=dst_id,
                 blocks=num_blocks,
                 bytes=num_bytes,
                 seconds=round(time.perf_counter() - started, 5),
@@ -378,35 +344,15 @@ class KvHandoff:
             return
         self._arrive(handle, src, dst)
 
-    async def _move_failed(
-        self,
-        handle: RequestHandle,
-        src: Pool,
-        dst: Pool,
-        tag: int,
-        failed: list[int],
-    ):
-        """Move the request's blocks at places `failed` of its table (their disk read on
-        the decode pool failed) from the source pool, where they are final by now."""
-        rid = handle.request.request_id
-        src_table, dst_table = src.blocks.table(rid), dst.blocks.table(rid)
-        part = TransferPart(
-            [src_table[i] for i in failed],
-            [dst_table[i] for i in failed],
-            handle.ready_step_in(src),
-            last=True,
-        )
-        return await self.peers.move(src, dst, tag, part)
-
     def _arrive(self, handle: RequestHandle, src: Pool, dst: Pool) -> None:
         request = handle.request
         rid = request.request_id
         # Its prompt leaves the prefill pool: kept there too if it asked (`kv_retention`).
         retain_finished(src.blocks, src.scheduler.offload, request)
-        src.blocks.free(request.request_id)
+        src.blocks.free(rid)
         src.wakeup.set()
         cached = dst.blocks.cache_full_blocks(
-            request.request_id,
+            rid,
             request.block_hashes,
             request.all_token_ids,
             request.num_computed_tokens,
@@ -415,8 +361,8 @@ class KvHandoff:
         if dst.scheduler.offload is not None:  # kept in its tier too (`handoff_tier`)
             dst.scheduler.offload.handoff.save_arrival(rid, cached, request.hash_root)
         handle.arrive(dst)
-        if not request.is_finished:  # a finished one that keeps its KV parks here
-            dst.scheduler.add(request)
         dst.wakeup.set()
-        if request.is_finished:
+        if not request.is_finished:
+            dst.scheduler.add(request)
+        else:  # a finished one that keeps its KV parks here
             self.events.put_nowait(Parked(handle, handle.moves))

@@ -1,51 +1,37 @@
-"""The scheduler side of the peers' KV connector: how a hand-off's blocks move from one
-worker's pool to another's, once `handoff.KvHandoff` has decided which blocks go where and
-when they are final. Each move is a load in the receiving pool's next plan (`peer_loads`),
-whose outcome comes back with that worker's step results. The worker side is
-`services/worker/kv_peer_connector.py`.
+"""The scheduler side of the peers' KV connector (worker side:
+`services/worker/kv_peer_connector.py`).
 
-- Same host (both workers describe one `KvSharedMemory.host_id`, and the receiver has
-  not refused to map the sender's pool): a load with a source; the decode worker copies
-  the blocks straight out of the prefill worker's shared pool, layer by layer as they are
-  written.
-- Otherwise: a load without one on the receiver and `SendKv` on the sender with the same
-  UCX tag, together (each side's parallel layout travels with its half); the first failure
-  ends the move.
-A receiver that cannot map a sender's pool (`KvLoadDone.pull_refused`) makes that pair use
-UCX from then on.
+- `PeerKvConnector`: how one part of a hand-off's blocks moves, once `handoff.KvHandoff`
+  has decided which blocks go where and when they are final. Each move is a load in the
+  receiving pool's next plan; on one host the receiver pulls the blocks out of the sender's
+  shared pool, else a `SendKv` on the sender runs beside the load with the same UCX tag. A
+  pair whose receiver could not map the sender's pool (`KvLoadDone.pull_refused`) uses UCX
+  from then on.
+- `PeerLoads`: a pool's loads, as its plans carry them (vLLM V1's connector metadata in
+  the scheduler output, and its finished receives in the model runner's output). While a
+  load runs and no step is in flight, the next plan is an `await_kv` plan: the worker
+  answers it once a load ends or another plan arrives, so an idle pool hears of its loads
+  without polling.
 """
 
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 from common.log import get_logger
 from common.parallel_plan import Layout
 from common.step_plan import KvLoad, KvSource
+from common.step_result import KvLoadDone
 from common.tracing import current_carrier
-from services.scheduler.handle import TransferPart
-from services.scheduler.pool import Pool
-from services.scheduler.worker_types import (
-    KvPullRefusedError,
-    KvTransferResult,
-    WorkerInfo,
-    WorkerUnavailableError,
-)
+from services.scheduler.worker_types import KvPullRefusedError, WorkerUnavailableError
+
+if TYPE_CHECKING:  # (the pool's scheduler holds its `PeerLoads`)
+    from services.scheduler.block_manager import BlockManager
+    from services.scheduler.handle import TransferPart
+    from services.scheduler.pool import Pool
 
 log = get_logger(__name__)
-
-
-def pull_source(src: WorkerInfo, block_ids, ready_step_id: int) -> KvSource:
-    """`src`'s blocks, final once it has run step `ready_step_id`, for a same-host pull."""
-    return KvSource(
-        worker_id=src.worker_id,
-        shared_memory=src.shared_memory,
-        block_ids=tuple(block_ids),
-        ready_step_id=ready_step_id,
-        tensor_parallel_size=src.tensor_parallel_size,
-        rank_shared_memory=tuple(src.rank_shared_memory),
-        pipeline_parallel_size=src.pipeline_parallel_size,
-    )
 
 
 class PeerKvConnector:
@@ -55,9 +41,10 @@ class PeerKvConnector:
         self._no_pull: set[tuple[str, str]] = set()
 
     def can_pull(self, src: Pool, dst: Pool) -> bool:
-        """`dst`'s worker copies KV straight out of `src`'s (so it can stream it)."""
-        pair = (src.info.worker_id, dst.info.worker_id)
-        return dst.info.can_pull_from(src.info) and pair not in self._no_pull
+        """`dst`'s worker copies KV straight out of `src`'s pool (same host: it can stream it)."""
+        pool = src.info.shared_memory
+        reachable = pool is not None and pool.reachable_from(dst.info.shared_memory)
+        return reachable and (src.info.worker_id, dst.info.worker_id) not in self._no_pull
 
     def failed(self, src: Pool, dst: Pool, error: BaseException) -> None:
         """A move between the two failed with `error`."""
@@ -65,37 +52,29 @@ class PeerKvConnector:
             self._no_pull.add((src.info.worker_id, dst.info.worker_id))
             log.warning("kv_pull_refused", src=src.info.worker_id, dst=dst.info.worker_id)
 
-    async def move(self, src: Pool, dst: Pool, tag: int, part: TransferPart) -> KvTransferResult:
+    async def move(self, src: Pool, dst: Pool, tag: int, part: TransferPart) -> KvLoadDone:
         """One part of a transfer, as a load in `dst`'s next plan (written there only after
         the steps planned before it; `KvHandoff` gives it up with `PeerLoads.cancel`)."""
-        pull = self.can_pull(src, dst)
-        traceparent, tracestate = current_carrier()  # the transfer's span, when traced
-        load = KvLoad(
-            tag,
-            tuple(part.dst_blocks),
-            pull_source(src.info, part.src_blocks, part.ready_step_id) if pull else None,
-            Layout(src.info.tensor_parallel_size, src.info.pipeline_parallel_size),
-            traceparent,
-            tracestate,
-        )
-        calls = [asyncio.ensure_future(self._load(dst, load))]
-        if not pull:
-            calls.append(
-                asyncio.ensure_future(
-                    src.client.send_kv(tag, dst.info, list(part.src_blocks), self.timeout_s)
-                )
+        info, source = src.info, None
+        layout = Layout(info.tensor_parallel_size, info.pipeline_parallel_size)
+        if self.can_pull(src, dst):
+            pools = (info.shared_memory, *info.rank_shared_memory)
+            source = KvSource(
+                info.worker_id, pools, tuple(part.src_blocks), part.ready_step_id, layout
             )
-        try:
-            done, _ = await asyncio.wait(calls, return_when=asyncio.FIRST_EXCEPTION)
+        # The transfer's span, when traced.
+        load = KvLoad(tag, tuple(part.dst_blocks), source, layout, *current_carrier())
+        if source is not None:
+            return await self._load(dst, load)
+        send = src.client.send_kv(tag, dst.info, list(part.src_blocks), self.timeout_s)
+        calls = [asyncio.ensure_future(self._load(dst, load)), asyncio.ensure_future(send)]
+        try:  # the first failure raises here; the other call is cancelled
+            return (await asyncio.gather(*calls))[0]
         finally:
             for call in calls:
                 call.cancel()
-        error = next((c.exception() for c in done if c.exception() is not None), None)
-        if error is not None:
-            raise error
-        return calls[0].result()
 
-    async def _load(self, dst: Pool, load: KvLoad) -> KvTransferResult:
+    async def _load(self, dst: Pool, load: KvLoad) -> KvLoadDone:
         outcome_of = dst.scheduler.peer_loads.start(load)
         dst.wakeup.set()  # an idle pool plans the step that carries it
         try:
@@ -110,4 +89,74 @@ class PeerKvConnector:
             raise WorkerUnavailableError(
                 f"KV load {load.tag:#x} on {dst.info.address} failed: {outcome.error}"
             )
-        return KvTransferResult(outcome.num_bytes, outcome.source_lag_seconds)
+        return outcome
+
+
+class PeerLoads:
+    def __init__(self, blocks: BlockManager) -> None:
+        self.blocks = blocks
+        self._queued: list[KvLoad] = []
+        self._running: dict[int, asyncio.Future[KvLoadDone]] = {}  # tag -> its outcome
+        self._tags: list[int] = []  # cancelled, not yet sent
+        self._held: list[str] = []
+
+    def start(self, load: KvLoad) -> asyncio.Future[KvLoadDone]:
+        """Queue `load` for the next plan (the caller wakes the pool); the future resolves
+        with its outcome, from the first step result the worker sends after it ended."""
+        future = asyncio.get_running_loop().create_future()
+        self._queued.append(load)
+        self._running[load.tag] = future
+        return future
+
+    def cancel(self, tag: int, request_id: str) -> None:
+        """Give up load `tag` into `request_id`'s blocks (a cancelled request, a failed
+        transfer). The worker learns the tag with the next plan; until that plan is made
+        the blocks stay allocated under a key of their own, so a load still under way there
+        cannot write into blocks already given to another request. A load never sent
+        (still queued) is dropped, its blocks free at once."""
+        future = self._running.pop(tag, None)
+        if future is not None:
+            future.cancel()
+        sent = future is not None and all(load.tag != tag for load in self._queued)
+        self._queued = [load for load in self._queued if load.tag != tag]
+        self._tags.append(tag)  # (the worker ignores a tag it never saw)
+        if not self.blocks.has(request_id):
+            return
+        if sent:  # it may run on the worker
+            key = f"\0cancelled-transfer-{tag:x}"
+            self.blocks.fork(request_id, key)
+            self._held.append(key)
+        self.blocks.free(request_id)
+
+    @property
+    def pending(self) -> bool:
+        """Loads or cancels the next plan must carry."""
+        return bool(self._queued or self._tags)
+
+    def take(self, plan, idle: bool) -> None:
+        """Put what the next plan carries into `plan` (a `PoolStepPlan`): the cancelled tags
+        (the blocks held for them are free now) and the queued loads; with no step in flight
+        (`idle`) and loads under way, it awaits them."""
+        plan.await_kv = idle and bool(self._running)
+        for key in self._held:
+            self.blocks.free(key)
+        plan.cancelled_transfer_tags, self._held, self._tags = self._tags, [], []
+        plan.kv_loads, self._queued = self._queued, []
+
+    def finished(self, outcomes: tuple[KvLoadDone, ...]) -> None:
+        """A step result's ended loads (a cancelled one's outcome is dropped)."""
+        for outcome in outcomes:
+            future = self._running.pop(outcome.tag, None)
+            if future is not None and not future.done():
+                future.set_result(outcome)
+
+    def fail_all(self, error: BaseException) -> None:
+        """The worker is gone: every load fails with `error`, and what was held is free (a
+        new step stream, which drops every load, comes before any reuse)."""
+        running, self._running, self._queued, self._tags = self._running, {}, [], []
+        for future in running.values():
+            if not future.done():
+                future.set_exception(error)
+        for key in self._held:
+            self.blocks.free(key)
+        self._held = []

@@ -30,9 +30,9 @@ from common.step_result import StepResult
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.join_rules import awaits_prompt, lora_fits
 from services.scheduler.kv_offload import WAIT, HostOffload
+from services.scheduler.kv_peer_connector import PeerLoads
 from services.scheduler.kv_retention import retain_finished
 from services.scheduler.lookahead import Lookahead, SpecDecodeCounters
-from services.scheduler.peer_loads import PeerLoads
 from services.scheduler.request import Request
 from services.scheduler.spec_goodput import SlotPolicy, worth
 from services.scheduler.step_plan import Placed, PoolStepPlan, SampledToken, StepUpdate, scheduled

@@ -136,8 +136,8 @@ class PoolStepPlan:
     disk_retains: list[DiskRetain] = field(default_factory=list)
     # Tags of KV receives given up on: from this step on none may write into the pool.
     cancelled_transfer_tags: list[int] = field(default_factory=list)
-    # KV from peers (`peer_loads`); with no token scheduled, `await_kv` asks the worker to
-    # answer once a load ends or the next plan arrives.
+    # KV from peers (`kv_peer_connector.PeerLoads`); with no token scheduled, `await_kv`
+    # asks the worker to answer once a load ends or the next plan arrives.
     kv_loads: list[KvLoad] = field(default_factory=list)
     await_kv: bool = False
 

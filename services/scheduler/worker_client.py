@@ -16,7 +16,7 @@ from common.grpc_server import open_channel
 from common.healthcheck import channel_health, channel_health_status
 from common.pb.tandem.internal.v1 import worker_pb2, worker_pb2_grpc
 from common.step_plan_pb import plan_to_pb
-from common.step_result import StepResult
+from common.step_result import KvLoadDone, StepResult
 from common.step_result_pb import result_from_pb
 from common.structured_output import Constraint, constraint_to_pb
 from common.tracing import outgoing_metadata
@@ -24,7 +24,6 @@ from services.scheduler.pool_scheduler import PoolStepPlan
 from services.scheduler.step_codec import worker_info_from_pb
 from services.scheduler.worker_types import (
     ConstraintRefusedError,
-    KvTransferResult,
     LoraRefusedError,
     WorkerInfo,
     WorkerLimits,
@@ -138,7 +137,7 @@ class WorkerClient:
 
     async def send_kv(
         self, tag: int, peer: WorkerInfo, block_ids: list[int], timeout_s: float
-    ) -> KvTransferResult:
+    ) -> KvLoadDone:
         try:
             response = await self._stub.SendKv(
                 worker_pb2.SendKvRequest(
@@ -157,7 +156,7 @@ class WorkerClient:
             raise WorkerUnavailableError(
                 f"SendKv on {self.address} failed: {exc.code().name} {exc.details()}"
             ) from exc
-        return KvTransferResult(num_bytes=response.num_bytes)
+        return KvLoadDone(tag, num_bytes=response.num_bytes)
 
     async def add_lora(self, name: str, path: str, timeout_s: float) -> None:
         await self._lora_call(

@@ -9,7 +9,7 @@ from typing import Protocol
 
 from common.kv_shared_memory import SharedMemoryInfo
 from common.rope_config import prompt_rope_key
-from common.step_result import StepResult
+from common.step_result import KvLoadDone, StepResult
 from common.structured_output import Constraint
 from services.scheduler.step_plan import PoolStepPlan
 
@@ -113,19 +113,6 @@ class WorkerInfo:
     offload_disk_hashes: tuple[bytes, ...] = ()  # what it holds (oldest first)
     boot_id: str = ""  # random per worker process ('' : unknown): a change is a restart
 
-    def can_pull_from(self, source: WorkerInfo) -> bool:
-        """This worker can copy KV straight out of `source`'s pool (same host)."""
-        return source.shared_memory is not None and source.shared_memory.reachable_from(
-            self.shared_memory
-        )
-
-
-@dataclass(frozen=True)
-class KvTransferResult:
-    num_bytes: int
-    # Pulled while the source computed it: the source's last layer done -> blocks in place.
-    source_lag_seconds: float = 0.0
-
 
 class WorkerConnection(Protocol):
     """What a pool needs from its worker. Every call raises WorkerUnavailableError when
@@ -154,7 +141,7 @@ class WorkerConnection(Protocol):
 
     async def send_kv(
         self, tag: int, peer: WorkerInfo, block_ids: list[int], timeout_s: float
-    ) -> KvTransferResult: ...
+    ) -> KvLoadDone: ...
 
     async def add_lora(self, name: str, path: str, timeout_s: float) -> None:
         """Hold the adapter in folder `path` as `name` (LoraRefusedError when it cannot)."""

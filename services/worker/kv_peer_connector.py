@@ -1,32 +1,23 @@
-"""The peers' connector: KV between this worker and another, three ways, chosen per
-transfer from what the step plan's load (`KvLoad`) says and what the two workers are.
+"""The peers' connector: KV between this worker and another, from the step plan's loads
+(`KvLoad`): copied out of a same-host peer's shared pool when the load names one
+(`kv_pull`, layer by layer as a prefill worker reports them written: `save_kv_layer`),
+else received over UCX from every rank of the peer, which sends with `SendKv` under the
+load's tag (`kv_layout_transfer`).
 
-- **The same-host pull** (a load with a source, `kv_pull`): copied straight out of the
-  peer's shared pool, layer by layer as it reports them written (a prefill worker reports
-  them: `save_kv_layer`, with the step's start and end, in its pool's header).
-- **UCX** (a load without one, matched by a `SendKv` on the peer with its tag,
-  `kv_transfer`): gathered into a staging buffer, sent, received into a staging buffer and
-  scattered into the blocks.
-- **UCX between workers of different layouts** (`kv_layout_transfer`): every rank sends
-  and receives its own part.
-
-Loads come in the step plan (`start_loads`, when the plan arrives) and write only once the
-steps before it have run here (steps planned before their blocks were allocated may still
-write into them); each one's outcome (`KvLoadDone`) goes back with the first step result
-after it ends (`take_done`). A load is never written into the pool after its transfer was
-cancelled: the scheduler's cancels come with its next plan (`cancel`), and each copy or
-scatter checks first, on the tensor thread, ordered with the steps.
+A load starts when its plan arrives (`start_loads`) and writes only once the steps before
+that plan have run here (steps planned before its blocks were allocated may still write
+into them); its outcome (`KvLoadDone`) goes back with the first step result after it ends
+(`take_done`). Nothing is written into the pool after a load's cancel (with a plan,
+`cancel`): each copy or scatter checks first, on the tensor thread, ordered with steps.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
-
-import torch
 
 from common.log import get_logger
 from common.parallel_plan import Layout
@@ -37,7 +28,7 @@ from services.worker.config import WorkerConfig
 from services.worker.kv_cache import KvCache
 from services.worker.kv_connector import KvConnector
 from services.worker.kv_layout_transfer import LayoutTransfers
-from services.worker.kv_pull import KvMapError, KvPuller, KvSource, PullResult
+from services.worker.kv_pull import KvMapError, KvPuller
 from services.worker.kv_shared import SharedPool
 from services.worker.kv_transfer import (
     KvTransferCancelled,
@@ -47,18 +38,11 @@ from services.worker.kv_transfer import (
 )
 from services.worker.parallel.kv_ranks import KvGeometry, RankPools
 from services.worker.parallel.peer_ranks import PeerRanks
-from services.worker.staging import StagingBuffers
 
 log = get_logger(__name__)
 ONE_PROCESS = Layout()
 # Cancelled transfer tags remembered (a cancel may arrive before its receive does).
 MAX_CANCELLED_TAGS = 65536
-
-
-@dataclass(frozen=True)
-class TransferResult:
-    num_bytes: int
-    seconds: float
 
 
 class PeerKvConnector(KvConnector):
@@ -86,7 +70,6 @@ class PeerKvConnector(KvConnector):
             error_handling=config.kv_transfer_error_handling,
             deadline=TransferDeadline.from_config(config),
         )
-        self.staging = StagingBuffers(device=kv_cache.device)
         self._cancelled: OrderedDict[int, None] = OrderedDict()
         self._receives: dict[int, asyncio.Task] = {}  # tag -> its load, while it runs
         # Ended loads not yet reported: (direction, how: ok, cancelled or failed, outcome);
@@ -144,7 +127,7 @@ class PeerKvConnector(KvConnector):
 
     def forget_loads(self) -> None:
         """A new step stream: the loads of the old one are cancelled and never reported."""
-        self.cancel_all()
+        self.cancel(list(self._receives))
         self._generation += 1
         self.take_done()
 
@@ -159,18 +142,21 @@ class PeerKvConnector(KvConnector):
                 "tandem.kv.mode": "ucx" if load.source is None else "pull",
             },
         )
-        outcome, how = KvLoadDone(load.tag), "failed"
+        outcome, how, started = KvLoadDone(load.tag), "failed", time.perf_counter()
         try:
-            if load.source is None:
-                result = await self.receive(
-                    load.tag, load.block_ids, after_step_id, load.sender_layout
+            self._check_blocks(load.block_ids)
+            if load.tag in self._cancelled:
+                raise KvTransferCancelled(f"transfer {load.tag:#x} was cancelled")
+            wait = functools.partial(self._wait_for_step, after_step_id)
+            if load.source is None:  # over UCX, matched by the peer's `SendKv`
+                nbytes = await self.layouts.receive(
+                    load.tag, load.sender_layout, load.block_ids, wait, self.is_cancelled
                 )
-                outcome = KvLoadDone(load.tag, result.num_bytes, result.seconds)
+                outcome = KvLoadDone(load.tag, nbytes, time.perf_counter() - started)
+            elif self.peers is not None and self.puller.ranks is None:
+                raise KvTransferError("a parallel worker without shared pools cannot pull KV")
             else:
-                pulled = await self.pull(load.tag, load.source, load.block_ids, after_step_id)
-                outcome = KvLoadDone(
-                    load.tag, pulled.num_bytes, pulled.seconds, pulled.source_lag_seconds
-                )
+                outcome = await self.puller.pull(load.tag, load.source, load.block_ids, wait)
             how = "ok"
         except KvMapError as exc:  # this pair of workers must use UCX
             outcome = KvLoadDone(load.tag, error=str(exc), pull_refused=True)
@@ -204,9 +190,6 @@ class PeerKvConnector(KvConnector):
         while len(self._cancelled) > MAX_CANCELLED_TAGS:
             self._cancelled.popitem(last=False)
 
-    def cancel_all(self) -> None:
-        self.cancel(list(self._receives))
-
     async def send(
         self,
         tag: int,
@@ -215,88 +198,13 @@ class PeerKvConnector(KvConnector):
         block_ids: Sequence[int],
         peer_layout: Layout = ONE_PROCESS,
         peer_rank_addresses: Sequence[bytes] = (),
-    ) -> TransferResult:
-        """Gather the blocks into a staging buffer where the pool is (host or device memory)
-        and send it: UCX reads device memory itself. Where either worker is parallel,
-        every rank sends its own messages (`kv_layout_transfer`)."""
-        started = time.perf_counter()
+    ) -> int:
+        """Send the blocks to the peer's ranks over UCX (`kv_layout_transfer`); returns the
+        bytes sent."""
         self._check_blocks(block_ids)
-        if self.layout != ONE_PROCESS or peer_layout != ONE_PROCESS:
-            nbytes = await self.layouts.send(
-                tag, peer_id, peer_layout, (peer_address, *peer_rank_addresses), block_ids
-            )
-            return TransferResult(nbytes, time.perf_counter() - started)
-        nbytes = len(block_ids) * self.kv_cache.block_bytes
-        # A failed transfer's buffer is not reused: UCX may still hold it.
-        buffer = self.staging.acquire(nbytes)
-        await self._on_tensor_thread(self._gather, list(block_ids), buffer)
-        await self.transport.send(peer_id, peer_address, tag, buffer)
-        self.staging.release(buffer)
-        return TransferResult(nbytes, time.perf_counter() - started)
-
-    def _gather(self, block_ids: list[int], buffer) -> None:
-        """On the tensor thread: the blocks into `buffer`, complete before UCX reads it (a
-        device gather is waited for: UCX copies on its own streams)."""
-        staged = buffer if isinstance(buffer, torch.Tensor) else torch.from_numpy(buffer)
-        self.kv_cache.gather_blocks(block_ids, staged.view(len(block_ids), -1))
-        if staged.device.type == "cuda":
-            torch.cuda.current_stream(staged.device).synchronize()
-
-    async def receive(
-        self,
-        tag: int,
-        block_ids: Sequence[int],
-        after_step_id: int = 0,
-        sender_layout: Layout = ONE_PROCESS,
-    ) -> TransferResult:
-        """Receive into a staging buffer where the pool is (host or device memory), then
-        scatter it into the blocks. Not straight into the pool: a UCX receive cannot be
-        cancelled, and a late message must never land in blocks given to someone else.
-        Where either worker is parallel, every rank receives its own messages."""
-        started = time.perf_counter()
-        self._check_start(tag, block_ids)
-        if self.layout != ONE_PROCESS or sender_layout != ONE_PROCESS:
-            nbytes = await self.layouts.receive(
-                tag, sender_layout, block_ids, lambda: self._wait_for_step(after_step_id),
-                self.is_cancelled,
-            )  # fmt: skip
-            return TransferResult(nbytes, time.perf_counter() - started)
-        nbytes = len(block_ids) * self.kv_cache.block_bytes
-        # A cancelled or failed receive's buffer is not reused: UCX may still write it.
-        buffer = self.staging.acquire(nbytes)
-        await self.transport.receive(tag, nbytes, out=buffer)
-        await self._wait_for_step(after_step_id)
-        # Checked and queued in one go (no await between): a cancel that reaches this
-        # worker later comes with a step queued behind this scatter on the tensor thread.
-        if tag in self._cancelled:
-            raise KvTransferCancelled(f"transfer {tag:#x} was cancelled")
-        await self._on_tensor_thread(self._scatter, list(block_ids), buffer)
-        self.staging.release(buffer)
-        return TransferResult(nbytes, time.perf_counter() - started)
-
-    def _scatter(self, block_ids: list[int], buffer) -> None:
-        """On the tensor thread: `buffer` into the blocks, done before the buffer is reused
-        (a device scatter is waited for)."""
-        staged = buffer if isinstance(buffer, torch.Tensor) else torch.from_numpy(buffer)
-        self.kv_cache.scatter_blocks(block_ids, staged.view(len(block_ids), -1))
-        if staged.device.type == "cuda":
-            torch.cuda.current_stream(staged.device).synchronize()
-
-    async def pull(
-        self, tag: int, source: KvSource, block_ids: Sequence[int], after_step_id: int = 0
-    ) -> PullResult:
-        """Copy blocks out of a same-host peer's shared pool (see kv_pull)."""
-        if self.peers is not None and self.puller.ranks is None:
-            raise KvTransferError("a parallel worker without shared pools cannot pull KV")
-        self._check_start(tag, block_ids)
-        return await self.puller.pull(
-            tag, source, block_ids, lambda: self._wait_for_step(after_step_id)
+        return await self.layouts.send(
+            tag, peer_id, peer_layout, (peer_address, *peer_rank_addresses), block_ids
         )
-
-    def _check_start(self, tag: int, block_ids: Sequence[int]) -> None:
-        self._check_blocks(block_ids)
-        if tag in self._cancelled:
-            raise KvTransferCancelled(f"transfer {tag:#x} was cancelled")
 
     def _check_blocks(self, block_ids: Sequence[int]) -> None:
         if not block_ids:
@@ -309,4 +217,5 @@ class PeerKvConnector(KvConnector):
 
     async def close(self) -> None:
         self.puller.close()
+        self.layouts.mine.drop_all()
         await self.transport.close()

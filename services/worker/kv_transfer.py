@@ -1,16 +1,9 @@
-"""KV block transfer between workers over UCX (`ucxx`), one tagged message per transfer.
-
-Each worker owns one UCX worker; its address travels to peers in `DescribeWorker` (gRPC),
-and senders create endpoints from it (shared memory on one host, the best transport UCX
-finds across hosts). Only descriptors travel over gRPC; the bytes travel here.
-
-A transfer is: the sender gathers its blocks (one contiguous region each, see kv_cache) into
-one buffer and sends it with the transfer's tag; the receiver posts a tagged receive on its
-UCX worker (no endpoint needed), then scatters the buffer into its destination blocks. For
-a GPU pool both buffers are device memory (`staging.py`): UCX moves it with `cuda_ipc`
-between GPUs of one host (a copy from the peer's mapped device memory) or `cuda_copy`
-pipelined through its own host buffers, depending on the transports the endpoint may use
-(with peer-failure handling on, only those that support it: `ucx_info -d` lists them).
+"""This process's UCX worker (`ucxx`): tagged sends and receives of KV buffers between
+workers. Its address travels to peers in `DescribeWorker`; senders create endpoints from it
+(shared memory on one host, the best transport UCX finds across hosts). What a message
+holds and how it is gathered and scattered is `kv_layout_transfer`'s; a GPU pool's buffers
+are device memory, which UCX moves itself (`cuda_ipc` on one host, else `cuda_copy`, as the
+endpoint's allowed transports decide: `ucx_info -d` lists them).
 
 A send or receive whose caller gives up (cancelled, timed out) stays posted in UCX (ucxx
 exposes no per-request cancel): its buffer stays referenced until UCX completes the

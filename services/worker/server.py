@@ -5,6 +5,7 @@ per SendKv, and one per KV load of a plan, `kv_peer_connector`)."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 
@@ -274,7 +275,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 max(1, request.peer_tensor_parallel_size),
                 max(1, request.peer_pipeline_parallel_size),
             )
-            result = await worker.peer_kv.send(
+            started = time.perf_counter()
+            num_bytes = await worker.peer_kv.send(
                 request.transfer_tag,
                 request.peer_worker_id,
                 request.peer_ucx_address,
@@ -290,8 +292,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         except KvTransferError as exc:
             self.metrics.transfer_failed("send")
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        self.metrics.transfer("send", result.num_bytes, result.seconds)
-        return worker_pb2.SendKvResponse(num_bytes=result.num_bytes, seconds=result.seconds)
+        seconds = time.perf_counter() - started
+        self.metrics.transfer("send", num_bytes, seconds)
+        return worker_pb2.SendKvResponse(num_bytes=num_bytes, seconds=seconds)
 
     async def AddLora(self, request, context):
         worker = await self._ready(context)

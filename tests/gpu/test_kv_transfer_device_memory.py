@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from services.worker.kv_transfer import KvTransferError, UcxTransport
-from services.worker.staging import StagingBuffers
+from services.worker.parallel.kv_message_io import StagingBuffers
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

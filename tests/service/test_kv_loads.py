@@ -67,7 +67,7 @@ def test_a_load_in_a_plan_arrives_bit_identical_and_ends_with_a_step_result(tiny
                 tag, "kv-loads-decode", decode.peer_kv.transport.address, src
             )
             (done,) = (await result).kv_loads_done
-            assert (done.tag, done.error, done.num_bytes) == (tag, "", sent.num_bytes)
+            assert (done.tag, done.error, done.num_bytes) == (tag, "", sent)
             assert torch.equal(
                 decode.kv_cache.gather_blocks(dst), sender.kv_cache.gather_blocks(src)
             )

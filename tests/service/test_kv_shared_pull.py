@@ -110,7 +110,7 @@ class Receiver:
         async def no_wait():
             return None
 
-        source = KvSource("owner", info, tuple(src), ready_step)
+        source = KvSource("owner", (info,), tuple(src), ready_step)
         return await self.puller.pull(tag, source, dst, no_wait)
 
     def blocks(self, ids) -> torch.Tensor:

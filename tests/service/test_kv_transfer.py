@@ -77,7 +77,7 @@ async def _send_and_compare(model, dtype, error_handling, peer, hello, tmp_path)
         peer.stdin.flush()
         sent = await sender.peer_kv.send(1000 + n, "kv-peer", address, src)
         done = json.loads(await asyncio.to_thread(peer.stdout.readline))
-        assert done["num_bytes"] == sent.num_bytes == len(src) * sender.kv_cache.block_bytes
+        assert done["num_bytes"] == sent == len(src) * sender.kv_cache.block_bytes
         expected = sender.kv_cache.gather_blocks(src).numpy().tobytes()
         assert out.read_bytes() == expected
     # A sender layout this model cannot have (3 tensor ranks) fails that load alone, named.

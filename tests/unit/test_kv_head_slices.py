@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from common.parallel_plan import Layout, kv_heads_of_rank, kv_transfer_plan
-from services.worker.kv_shared import block_runs, copy_head_slice
+from services.worker.kv_cache import block_runs
+from services.worker.parallel.kv_ranks import copy_head_slice
 
 NUM_HEADS, NUM_LAYERS, SLOTS, DIM = 8, 3, 2, 4
 

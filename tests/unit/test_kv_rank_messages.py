@@ -14,14 +14,13 @@ import torch
 
 from common.kv_rank_messages import (
     DERIVED_TAG_BIT,
-    message_nbytes,
     rank_messages,
     rank_tag,
     slices_from_wire,
     slices_to_wire,
 )
 from common.parallel_plan import Layout, kv_heads_of_rank, kv_transfer_plan, layer_ranges
-from services.worker.parallel.kv_message_io import gather_message, new_buffer, scatter_message
+from services.worker.parallel.kv_message_io import gather_message, scatter_message
 
 NUM_HEADS, NUM_LAYERS, SLOTS, DIM = 8, 3, 2, 4
 LAYOUTS = [Layout(1, 1), Layout(2, 1), Layout(4, 1), Layout(1, 2), Layout(2, 2), Layout(1, 3)]
@@ -53,14 +52,14 @@ def test_every_destination_rank_gets_exactly_its_slices(kv_heads):
         dst_first = [r.start for r in layer_ranges(NUM_LAYERS, dst.pp)]
         plan = kv_transfer_plan(NUM_HEADS, kv_heads, NUM_LAYERS, src, dst)
         for message in rank_messages(plan):
-            nbytes = message_nbytes(message, len(src_blocks), SLOTS, DIM, 4)
-            _, flat = new_buffer(nbytes, torch.device("cpu"))
+            nbytes = message.nbytes(len(src_blocks), SLOTS, DIM, 4)
+            flat = torch.empty(nbytes, dtype=torch.uint8)
             gather_message(
                 sources[message.src_rank], src_blocks, message,
                 src_first[message.src_rank // src.tp], flat,
             )  # fmt: skip
             wire = bytes(flat.numpy())  # only bytes cross
-            _, received = new_buffer(nbytes, torch.device("cpu"))
+            received = torch.empty(nbytes, dtype=torch.uint8)
             received.copy_(torch.frombuffer(bytearray(wire), dtype=torch.uint8))
             scatter_message(
                 dests[message.dst_rank], dst_blocks, message,
@@ -83,7 +82,7 @@ def test_messages_group_the_plan_by_rank_pair_in_plan_order():
     )  # fmt: skip
     # A one-process pair is one message of one slice: the whole block.
     (whole,) = rank_messages(kv_transfer_plan(NUM_HEADS, 4, NUM_LAYERS, Layout(), Layout()))
-    assert whole.bytes_per_block(SLOTS, DIM, 4) == NUM_LAYERS * 2 * SLOTS * 4 * DIM * 4
+    assert whole.nbytes(1, SLOTS, DIM, 4) == NUM_LAYERS * 2 * SLOTS * 4 * DIM * 4
 
 
 def test_rank_tags_keep_rank_zero_and_differ_per_source_rank():

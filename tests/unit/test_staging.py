@@ -1,6 +1,6 @@
 """Reused staging buffers for KV transfers."""
 
-from services.worker.staging import StagingBuffers
+from services.worker.parallel.kv_message_io import StagingBuffers
 
 
 def test_buffers_are_reused_smallest_fitting_first_and_never_shared():

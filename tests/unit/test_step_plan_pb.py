@@ -102,8 +102,7 @@ def test_kv_loads_cross_unchanged_with_their_source_layouts_and_trace():
     pull = KvLoad(
         0xFFFF_0000_0000_0001,
         (3, 4, 5),
-        KvSource("p0", pool, (9, 10, 11), ready_step_id=12, tensor_parallel_size=2,
-                 rank_shared_memory=(rank1,)),
+        KvSource("p0", (pool, rank1), (9, 10, 11), ready_step_id=12, layout=Layout(2)),
         traceparent="00-" + "a" * 32 + "-" + "b" * 16 + "-01",
         tracestate="k=v",
     )  # fmt: skip

@@ -1,9 +1,8 @@
 """The receiving side of a KV pull between workers of different parallel layouts: the
-model's KV geometry, this worker's layout (tensor x pipeline), and the pools of its ranks
-(rank 0's own, the others' mapped writable), so that each rank gets exactly the KV heads of
-the layers it holds, copied straight from the source rank that holds them
-(`common.parallel_plan`). A rank's pool holds its stage's layers only, numbered from 0. A
-single-process worker is the layout of size 1: one slice, every head and layer.
+model's KV geometry, and the pools of this worker's ranks (rank 0's own, the others' mapped
+writable), each rank getting exactly the KV heads of the layers it holds, copied straight
+from the source rank that holds them (`common.parallel_plan`). A rank's pool holds its
+stage's layers only, numbered from 0. A single-process worker is the layout of size 1.
 
 With KV groups (`common.kv_groups`) a pool's layer axis holds its stage's *slots*: the plan
 then runs over slot ranges (`KvGeometry.stage_ranges`: stage k's slots follow stage k-1's),
@@ -17,14 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.kv_groups import KvGroups
-from common.parallel_plan import (
-    KvSlice,
-    Layout,
-    kv_heads_of_rank,
-    kv_transfer_plan,
-    layer_ranges,
-)
-from services.worker.kv_shared import copy_head_slice
+from common.parallel_plan import KvSlice, Layout, kv_heads_of_rank, kv_transfer_plan, layer_ranges
 
 
 @dataclass(frozen=True)
@@ -97,11 +89,6 @@ class RankPools:
         if len(self.pools) != self.layout.world_size:
             raise ValueError(f"{len(self.pools)} rank pools for a worker of {self.layout}")
 
-    def plan(self, src: Layout) -> list[KvSlice]:
-        if src not in self._plans:
-            self._plans[src] = self.geometry.plan(src, self.layout)
-        return self._plans[src]
-
     def copy(
         self,
         src: Layout,
@@ -113,25 +100,37 @@ class RankPools:
         """The layer axis's [first_layer, end_layer) (`KvGeometry.stage_ranges`) of the runs'
         blocks, from the source worker's rank pools (`sources`, one per rank of layout
         `src`) into this worker's."""
-        if len(sources) != src.world_size:
-            raise ValueError(f"{len(sources)} source pools for a worker of {src}")
+        if src not in self._plans:
+            self._plans[src] = self.geometry.plan(src, self.layout)
         src_first = [r.start for r in self.geometry.stage_ranges(src.pp)]
         dst_first = [r.start for r in self.geometry.stage_ranges(self.layout.pp)]
-        for piece in self.plan(src):
+        for piece in self._plans[src]:
             start = max(first_layer, piece.layers.start)
             stop = min(end_layer, piece.layers.stop)
             if start >= stop:
                 continue
             s0 = src_first[piece.src_rank // src.tp]  # the stages' first layers
             d0 = dst_first[piece.dst_rank // self.layout.tp]
-            n = len(piece.heads)
+            sh, dh, n = piece.src_head, piece.dst_head, len(piece.heads)
+            layers = (range(start - s0, stop - s0), range(start - d0, stop - d0))
+            heads = (range(sh, sh + n), range(dh, dh + n))
             copy_head_slice(
-                self.pools[piece.dst_rank],
-                sources[piece.src_rank],
-                runs,
-                (range(start - s0, stop - s0), range(start - d0, stop - d0)),
-                (
-                    range(piece.src_head, piece.src_head + n),
-                    range(piece.dst_head, piece.dst_head + n),
-                ),
+                self.pools[piece.dst_rank], sources[piece.src_rank], runs, layers, heads
             )
+
+
+def copy_head_slice(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    runs: Sequence[tuple[int, int, int]],
+    layers: tuple[range, range],
+    heads: tuple[range, range],
+) -> None:
+    """For every run, the (src, dst) `layers` and KV `heads` of the source blocks into the
+    same layers and heads of the destination blocks, one strided copy per run. Pools are
+    `[blocks, layers, 2, slot, heads, dim]`; layer and head indices are each pool's own."""
+    if len(layers[0]) != len(layers[1]) or len(heads[0]) != len(heads[1]):
+        raise ValueError(f"slice shapes differ: {layers} {heads}")
+    sl, dl, sh, dh = (slice(r.start, r.stop) for r in (*layers, *heads))
+    for s, d, n in runs:
+        dst[d : d + n, dl, :, :, dh].copy_(src[s : s + n, sl, :, :, sh])

@@ -25,7 +25,7 @@ from services.worker.config import WorkerConfig
 from services.worker.kv_offload_connector import OffloadConnector
 from services.worker.kv_transfer import TransferDeadline
 from services.worker.parallel.kv_ranks import KvGeometry
-from services.worker.parallel.peer_kv import KV_KINDS, PeerKvTransfers
+from services.worker.parallel.peer_kv import KV_KINDS, RankKv
 from services.worker.parallel.rank_channel import RESET, STEP, read_messages
 from services.worker.parallel.rank_context import join_group, peer_store
 from services.worker.runner import ModelRunner
@@ -48,7 +48,7 @@ def serve_steps(
     runner: ModelRunner,
     batch: PersistentBatch,
     loaded,
-    kv: PeerKvTransfers | None,
+    kv: RankKv | None,
     log,
     agree=None,
 ) -> None:
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     kv = None  # a both-role worker never moves KV to another worker
     if config.role != "both":
-        kv = PeerKvTransfers(
+        kv = RankKv.on_own_thread(
             args.rank,
             loaded.kv_cache.data,
             pool_axis_start(loaded, config.layout, ranks.stage.stage),

@@ -1,16 +1,18 @@
-"""A peer rank's own part of KV transfers over UCX: its UCX worker (on an event-loop thread
-of its own, so steps never wait for the network), the commands rank 0 sends it through the
-step pipe, and its answers on the pipe back.
+"""One rank's part of KV transfers over UCX, the same for every rank of every worker (a
+one-process worker is rank 0 of a layout of one), commanded by rank 0's `LayoutTransfers`
+(another rank's commands come through its step pipe, rank 0's own are calls); each answers
+`answer(tag, op, error)` when its UCX half ends.
 
-- `KV_SEND`: gather this rank's slices of the blocks (on the step thread, so after every
-  step rank 0 queued before it) and send one message per destination rank, to that rank's
-  UCX worker; answer `sent` when UCX is done.
+- `KV_SEND`: gather this rank's slices of the blocks (on the step thread) and send one
+  message per destination rank to that rank's UCX worker; answer `sent`.
 - `KV_RECV`: post one receive per source rank into buffers of this rank's own; answer
   `received` when all have arrived.
-- `KV_SCATTER`: the received buffers into this rank's pool (rank 0 sends it from its tensor
-  thread once every rank has received and the transfer's step has run: ordered with steps).
-- `KV_DROP`: give the transfer up (receives still posted are completed by UCX's own
-  mechanism in `UcxTransport`; their buffers are never written into the pool).
+- `KV_SCATTER`: the received buffers into this rank's pool (on the step thread).
+- `KV_DROP`: give the transfer up (`UcxTransport` completes receives still posted; their
+  buffers never reach the pool, nor are they reused).
+
+UCX runs on `loop`: rank 0's event loop, or on another rank an event-loop thread of its own
+(`on_own_thread`), so its steps never wait for the network.
 """
 
 from __future__ import annotations
@@ -19,14 +21,20 @@ import asyncio
 import base64
 import concurrent.futures
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from common.kv_rank_messages import RankMessage, message_nbytes, rank_tag, slices_from_wire
+from common.kv_rank_messages import RankMessage, rank_tag, slices_from_wire
 from common.log import get_logger
 from services.worker.kv_transfer import TransferDeadline, UcxTransport, all_or_cancel
-from services.worker.parallel.kv_message_io import gather_message, new_buffer, scatter_message
+from services.worker.parallel.kv_message_io import (
+    StagingBuffers,
+    as_tensor,
+    gather_message,
+    scatter_message,
+)
 from services.worker.parallel.rank_channel import (
     ANSWER,
     KV_DROP,
@@ -45,45 +53,61 @@ SCATTER_WAIT_S = 10.0
 @dataclass
 class _Receive:
     block_ids: list[int]
-    parts: list[tuple[RankMessage, torch.Tensor]]
+    parts: list[tuple[RankMessage, object]]  # (message, its staging buffer)
     done: concurrent.futures.Future
 
 
-class PeerKvTransfers:
+class RankKv:
     def __init__(
         self,
+        rank: int,
+        pool: torch.Tensor,
+        first_layer: int,
+        transport: UcxTransport,
+        loop: asyncio.AbstractEventLoop,
+        answer: Callable[[int, str, str | None], None],
+    ) -> None:
+        """`pool`: this rank's KV pool; `first_layer`: where it starts on the layer axis of
+        the transfers' slices."""
+        self.rank, self.pool, self.first_layer = rank, pool, first_layer
+        self.transport, self._loop, self._answer = transport, loop, answer
+        self.staging = StagingBuffers(device=pool.device)
+        self._receives: dict[int, _Receive] = {}
+
+    @classmethod
+    def on_own_thread(
+        cls,
         rank: int,
         pool: torch.Tensor,
         first_layer: int,
         answer_fd: int,
         deadline: TransferDeadline,
         error_handling: bool,
-    ) -> None:
-        """`pool`: this rank's KV pool; `first_layer`: the model layer it starts at."""
-        self.rank = rank
-        self.pool = pool
-        self.first_layer = first_layer
-        self._answer_fd = answer_fd
-        self._receives: dict[int, _Receive] = {}
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="ucx", daemon=True)
-        self._thread.start()
-        self.transport = self._run(self._start(deadline, error_handling, pool.device))
-        self.address = self.transport.address
+    ) -> RankKv:
+        """A peer rank's part: a UCX worker on an event-loop thread of its own, answering
+        on the pipe to rank 0."""
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, name="ucx", daemon=True).start()
 
-    def _run(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+        async def start() -> UcxTransport:
+            if pool.device.type == "cuda":  # UCX's CUDA transports need a current context
+                torch.cuda.set_device(pool.device)
+            transport = UcxTransport(deadline.cap_s, error_handling, deadline)
+            _ = transport.address  # UCX's context starts here, on this loop
+            return transport
 
-    @staticmethod
-    async def _start(deadline: TransferDeadline, error_handling: bool, device: torch.device):
-        if device.type == "cuda":  # UCX's CUDA transports need a current context here
-            torch.cuda.set_device(device)
-        transport = UcxTransport(deadline.cap_s, error_handling, deadline)
-        _ = transport.address  # UCX's context starts here, on this loop
-        return transport
+        def answer(tag: int, op: str, error: str | None) -> None:
+            write_json(answer_fd, ANSWER, {"tag": tag, "op": op, "error": error})
+
+        transport = asyncio.run_coroutine_threadsafe(start(), loop).result()
+        return cls(rank, pool, first_layer, transport, loop, answer)
+
+    @property
+    def address(self) -> bytes:
+        return self.transport.address
 
     def handle(self, kind: bytes, body: dict) -> None:
-        """One command from rank 0 (on the step thread)."""
+        """One command from rank 0."""
         tag = int(body["tag"])
         if kind == KV_SEND:
             self._send(tag, body)
@@ -98,12 +122,11 @@ class PeerKvTransfers:
         else:
             raise ValueError(f"unknown KV command {kind!r}")
 
-    def _answer(self, tag: int, op: str, error: str | None = None) -> None:
-        write_json(self._answer_fd, ANSWER, {"tag": tag, "op": op, "error": error})
-
-    def _message_bytes(self, message: RankMessage, num_blocks: int) -> int:
+    def _buffer(self, message: RankMessage, num_blocks: int):
         _, _, _, slots, _, dim = self.pool.shape
-        return message_nbytes(message, num_blocks, slots, dim, self.pool.element_size())
+        return self.staging.acquire(
+            message.nbytes(num_blocks, slots, dim, self.pool.element_size())
+        )
 
     def _send(self, tag: int, body: dict) -> None:
         block_ids = [int(b) for b in body["blocks"]]
@@ -113,12 +136,9 @@ class PeerKvTransfers:
                 message = RankMessage(
                     self.rank, int(item["dst_rank"]), slices_from_wire(item["slices"])
                 )
-                wire, flat = new_buffer(
-                    self._message_bytes(message, len(block_ids)), self.pool.device
-                )
-                gather_message(self.pool, block_ids, message, self.first_layer, flat)
-                address = base64.b64decode(item["address"])
-                sends.append((item["peer"], address, wire))
+                buffer = self._buffer(message, len(block_ids))
+                gather_message(self.pool, block_ids, message, self.first_layer, as_tensor(buffer))
+                sends.append((item["peer"], base64.b64decode(item["address"]), buffer))
             if self.pool.device.type == "cuda":  # UCX copies on its own streams
                 torch.cuda.current_stream(self.pool.device).synchronize()
         except Exception as exc:  # a bad command: rank 0 fails the transfer
@@ -130,12 +150,14 @@ class PeerKvTransfers:
         mine = rank_tag(tag, self.rank)
         try:
             await all_or_cancel(
-                [self.transport.send(peer, address, mine, wire) for peer, address, wire in sends]
+                [self.transport.send(peer, address, mine, buf) for peer, address, buf in sends]
             )
-        except Exception as exc:
+        except Exception as exc:  # (a failed send's buffer may still be held by UCX)
             self._answer(tag, "sent", str(exc))
             return
-        self._answer(tag, "sent")
+        for *_, buffer in sends:
+            self.staging.release(buffer)
+        self._answer(tag, "sent", None)
 
     def _receive(self, tag: int, body: dict) -> None:
         block_ids = [int(b) for b in body["blocks"]]
@@ -145,30 +167,25 @@ class PeerKvTransfers:
                 message = RankMessage(
                     int(item["src_rank"]), self.rank, slices_from_wire(item["slices"])
                 )
-                wire, flat = new_buffer(
-                    self._message_bytes(message, len(block_ids)), self.pool.device
-                )
-                parts.append((message, wire, flat))
+                parts.append((message, self._buffer(message, len(block_ids))))
         except Exception as exc:
             self._answer(tag, "received", f"bad receive: {exc!r}")
             return
         done = asyncio.run_coroutine_threadsafe(self._receive_all(tag, parts), self._loop)
-        self._receives[tag] = _Receive(block_ids, [(m, flat) for m, _, flat in parts], done)
+        self._receives[tag] = _Receive(block_ids, parts, done)
 
     async def _receive_all(self, tag: int, parts) -> None:
         try:
             await all_or_cancel(
                 [
-                    self.transport.receive(rank_tag(tag, m.src_rank), flat.numel(), out=wire)
-                    for m, wire, flat in parts
+                    self.transport.receive(rank_tag(tag, m.src_rank), buffer.nbytes, out=buffer)
+                    for m, buffer in parts
                 ]
             )
-        except asyncio.CancelledError:  # dropped: rank 0 no longer waits
-            raise
-        except Exception as exc:
+        except Exception as exc:  # (dropped: cancelled, and rank 0 no longer waits)
             self._answer(tag, "received", str(exc))
             return
-        self._answer(tag, "received")
+        self._answer(tag, "received", None)
 
     def _scatter(self, tag: int) -> None:
         receive = self._receives.pop(tag, None)
@@ -180,17 +197,26 @@ class PeerKvTransfers:
             log.error("kv_scatter_without_receive", tag=tag, rank=self.rank, error=repr(exc))
             raise RuntimeError(f"rank {self.rank}: scatter of transfer {tag:#x} without "
                                "its receive") from exc  # fmt: skip
-        for message, flat in receive.parts:
-            scatter_message(self.pool, receive.block_ids, message, self.first_layer, flat)
+        for message, buffer in receive.parts:
+            scatter_message(
+                self.pool, receive.block_ids, message, self.first_layer, as_tensor(buffer)
+            )
         if self.pool.device.type == "cuda":
             torch.cuda.current_stream(self.pool.device).synchronize()
+        for _, buffer in receive.parts:
+            self.staging.release(buffer)
 
-    def close(self) -> None:
+    def drop_all(self) -> None:
         for receive in self._receives.values():
             receive.done.cancel()
         self._receives.clear()
+
+    def close(self) -> None:
+        """A peer rank's: its receives dropped, its UCX worker and its thread ended."""
+        self.drop_all()
         try:
-            self._run(asyncio.wait_for(self.transport.close(), timeout=5.0))
+            coroutine = asyncio.wait_for(self.transport.close(), timeout=5.0)
+            asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
         except Exception as exc:  # ending anyway
             log.warning("ucx_close_failed", rank=self.rank, error=repr(exc)[:300])
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -44,8 +44,7 @@ class PeerRanks:
         self._closing = False
         self._pipes: list[int] = []
         self._procs: list[subprocess.Popen | ForkedProcess] = []
-        # (transfer tag, "sent" or "received", rank) -> its future, on the event loop
-        self._expected: dict[tuple[int, str, int], asyncio.Future] = {}
+        self.answers = RankAnswers()
         self.store = None
         for rank in range(1, self.world_size):
             read_fd, write_fd = os.pipe()
@@ -83,22 +82,8 @@ class PeerRanks:
             if kind != ANSWER:
                 continue
             body = json.loads(payload)
-            future = self._expected.pop((body["tag"], body["op"], rank), None)
-            if future is not None:
-                future.get_loop().call_soon_threadsafe(_settle, future, rank, body.get("error"))
+            self.answers.settle(rank, body["tag"], body["op"], body.get("error"))
         os.close(fd)
-
-    def expect(self, tag: int, op: str, rank: int) -> asyncio.Future:
-        """A future for rank `rank`'s answer to its part of transfer `tag` (register it
-        before commanding the part); it raises `RankTransferError` with the rank's error."""
-        future = asyncio.get_running_loop().create_future()
-        self._expected[(tag, op, rank)] = future
-        return future
-
-    def forget(self, tag: int) -> None:
-        """Answers to transfer `tag` still to come are dropped."""
-        for key in [k for k in self._expected if k[0] == tag]:
-            self._expected.pop(key, None)
 
     def command(self, rank: int, kind: bytes, body: dict) -> None:
         """One KV transfer command to rank `rank` (1..), after whatever was written before."""
@@ -145,7 +130,33 @@ def _start_rank(args: list[str], pass_fds: tuple[int, ...]) -> subprocess.Popen 
 
 
 class RankTransferError(RuntimeError):
-    """A peer rank's part of a KV transfer failed."""
+    """A rank's part of a KV transfer failed."""
+
+
+class RankAnswers:
+    """The ranks' answers to their parts of KV transfers, awaited on the event loop."""
+
+    def __init__(self) -> None:
+        # (transfer tag, "sent" or "received", rank) -> its future, on the event loop
+        self._expected: dict[tuple[int, str, int], asyncio.Future] = {}
+
+    def expect(self, tag: int, op: str, rank: int) -> asyncio.Future:
+        """A future for rank `rank`'s answer to its part of transfer `tag` (register it
+        before commanding the part); it raises `RankTransferError` with the rank's error."""
+        future = asyncio.get_running_loop().create_future()
+        self._expected[(tag, op, rank)] = future
+        return future
+
+    def forget(self, tag: int) -> None:
+        """Answers to transfer `tag` still to come are dropped."""
+        for key in [k for k in self._expected if k[0] == tag]:
+            self._expected.pop(key, None)
+
+    def settle(self, rank: int, tag: int, op: str, error: str | None = None) -> None:
+        """Rank `rank` answered (from any thread)."""
+        future = self._expected.pop((tag, op, rank), None)
+        if future is not None:
+            future.get_loop().call_soon_threadsafe(_settle, future, rank, error)
 
 
 def _settle(future: asyncio.Future, rank: int, error: str | None) -> None:
