@@ -138,6 +138,8 @@ class PeerLoads:
         (the blocks held for them are free now) and the queued loads; with no step in flight
         (`idle`) and loads under way, it awaits them."""
         plan.await_kv = idle and bool(self._running)
+        if not (self._held or self._tags or self._queued):  # (most plans)
+            return
         for key in self._held:
             self.blocks.free(key)
         plan.cancelled_transfer_tags, self._held, self._tags = self._tags, [], []

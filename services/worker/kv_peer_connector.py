@@ -61,8 +61,7 @@ class PeerKvConnector(KvConnector):
         """`progress`: this worker's shared pool when peers stream its prompts' KV while
         they compute (a prefill worker). `rank_pools`: every rank's pool, for a parallel
         worker's pulls. `wait_for_step(n)` returns once step n has run here."""
-        self.kv_cache, self.layout, self.peers = kv_cache, config.layout, peers
-        self._on_tensor_thread, self._wait_for_step = on_tensor_thread, wait_for_step
+        self.kv_cache, self.peers, self._wait_for_step = kv_cache, peers, wait_for_step
         self._progress, self._running_step_id = progress, 0
         self.saves_layers = progress is not None
         self.transport = UcxTransport(
@@ -82,7 +81,7 @@ class PeerKvConnector(KvConnector):
             config.kv_transfer_stream_min_copy_bytes, rank_pools, geometry.groups,
         )  # fmt: skip
         self.layouts = LayoutTransfers(
-            geometry, self.layout, kv_cache.data, self.transport, peers, on_tensor_thread
+            geometry, config.layout, kv_cache.data, self.transport, peers, on_tensor_thread
         )
 
     # The connector points: a prefill worker's progress, read by the peers pulling from it.
