@@ -1,7 +1,8 @@
 """The prefill → decode hand-off (docs/architecture.md, "A request's path" and "KV
 connectors"): which decode pool pulls a finished prompt, which of its blocks that pool
 already holds (prefix cache, offload tiers: `handoff_tier`), and moving the rest with the
-peers' connector (`kv_peer_connector`), at once or streamed chunk by chunk (`stream`).
+peers' connector (`PeerKvConnector`: a load in the decode pool's plan, `kv_peer_connector`),
+at once or streamed chunk by chunk (`stream`).
 
 Hazards:
 - A load is written only after the decode worker has run the steps planned before it, so
@@ -24,14 +25,18 @@ from dataclasses import dataclass
 from itertools import count
 
 from common.log import bind_request, get_logger
+from common.parallel_plan import Layout
+from common.step_plan import KvLoad, KvSource
+from common.step_result import KvLoadDone
+from common.tracing import current_carrier
 from services.scheduler.handle import RequestHandle, Stage, Transfer, TransferPart
 from services.scheduler.handoff_tier import NO_RUN, TierRun
-from services.scheduler.kv_peer_connector import PeerKvConnector
 from services.scheduler.kv_retention import retain_finished
 from services.scheduler.link_breaker import LinkBreaker
 from services.scheduler.placement import DecodeCandidate, choose_decode
 from services.scheduler.pool import Pool
 from services.scheduler.request_trace import transfer_span
+from services.scheduler.worker_types import KvPullRefusedError, WorkerUnavailableError
 
 log = get_logger(__name__)
 
@@ -65,6 +70,69 @@ class Parked:
 
 
 HandoffEvent = Stranded | TransferFailed | Parked
+
+
+class PeerKvConnector:
+    """How one part of a hand-off's blocks moves: a load in the receiving pool's next plan
+    (`kv_peer_connector.PeerLoads`); on one host the receiver pulls the blocks out of the
+    sender's shared pool, else a `SendKv` on the sender runs beside the load with the same
+    UCX tag. A pair whose receiver could not map the sender's pool uses UCX from then on."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        # (source, receiver) worker ids whose receiver could not map the source's pool.
+        self._no_pull: set[tuple[str, str]] = set()
+
+    def can_pull(self, src: Pool, dst: Pool) -> bool:
+        """`dst`'s worker copies KV straight out of `src`'s pool (same host: it can stream it)."""
+        pool = src.info.shared_memory
+        reachable = pool is not None and pool.reachable_from(dst.info.shared_memory)
+        return reachable and (src.info.worker_id, dst.info.worker_id) not in self._no_pull
+
+    def failed(self, src: Pool, dst: Pool, error: BaseException) -> None:
+        """A move between the two failed with `error`."""
+        if isinstance(error, KvPullRefusedError):  # from now on these two use UCX
+            self._no_pull.add((src.info.worker_id, dst.info.worker_id))
+            log.warning("kv_pull_refused", src=src.info.worker_id, dst=dst.info.worker_id)
+
+    async def move(self, src: Pool, dst: Pool, tag: int, part: TransferPart) -> KvLoadDone:
+        """One part of a transfer, as a load in `dst`'s next plan (written there only after
+        the steps planned before it; `KvHandoff` gives it up with `PeerLoads.cancel`)."""
+        info, source = src.info, None
+        layout = Layout(info.tensor_parallel_size, info.pipeline_parallel_size)
+        if self.can_pull(src, dst):
+            pools = (info.shared_memory, *info.rank_shared_memory)
+            source = KvSource(
+                info.worker_id, pools, tuple(part.src_blocks), part.ready_step_id, layout
+            )
+        # The transfer's span, when traced.
+        load = KvLoad(tag, tuple(part.dst_blocks), source, layout, *current_carrier())
+        if source is not None:
+            return await self._load(dst, load)
+        send = src.client.send_kv(tag, dst.info, list(part.src_blocks), self.timeout_s)
+        calls = [asyncio.ensure_future(self._load(dst, load)), asyncio.ensure_future(send)]
+        try:  # the first failure raises here; the other call is cancelled
+            return (await asyncio.gather(*calls))[0]
+        finally:
+            for call in calls:
+                call.cancel()
+
+    async def _load(self, dst: Pool, load: KvLoad) -> KvLoadDone:
+        outcome_of = dst.scheduler.peer_loads.start(load)
+        dst.wakeup.set()  # an idle pool plans the step that carries it
+        try:
+            outcome = await asyncio.wait_for(outcome_of, self.timeout_s)
+        except TimeoutError:
+            raise WorkerUnavailableError(
+                f"KV load {load.tag:#x} on {dst.info.address}: no outcome in {self.timeout_s}s"
+            ) from None
+        if outcome.pull_refused:
+            raise KvPullRefusedError(f"KV load on {dst.info.address}: {outcome.error}")
+        if outcome.error:
+            raise WorkerUnavailableError(
+                f"KV load {load.tag:#x} on {dst.info.address} failed: {outcome.error}"
+            )
+        return outcome
 
 
 class KvHandoff:

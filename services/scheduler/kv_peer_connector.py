@@ -1,95 +1,21 @@
-"""The scheduler side of the peers' KV connector (worker side:
-`services/worker/kv_peer_connector.py`).
+"""The scheduler side of the peers' KV connector on a receiving pool (worker side:
+`services/worker/kv_peer_connector.py`): the pool's loads, as its plans carry them (vLLM
+V1's connector metadata in the scheduler output, and its finished receives in the model
+runner's output). While a load runs and no step is in flight, the next plan is an
+`await_kv` plan: the worker answers it once a load ends or another plan arrives, so an idle
+pool hears of its loads without polling. Which loads to start, and the `SendKv` beside a
+UCX one, is the hand-off's (`handoff.PeerKvConnector`).
 
-- `PeerKvConnector`: how one part of a hand-off's blocks moves, once `handoff.KvHandoff`
-  has decided which blocks go where and when they are final. Each move is a load in the
-  receiving pool's next plan; on one host the receiver pulls the blocks out of the sender's
-  shared pool, else a `SendKv` on the sender runs beside the load with the same UCX tag. A
-  pair whose receiver could not map the sender's pool (`KvLoadDone.pull_refused`) uses UCX
-  from then on.
-- `PeerLoads`: a pool's loads, as its plans carry them (vLLM V1's connector metadata in
-  the scheduler output, and its finished receives in the model runner's output). While a
-  load runs and no step is in flight, the next plan is an `await_kv` plan: the worker
-  answers it once a load ends or another plan arrives, so an idle pool hears of its loads
-  without polling.
+Asyncio futures only; no grpc, no torch.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
-from common.log import get_logger
-from common.parallel_plan import Layout
-from common.step_plan import KvLoad, KvSource
+from common.step_plan import KvLoad
 from common.step_result import KvLoadDone
-from common.tracing import current_carrier
-from services.scheduler.worker_types import KvPullRefusedError, WorkerUnavailableError
-
-if TYPE_CHECKING:  # (the pool's scheduler holds its `PeerLoads`)
-    from services.scheduler.block_manager import BlockManager
-    from services.scheduler.handle import TransferPart
-    from services.scheduler.pool import Pool
-
-log = get_logger(__name__)
-
-
-class PeerKvConnector:
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        # (source, receiver) worker ids whose receiver could not map the source's pool.
-        self._no_pull: set[tuple[str, str]] = set()
-
-    def can_pull(self, src: Pool, dst: Pool) -> bool:
-        """`dst`'s worker copies KV straight out of `src`'s pool (same host: it can stream it)."""
-        pool = src.info.shared_memory
-        reachable = pool is not None and pool.reachable_from(dst.info.shared_memory)
-        return reachable and (src.info.worker_id, dst.info.worker_id) not in self._no_pull
-
-    def failed(self, src: Pool, dst: Pool, error: BaseException) -> None:
-        """A move between the two failed with `error`."""
-        if isinstance(error, KvPullRefusedError):  # from now on these two use UCX
-            self._no_pull.add((src.info.worker_id, dst.info.worker_id))
-            log.warning("kv_pull_refused", src=src.info.worker_id, dst=dst.info.worker_id)
-
-    async def move(self, src: Pool, dst: Pool, tag: int, part: TransferPart) -> KvLoadDone:
-        """One part of a transfer, as a load in `dst`'s next plan (written there only after
-        the steps planned before it; `KvHandoff` gives it up with `PeerLoads.cancel`)."""
-        info, source = src.info, None
-        layout = Layout(info.tensor_parallel_size, info.pipeline_parallel_size)
-        if self.can_pull(src, dst):
-            pools = (info.shared_memory, *info.rank_shared_memory)
-            source = KvSource(
-                info.worker_id, pools, tuple(part.src_blocks), part.ready_step_id, layout
-            )
-        # The transfer's span, when traced.
-        load = KvLoad(tag, tuple(part.dst_blocks), source, layout, *current_carrier())
-        if source is not None:
-            return await self._load(dst, load)
-        send = src.client.send_kv(tag, dst.info, list(part.src_blocks), self.timeout_s)
-        calls = [asyncio.ensure_future(self._load(dst, load)), asyncio.ensure_future(send)]
-        try:  # the first failure raises here; the other call is cancelled
-            return (await asyncio.gather(*calls))[0]
-        finally:
-            for call in calls:
-                call.cancel()
-
-    async def _load(self, dst: Pool, load: KvLoad) -> KvLoadDone:
-        outcome_of = dst.scheduler.peer_loads.start(load)
-        dst.wakeup.set()  # an idle pool plans the step that carries it
-        try:
-            outcome = await asyncio.wait_for(outcome_of, self.timeout_s)
-        except TimeoutError:
-            raise WorkerUnavailableError(
-                f"KV load {load.tag:#x} on {dst.info.address}: no outcome in {self.timeout_s}s"
-            ) from None
-        if outcome.pull_refused:
-            raise KvPullRefusedError(f"KV load on {dst.info.address}: {outcome.error}")
-        if outcome.error:
-            raise WorkerUnavailableError(
-                f"KV load {load.tag:#x} on {dst.info.address} failed: {outcome.error}"
-            )
-        return outcome
+from services.scheduler.block_manager import BlockManager
 
 
 class PeerLoads:
