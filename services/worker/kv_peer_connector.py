@@ -62,6 +62,7 @@ class PeerKvConnector(KvConnector):
         they compute (a prefill worker). `rank_pools`: every rank's pool, for a parallel
         worker's pulls. `wait_for_step(n)` returns once step n has run here."""
         self.kv_cache, self.peers, self._wait_for_step = kv_cache, peers, wait_for_step
+        self._can_pull = peers is None or rank_pools is not None  # (every rank's pool mapped)
         self._progress, self._running_step_id = progress, 0
         self.saves_layers = progress is not None
         self.transport = UcxTransport(
@@ -152,7 +153,7 @@ class PeerKvConnector(KvConnector):
                     load.tag, load.sender_layout, load.block_ids, wait, self.is_cancelled
                 )
                 outcome = KvLoadDone(load.tag, nbytes, time.perf_counter() - started)
-            elif self.peers is not None and self.puller.ranks is None:
+            elif not self._can_pull:
                 raise KvTransferError("a parallel worker without shared pools cannot pull KV")
             else:
                 outcome = await self.puller.pull(load.tag, load.source, load.block_ids, wait)

@@ -110,7 +110,7 @@ class KvPuller:
     ) -> None:
         """`ranks`: this worker's rank pools when it is parallel (None: its one pool,
         `kv_cache`, holds every KV head of every layer); `groups`: the model's KV groups."""
-        self.kv_cache, self.ranks, self.timeout_s = kv_cache, ranks, timeout_s
+        self.kv_cache, self.timeout_s = kv_cache, timeout_s
         self.min_streamed_copy_bytes = min_streamed_copy_bytes
         self._on_tensor_thread, self._is_cancelled = on_tensor_thread, is_cancelled
         if ranks is None:

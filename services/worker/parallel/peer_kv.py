@@ -182,7 +182,7 @@ class RankKv:
                     for m, buffer in parts
                 ]
             )
-        except Exception as exc:  # (dropped: cancelled, and rank 0 no longer waits)
+        except Exception as exc:  # (a drop cancels this: no answer, rank 0 no longer waits)
             self._answer(tag, "received", str(exc))
             return
         self._answer(tag, "received", None)
